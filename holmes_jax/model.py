@@ -1,0 +1,240 @@
+"""GPT-2 shaped decoder in Flax linen, built from three parts a pipeline can cut apart.
+
+    tokens [B, T] --Embed--> x [B, T, H] --Block x L--> x --Head--> loss (or logits)
+
+- ``Embed``: token embedding + learned positions (+ dropout).
+- ``Block``: pre-LayerNorm causal self-attention and GELU MLP, each with a residual.
+- ``Head``: final LayerNorm and the LM head (tied to the token embedding by default).
+
+``GPT`` stacks the L blocks along a leading ``layers`` axis with ``nn.scan``, so its
+parameter tree is ``{'embed': ..., 'blocks': <every leaf [L, ...]>, 'head': ...}``; the
+pipeline re-cuts ``blocks`` into stages and applies one layer with :func:`block_apply`.
+
+Every parameter carries logical axis names; :data:`LOGICAL_RULES`, the one table that maps
+them to mesh axes, puts heads / MLP width / vocabulary on ``tensor`` (Megatron-style
+tensor parallelism through GSPMD) and the batch on ``data``.
+
+FLOPs per token (:func:`flops_per_token`) sit beside the model: model FLOPs (6N plus
+attention, no recompute) and hardware FLOPs (what runs, recompute included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from holmes_jax.axes import DATA, TENSOR
+from holmes_jax.config import ModelConfig
+
+# Logical axis name -> mesh axis. The only place parameters meet the mesh.
+LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", DATA),
+    ("vocab", TENSOR),
+    ("heads", TENSOR),
+    ("mlp", TENSOR),
+    ("embed", None),
+    ("head_dim", None),
+    ("qkv", None),
+    ("seq", None),
+    ("layers", None),
+)
+
+_INIT_STD = 0.02
+
+
+def _param(module: nn.Module, name: str, init, shape, names):
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the hidden axis with logical names on scale and bias."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):  # x [B, T, H]
+        h = x.shape[-1]
+        scale = _param(self, "scale", nn.initializers.ones, (h,), ("embed",))
+        bias = _param(self, "bias", nn.initializers.zeros, (h,), ("embed",))
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
+
+
+class Embed(nn.Module):
+    """Token embedding + learned positions. ``attend`` is the tied LM head."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    def setup(self):
+        c = self.cfg
+        normal = nn.initializers.normal(_INIT_STD)
+        self.wte = _param(self, "wte", normal, (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        self.wpe = _param(self, "wpe", normal, (c.seq_len, c.hidden_size), ("seq", "embed"))
+        self.drop = nn.Dropout(c.dropout)
+
+    def __call__(self, tokens):  # tokens [B, T] int32
+        t = tokens.shape[1]
+        x = jnp.take(self.wte, tokens, axis=0) + self.wpe[:t]  # [B, T, H]
+        x = nn.with_logical_constraint(x, ("batch", "seq", "embed"))
+        return self.drop(x, deterministic=self.deterministic)
+
+    def attend(self, x):  # x [B, T, H] -> logits [B, T, V]
+        return jnp.einsum("bth,vh->btv", x, self.wte)
+
+
+class Block(nn.Module):
+    """One transformer layer. Returns ``(x, None)`` so ``nn.scan`` can stack it."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x, _=None):  # x [B, T, H]
+        c = self.cfg
+        nh, hd, h, f = c.num_heads, c.head_dim, c.hidden_size, c.mlp_size
+        normal = nn.initializers.normal(_INIT_STD)
+        # GPT-2: residual projections scaled by 1/sqrt(2L) so the residual stream stays O(1).
+        resid = nn.initializers.normal(_INIT_STD / math.sqrt(2 * c.num_layers))
+        zeros = nn.initializers.zeros
+        drop = nn.Dropout(c.dropout)
+
+        # --- attention: [B, T, H] -> q, k, v [B, T, nh/tensor, hd]
+        a = LayerNorm(name="ln1")(x)
+        w_qkv = _param(
+            self, "qkv_kernel", normal, (h, 3, nh, hd), ("embed", "qkv", "heads", "head_dim")
+        )
+        b_qkv = _param(self, "qkv_bias", zeros, (3, nh, hd), ("qkv", "heads", "head_dim"))
+        qkv = jnp.einsum("bth,hcnd->cbtnd", a, w_qkv) + b_qkv[:, None, None]
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        t = x.shape[1]
+        scores = jnp.einsum("btnd,bsnd->bnts", q, k) / math.sqrt(hd)  # [B, nh, T, T]
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        probs = drop(jax.nn.softmax(scores, axis=-1), deterministic=self.deterministic)
+        y = jnp.einsum("bnts,bsnd->btnd", probs, v)  # [B, T, nh, hd]
+        w_o = _param(self, "out_kernel", resid, (nh, hd, h), ("heads", "head_dim", "embed"))
+        b_o = _param(self, "out_bias", zeros, (h,), ("embed",))
+        y = jnp.einsum("btnd,ndh->bth", y, w_o) + b_o
+        x = x + drop(y, deterministic=self.deterministic)
+        x = nn.with_logical_constraint(x, ("batch", "seq", "embed"))
+
+        # --- MLP: [B, T, H] -> [B, T, F/tensor] -> [B, T, H]
+        m = LayerNorm(name="ln2")(x)
+        w_fc = _param(self, "fc_kernel", normal, (h, f), ("embed", "mlp"))
+        b_fc = _param(self, "fc_bias", zeros, (f,), ("mlp",))
+        m = jax.nn.gelu(m @ w_fc + b_fc, approximate=True)
+        w_pr = _param(self, "proj_kernel", resid, (f, h), ("mlp", "embed"))
+        b_pr = _param(self, "proj_bias", zeros, (h,), ("embed",))
+        m = m @ w_pr + b_pr
+        x = x + drop(m, deterministic=self.deterministic)
+        return nn.with_logical_constraint(x, ("batch", "seq", "embed")), None
+
+
+class Head(nn.Module):
+    """Final LayerNorm, LM head and mean token cross-entropy."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, embed: Embed, targets=None):  # x [B, T, H], targets [B, T]
+        c = self.cfg
+        x = LayerNorm(name="ln_f")(x)
+        if c.tied_embeddings:
+            logits = embed.attend(x)
+        else:
+            w = _param(
+                self,
+                "lm_kernel",
+                nn.initializers.normal(_INIT_STD),
+                (c.hidden_size, c.vocab_size),
+                ("embed", "vocab"),
+            )
+            logits = x @ w
+        logits = nn.with_logical_constraint(logits, ("batch", "seq", "vocab"))  # [B, T, V]
+        if targets is None:
+            return logits
+        return cross_entropy(logits, targets)
+
+
+def cross_entropy(logits, targets):
+    """Mean token cross-entropy. logits [B, T, V] float, targets [B, T] int."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked)
+
+
+class GPT(nn.Module):
+    """The whole model: ``GPT(cfg).apply(vars, tokens, targets)`` -> mean loss."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    def setup(self):
+        block = nn.remat(Block, prevent_cse=False) if self.cfg.remat else Block
+        self.embed = Embed(self.cfg, self.deterministic)
+        self.blocks = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=self.cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(self.cfg, self.deterministic)
+        self.head = Head(self.cfg)
+
+    def __call__(self, tokens, targets=None):  # tokens, targets [B, T]
+        x = self.embed(tokens)
+        x, _ = self.blocks(x, None)
+        return self.head(x, self.embed, targets)
+
+    # The three parts on their own, for the pipeline (params subsets suffice).
+    def embed_tokens(self, tokens):
+        return self.embed(tokens)
+
+    def head_loss(self, x, targets):
+        return self.head(x, self.embed, targets)
+
+
+def block_apply(cfg: ModelConfig, layer_params, x, *, deterministic=True, rng=None):
+    """Apply one transformer layer given its (unstacked) parameters. x [B, T, H]."""
+    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+    rngs = {"dropout": rng} if rng is not None else None
+    y, _ = block(cfg, deterministic).apply({"params": layer_params}, x, rngs=rngs)
+    return y
+
+
+# --------------------------------------------------------------------------- sizes and FLOPs
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs per token of one optimizer step (forward + backward)."""
+
+    model: float  # 6N + attention, no recompute (what MFU counts)
+    hardware: float  # what actually runs: model + one more forward of the blocks if remat
+    megatron: float  # Megatron's 96·L·h²·(1 + s/6h + V/16Lh) (full recompute), per token
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters, counting tied embeddings once."""
+    h, f, L, V, T = cfg.hidden_size, cfg.mlp_size, cfg.num_layers, cfg.vocab_size, cfg.seq_len
+    per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+    head = 2 * h + (0 if cfg.tied_embeddings else h * V)
+    return V * h + T * h + L * per_layer + head
+
+
+def flops_per_token(cfg: ModelConfig) -> FlopsPerToken:
+    """Model and hardware FLOPs per trained token (see DESIGN.md, cost model)."""
+    h, f, L, V, s = cfg.hidden_size, cfg.mlp_size, cfg.num_layers, cfg.vocab_size, cfg.seq_len
+    matmul_params = L * (4 * h * h + 2 * h * f) + V * h  # blocks + LM head
+    attention = 2 * 2 * s * h * L  # QK^T and AV, forward, per token (full, not causal-halved)
+    model = 6 * matmul_params + 3 * attention
+    block_forward = 2 * L * (4 * h * h + 2 * h * f) + attention
+    hardware = model + (block_forward if cfg.remat else 0)
+    megatron = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return FlopsPerToken(model=float(model), hardware=float(hardware), megatron=float(megatron))

@@ -1,0 +1,56 @@
+"""AdamW with linear warmup + cosine decay, global-norm clipping and a weight-decay mask.
+
+Weight decay applies to matmul kernels and embeddings (2-D weights in GPT-2 terms) and
+never to LayerNorm scales or biases; the mask goes by parameter name, so it is the same
+for the stacked ``[L, ...]`` layout and any pipeline re-cut of it.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from holmes_jax.config import OptimizerConfig
+
+# Parameter names (last path element) that receive weight decay.
+DECAYED = frozenset(
+    {"wte", "wpe", "qkv_kernel", "out_kernel", "fc_kernel", "proj_kernel", "lm_kernel"}
+)
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to ``learning_rate``, cosine decay to ``min_lr_ratio`` of it."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
+
+
+def decay_mask(params):
+    """Pytree of bools: True where weight decay applies."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in DECAYED, params
+    )
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """The optax chain used by the trainer (and by tests as the reference)."""
+    schedule = learning_rate_schedule(cfg, total_steps)
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(
+        optax.adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    )
+    return optax.chain(*parts)

@@ -1,0 +1,81 @@
+"""``python -m holmes_jax.train``: the command-line entry point, and ``run`` for notebooks.
+
+    python -m holmes_jax.train --config configs/quickstart.yaml \\
+        [--mesh meshes/cpu8-two-islands.yaml] [--set train.steps=100 --set parallel.tensor=2]
+
+On a CPU-only machine the entry point asks XLA for ``--cpu-devices`` simulated devices
+(default 8) before jax is imported; on GPU hosts the flag only adds unused CPU devices.
+A bad setting prints one line naming the key, the value and the rule, and exits with 2.
+This module imports jax lazily, so setting the flag here still works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from holmes_jax.config import Config, load_config
+from holmes_jax.errors import ConfigError
+
+CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def run(config: Config, **kwargs) -> list[dict[str, Any]]:
+    """Train; returns the per-logged-step history. See :func:`holmes_jax.trainer.run`."""
+    from holmes_jax.trainer import run as _run
+
+    return _run(config, **kwargs)
+
+
+def request_cpu_devices(count: int) -> None:
+    """Ask XLA for ``count`` host devices unless XLA_FLAGS already says how many.
+
+    Must run before jax is imported; only entry points call it (never library code).
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_DEVICES_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICES_FLAG}={count}".strip()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m holmes_jax.train",
+        description="Train a GPT on a (possibly heterogeneous) device mesh.",
+    )
+    parser.add_argument("--config", help="YAML config (configs/*.yaml); defaults if omitted")
+    parser.add_argument("--mesh", help="topology file (meshes/*.yaml); sets parallel.mesh")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value, e.g. --set train.steps=100 (repeatable)",
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        help="simulated CPU devices when no accelerator is present (default 8)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = list(args.set)
+    if args.mesh:
+        overrides.append(f"parallel.mesh={args.mesh}")
+    try:
+        cfg = load_config(args.config, overrides)
+        request_cpu_devices(args.cpu_devices)
+        run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The training loop: data → sharded step → metrics, eval, checkpoints, clean stops.
+
+Read top to bottom, :func:`run` does:
+
+1. resolve the mesh degrees against the visible devices and build the mesh;
+2. load the corpus and build the (seed, step) → batch sampler and fixed eval batches;
+3. build the :class:`~holmes_jax.program.Program` (shardings, jitted steps);
+4. restore the newest checkpoint in ``checkpoint.dir`` or initialise sharded state;
+5. loop: make this process's part of the batch, step, and on log steps fetch metrics
+   (only then does the host wait for the device), evaluate, checkpoint;
+6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
+
+``run`` returns the history: one dict per logged step (the same records as the JSON lines).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from holmes_jax.checkpoint import Checkpointer
+from holmes_jax.config import Config, check_devices
+from holmes_jax.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
+from holmes_jax.mesh import build_mesh
+from holmes_jax.metrics import MetricsLogger
+from holmes_jax.model import flops_per_token, param_count
+from holmes_jax.program import Program
+
+
+class StopRequest:
+    """Turns the first SIGTERM/SIGINT into a flag checked between steps.
+
+    A second SIGINT falls through to Python's default (KeyboardInterrupt), so a stuck run
+    can still be killed from the terminal. Handlers are only installed from the main
+    thread (signal's rule), so a notebook or a worker thread simply gets no handler.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        if signum == signal.SIGINT:  # a second Ctrl-C interrupts at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]:
+    """Train according to ``cfg``; returns one record per logged step.
+
+    Args:
+      cfg: a validated config (see :func:`holmes_jax.config.load_config`).
+      stop_at_step: stop (and checkpoint, as on SIGTERM) once this many steps are done;
+        for preemption tests and notebooks. The schedule still spans ``train.steps``.
+
+    Raises:
+      ConfigError: settings that are impossible on the visible devices or data.
+    """
+    # 1. mesh
+    devices = jax.devices()
+    shape = check_devices(cfg, len(devices))
+    mesh = build_mesh(shape, devices)
+    is_main = jax.process_index() == 0
+
+    # 2. data
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    seq, batch_size = cfg.model.seq_len, cfg.train.global_batch_size
+    sampler = BatchSampler(corpus.train, seq, batch_size, cfg.train.seed)
+
+    # 3. program
+    program = Program(cfg, mesh)
+    eval_set = [
+        _global_batch(rows, program.batch_sharding)
+        for rows in eval_batches(corpus.eval, seq, batch_size, cfg.train.eval_batches)
+    ]
+
+    # 4. state
+    ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
+    state, start = None, 0
+    if ckpt is not None and cfg.checkpoint.resume:
+        restored = ckpt.restore(program.abstract_state, cfg)
+        if restored is not None:
+            state, meta = restored
+            start = int(meta["data_position"])
+    resumed = state is not None
+    if state is None:
+        state = program.init(cfg.train.seed)
+
+    flops = flops_per_token(cfg.model)
+    logger = MetricsLogger(
+        cfg, flops=flops, num_devices=shape.num_devices, start_step=start, is_main=is_main
+    )
+    logger.message(
+        f"holmes_jax: {param_count(cfg.model) / 1e6:.2f}M params | mesh stage={shape.stages} "
+        f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
+        f"{devices[0].platform} devices | {corpus.description}"
+    )
+    if resumed:
+        logger.message(f"resumed from {ckpt.directory} at step {start}")
+
+    # 5. loop
+    history: list[dict[str, Any]] = []
+    total = cfg.train.steps
+    step = start
+    last_saved = start if resumed else None
+    window_start, window_steps, logged_at = time.perf_counter(), 0, start
+    first = True
+    try:
+        with StopRequest() as stop:
+            while step < total:
+                batch = make_batch(sampler, step, program.batch_sharding)
+                state, metrics = program.train_step(state, batch)
+                step += 1
+                window_steps += 1
+
+                evaluate = step == total or (
+                    cfg.train.eval_every and step % cfg.train.eval_every == 0
+                )
+                stopping = stop.signum is not None or (
+                    stop_at_step is not None and step >= stop_at_step
+                )
+                if first or evaluate or stopping or step % cfg.logging.log_every == 0:
+                    values = jax.device_get(metrics)  # waits for this step
+                    elapsed = (time.perf_counter() - window_start) / window_steps
+                    rec = logger.record(step, values, elapsed)
+                    if first:
+                        rec["includes_compile"] = True
+                    if evaluate:
+                        rec["eval_loss"] = _evaluate(program, state.params, eval_set)
+                    history.append(rec)
+                    logger.write(rec, advance=step - logged_at)
+                    logged_at, first = step, False
+                    window_start, window_steps = time.perf_counter(), 0
+
+                if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    ckpt.save(step, state, data_position=step, config=cfg)
+                    last_saved = step
+                if stopping:
+                    why = f"received {stop.name}" if stop.signum else f"stop_at_step={stop_at_step}"
+                    if ckpt is not None and last_saved != step:
+                        ckpt.save(step, state, data_position=step, config=cfg)
+                        last_saved = step
+                    where = f"; checkpoint saved in {ckpt.directory}" if ckpt else ""
+                    logger.message(f"stopping after step {step} ({why}){where}")
+                    break
+
+        # 6. final save
+        if ckpt is not None and last_saved != step:
+            ckpt.save(step, state, data_position=step, config=cfg)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        logger.close()
+    if step >= total and history:
+        final = history[-1]
+        logger.message(
+            f"done: step {step}, loss {final['loss']:.4f}"
+            + (f", eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
+        )
+    return history
+
+
+def _evaluate(program: Program, params, eval_set: list[jax.Array]) -> float:
+    losses = [program.eval_loss(params, b) for b in eval_set]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _global_batch(rows: np.ndarray, sharding) -> jax.Array:
+    """A global [B, T+1] array from a host copy of all rows, each process giving its own."""
+    mine = local_rows(sharding, rows.shape[0])
+    return jax.make_array_from_process_local_data(sharding, rows[mine], rows.shape)

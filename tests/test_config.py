@@ -1,0 +1,108 @@
+"""Config loading: strict YAML, typed overrides, one-line errors with exit code 2."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from holmes_jax.config import Config, check_devices, config_from_dict, load_config
+from holmes_jax.errors import ConfigError
+from holmes_jax.train import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    with open(path) as f:
+        first = f.readline()
+    assert first.startswith("#"), f"{path} must open with a comment saying what it is"
+    assert "python -m holmes_jax" in open(path).read(), f"{path} must show its command"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(
+        None,
+        [
+            "train.steps=7",
+            "optimizer.learning_rate=1e-3",  # YAML 1.1 reads this as a string
+            "model.num_layers=4",
+            "parallel.stages=2",
+            "parallel.layers_per_stage=[1,3]",
+            "model.tied_embeddings=false",
+            "train.metrics_path=m.jsonl",
+        ],
+    )
+    assert cfg.train.steps == 7
+    assert cfg.optimizer.learning_rate == pytest.approx(1e-3)
+    assert cfg.parallel.layers_per_stage == (1, 3)
+    assert cfg.model.tied_embeddings is False
+    assert cfg.train.metrics_path == "m.jsonl"
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["parallel.stages=2", "parallel.layers_per_stage=[2,2]"])
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_sise: 64\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'model.hidden_sise'"):
+        load_config(bad)
+    bad.write_text("model:\n  num_layers: four\n")
+    with pytest.raises(ConfigError, match=r"model.num_layers='four': expected int"):
+        load_config(bad)
+
+
+BAD_CASES = [
+    (["model.num_heads=5"], "model.num_heads=5: must divide model.hidden_size=128"),
+    (["model.bogus=1"], "unknown key 'model.bogus'"),
+    (["train.steps=1.5"], "train.steps=1.5: expected int"),
+    (["train.steps=0"], "train.steps=0: must be > 0"),
+    (["parallel.data=3"], "train.global_batch_size=32: must be divisible by the data-parallel"),
+    (["parallel.schedule=zigzag"], "parallel.schedule='zigzag': must be one of gpipe, 1f1b"),
+    (["parallel.stages=2", "parallel.layers_per_stage=[1,2]"], "must sum to model.num_layers=4"),
+    (["data.source=tokens", "data.path=/no/such/file.bin"], "data.path='/no/such/file.bin'"),
+    (["nodot=1"], "--set 'nodot=1': key must be section.key"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CASES)
+def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
+    argv = [arg for o in overrides for arg in ("--set", o)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_device_checks():
+    cfg = load_config(None, ["parallel.devices=16"])
+    with pytest.raises(
+        ConfigError, match=r"parallel.devices=16: more devices asked for than exist"
+    ):
+        check_devices(cfg, 8)
+    cfg = load_config(None, ["train.global_batch_size=12", "parallel.tensor=1"])
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=12: must be divisible by the"):
+        check_devices(cfg, 8)  # data = 8 does not divide 12
+    shape = check_devices(load_config(None, ["parallel.tensor=2"]), 8)
+    assert (shape.stages, shape.data, shape.tensor) == (1, 4, 2)
+
+
+def test_cli_exit_code_in_a_fresh_process():
+    """The real entry point: too many devices -> one line on stderr, exit 2, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "holmes_jax.train", "--set", "parallel.devices=64"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "parallel.devices=64: more devices asked for than exist (8)" in proc.stderr
+    assert "Traceback" not in proc.stderr
