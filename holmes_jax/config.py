@@ -85,10 +85,15 @@ class DataConfig:
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes={self.max_bytes}: must be >= 0 (0 = no cap)")
         if self.source in ("text", "tokens"):
+            # Existence is checked when the corpus is loaded (holmes_jax.data), so configs
+            # for clusters validate on machines that do not hold their data.
             if not self.path:
                 raise ConfigError(f"data.path=None: required when data.source='{self.source}'")
-            if not os.path.exists(self.path):
-                raise ConfigError(f"data.path='{self.path}': file or directory does not exist")
+        elif self.path:
+            raise ConfigError(
+                f"data.path='{self.path}': only used with data.source=text or tokens "
+                f"(data.source='{self.source}')"
+            )
 
 
 @dataclass(frozen=True)

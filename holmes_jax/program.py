@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.config import Config
+from holmes_jax.errors import ConfigError
 from holmes_jax.mesh import batch_sharding, replicated
 from holmes_jax.model import GPT, LOGICAL_RULES
 from holmes_jax.optim import learning_rate_schedule, make_optimizer
@@ -44,6 +45,11 @@ class Program:
     """Jitted, sharded functions for one config on one mesh."""
 
     def __init__(self, cfg: Config, mesh: Mesh):
+        if cfg.parallel.stages > 1:
+            raise ConfigError(
+                f"parallel.stages={cfg.parallel.stages}: the pipeline engine is not built yet; "
+                "use parallel.stages=1"
+            )
         self.cfg = cfg
         self.mesh = mesh
         m = cfg.model

@@ -106,3 +106,13 @@ def test_cli_exit_code_in_a_fresh_process():
     assert proc.returncode == 2, proc.stderr
     assert "parallel.devices=64: more devices asked for than exist (8)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_readme_documents_every_key():
+    import dataclasses
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            key = f"{section.name}.{f.name}"
+            assert f"`{key}`" in readme, f"README's configuration reference lacks {key}"

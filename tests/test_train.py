@@ -100,3 +100,42 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     for key in ("loss", "tokens_per_s", "tflops_per_device"):
         assert all(key in r for r in lines)
     assert "eval_loss" in lines[2] and "eval_loss" in lines[5]
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path):
+    """SIGTERM mid-run: the step finishes, a checkpoint is written, exit code 0, a message."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    metrics = tmp_path / "m.jsonl"
+    args = [a for o in TINY for a in ("--set", o)] + [
+        "--set", "train.steps=100000",
+        "--set", "logging.log_every=1",
+        "--set", "logging.progress=plain",
+        "--set", f"train.metrics_path={metrics}",
+        "--set", f"checkpoint.dir={tmp_path}/ckpt",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "holmes_jax.train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "received SIGTERM" in out and "checkpoint saved" in out
+    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert saved == [last_logged] and last_logged >= 3
