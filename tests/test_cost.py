@@ -1,0 +1,238 @@
+"""Cost model: closed forms, FLOP counts, memory, overlap, the breakdown, and fidelity."""
+
+import math
+
+import numpy as np
+import pytest
+
+from holmes_jax import fidelity
+from holmes_jax.cost import (
+    DEFAULT_EFFICIENCY,
+    Layout,
+    ModelSpec,
+    RunSpec,
+    all_gather_time,
+    exposed_tail,
+    head_fwd_flops,
+    hierarchical_allreduce_time,
+    iteration_flops,
+    layer_fwd_flops,
+    megatron_flops,
+    p2p_time,
+    pipeline_time,
+    predict,
+    reduce_scatter_time,
+    ring_allreduce_time,
+    stage_costs,
+)
+from holmes_jax.errors import ConfigError
+from holmes_jax.placement import StageHardware
+from holmes_jax.plan import simulate_schedule
+
+GB = 1e9
+
+
+def test_ring_allreduce_closed_form():
+    # 1 GB over 8 ranks at 25 GB/s: 2 * 7/8 * 1e9 / 25e9 = 0.070 s.
+    assert ring_allreduce_time(1 * GB, 8, 25 * GB) == pytest.approx(0.070, rel=1e-12)
+    assert ring_allreduce_time(1 * GB, 1, 25 * GB, 1e-3) == 0.0
+    # latency: 2(n-1) hops
+    with_lat = ring_allreduce_time(1 * GB, 8, 25 * GB, 1e-5)
+    assert with_lat - 0.070 == pytest.approx(14 * 1e-5)
+
+
+def test_reduce_scatter_and_all_gather_are_halves():
+    for n in (2, 3, 8):
+        ar = ring_allreduce_time(3e8, n, 1e10, 2e-6)
+        assert reduce_scatter_time(3e8, n, 1e10, 2e-6) + all_gather_time(
+            3e8, n, 1e10, 2e-6
+        ) == pytest.approx(ar)
+
+
+def test_hierarchical_allreduce():
+    S, inner, outer = 8e8, (4, 1e11, 1e-6), (3, 1e9, 1e-4)
+    # by hand: RS inside, AR of S/4 across, AG inside
+    expect = (
+        (3 / 4 * S / 1e11 + 3e-6) + (2 * 2 / 3 * (S / 4) / 1e9 + 4e-4) + (3 / 4 * S / 1e11 + 3e-6)
+    )
+    assert hierarchical_allreduce_time(S, inner, outer) == pytest.approx(expect)
+    # one rank inside: the plain outer all-reduce
+    assert hierarchical_allreduce_time(S, (1, 1e11, 0), outer) == pytest.approx(
+        ring_allreduce_time(S, 3, 1e9, 1e-4)
+    )
+
+
+def test_p2p_time():
+    assert p2p_time(5e6, 1e9, 1e-4) == pytest.approx(5e-3 + 1e-4)
+    assert p2p_time(0, 1e9, 1e-4) == 0.0
+
+
+def test_pipeline_closed_form_and_simulation_agree():
+    # 4 stages, 8 micro-batches, t_f = 1, t_b = 2: (4 + 7) * 3 = 33 time units.
+    assert pipeline_time([3, 3, 3, 3], 8) == 33
+    for schedule in ("gpipe", "1f1b"):
+        events = simulate_schedule([1] * 4, [2] * 4, 8, schedule)
+        assert len(events) == 4 * 8 * 2
+        assert max(e[4] for e in events) == 33
+    # uneven stages: the formula is Σ τ + (m-1) max τ
+    assert pipeline_time([1, 4, 2], 5) == 7 + 4 * 4
+    # interleaving shrinks only the fill and drain
+    assert pipeline_time([3, 3, 3, 3], 8, virtual_stages=3) == 8 * 3 + 9 / 3
+
+
+def test_one_f_one_b_keeps_at_most_p_minus_s_in_flight():
+    p, m = 4, 8
+    events = simulate_schedule([1] * p, [2] * p, m, "1f1b")
+    for s in range(p):
+        alive = peak = 0
+        for _, kind, _, _, _ in sorted((e for e in events if e[0] == s), key=lambda e: e[3]):
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak == min(p - s, m)
+
+
+def test_flop_counts():
+    model = ModelSpec(num_layers=3, hidden_size=64, num_heads=4, seq_len=32, vocab_size=100)
+    b, s, h = 2, 32, 64
+    assert layer_fwd_flops(model, b) == 24 * b * s * h * h + 4 * b * s * s * h
+    assert head_fwd_flops(model, b) == 2 * b * s * h * 100
+    wide = ModelSpec(3, 64, 4, 32, 100, mlp_ratio=8)  # MLP matmuls scale with the ratio
+    assert layer_fwd_flops(wide, b) - layer_fwd_flops(model, b) == 2 * 8 * b * s * h * h
+
+
+@pytest.mark.parametrize(
+    "shape", [(24, 2304, 2048, 51200), (96, 12288, 2048, 51200), (4, 128, 128, 256)]
+)
+def test_megatron_formula_equals_per_unit_sum(shape):
+    L, h, s, V = shape
+    model = ModelSpec(L, h, 8, s, V)
+    for batch in (1, 512):
+        assert iteration_flops(model, batch, True) == pytest.approx(
+            megatron_flops(model, batch, True), rel=1e-12
+        )
+        assert iteration_flops(model, batch, False) == pytest.approx(
+            megatron_flops(model, batch, False), rel=1e-12
+        )
+
+
+def test_parameter_count_matches_gpt2_small():
+    gpt2 = ModelSpec(12, 768, 12, 1024, 50257)
+    assert gpt2.num_params == 124_439_808
+
+
+def test_bad_specs_are_config_errors():
+    with pytest.raises(ConfigError, match="num_heads=5"):
+        ModelSpec(4, 128, 5, 128, 256)
+    with pytest.raises(ConfigError, match="parallel.schedule='zigzag'"):
+        Layout(2, 1, 1, 4, "zigzag")
+    with pytest.raises(ConfigError, match="global_batch_size=30"):
+        Layout(2, 4, 1, 4).microbatch_size(30)
+
+
+def _hardware(p, mem_bw=math.inf, memory=80e9):
+    fast = (1e12, 0.0)
+    return [
+        StageHardware(
+            island=0,
+            fwd_flops=1e12,
+            bwd_flops=1e12,
+            memory_bytes=memory,
+            mem_bw=mem_bw,
+            tensor=fast,
+            data=(1e10, 0.0),
+            send=(1e10, 1e-5),
+        )
+        for _ in range(p)
+    ]
+
+
+MODEL = ModelSpec(
+    num_layers=8, hidden_size=256, num_heads=4, seq_len=128, vocab_size=512, tied_embeddings=False
+)
+
+
+def test_layer_time_is_flops_over_speed():
+    run = RunSpec(global_batch_size=8)
+    costs = stage_costs(MODEL, run, Layout(2, 1, 1, 8), _hardware(2))
+    f = layer_fwd_flops(MODEL, 1) / 1e12
+    # one more layer on stage 0 adds its forward and 2x backward
+    assert costs.compute[0, 3] - costs.compute[0, 2] == pytest.approx(3 * f)
+    rec = stage_costs(MODEL, RunSpec(8, recompute=True), Layout(2, 1, 1, 8), _hardware(2))
+    assert rec.compute[0, 3] - rec.compute[0, 2] == pytest.approx(4 * f)
+
+
+def test_activation_memory_in_flight_1f1b_vs_gpipe():
+    run, p, m = RunSpec(global_batch_size=8), 4, 8
+    one = stage_costs(MODEL, run, Layout(p, 1, 1, m, "1f1b"), _hardware(p))
+    gp = stage_costs(MODEL, run, Layout(p, 1, 1, m, "gpipe"), _hardware(p))
+    per_layer = [
+        gp.memory[s, 2] - gp.memory[s, 1] - (one.memory[s, 2] - one.memory[s, 1]) for s in range(p)
+    ]
+    act = per_layer[-1] / (m - 1)  # last stage: GPipe holds m, 1F1B holds 1
+    assert act > 0
+    for s in range(p):
+        assert per_layer[s] == pytest.approx((m - min(p - s, m)) * act)
+
+
+def test_zero1_shards_optimizer_state():
+    d = 4
+    lay = Layout(1, d, 1, 2)
+    plain = stage_costs(MODEL, RunSpec(8, zero1=False), lay, _hardware(1))
+    zero = stage_costs(MODEL, RunSpec(8, zero1=True), lay, _hardware(1))
+    n = MODEL.num_layers
+    params = n * MODEL.layer_params + MODEL.embedding_params + MODEL.head_params
+    assert plain.memory[0, n] - zero.memory[0, n] == pytest.approx(params * 12 * (1 - 1 / d))
+
+
+def test_memory_limit_is_checked():
+    run = RunSpec(global_batch_size=8)
+    roomy = predict(stage_costs(MODEL, run, Layout(2, 1, 1, 8), _hardware(2)), [4, 4])
+    tight = predict(stage_costs(MODEL, run, Layout(2, 1, 1, 8), _hardware(2, memory=1e6)), [4, 4])
+    assert roomy.fits and not tight.fits
+
+
+def test_exposed_tail_overlaps_with_backward_drain():
+    # stage 0 finishes last; its reduction overlaps only its own last backward
+    tail, stage = exposed_tail([1.0, 0.2], [0.1, 0.1], [0.3, 0.3], overlap=True)
+    assert (tail, stage) == (pytest.approx(1.0 - 0.3 + 0.1), 0)
+    # a big reduction on a later stage hides behind the earlier stages' backward
+    tail, stage = exposed_tail([0.0, 0.5], [0.0, 0.0], [0.3, 0.3], overlap=True)
+    assert tail == 0.0
+    tail, _ = exposed_tail([1.0, 0.2], [0.1, 0.1], [0.3, 0.3], overlap=False)
+    assert tail == pytest.approx(1.1)
+
+
+def test_breakdown_sums_to_step_and_tflops_is_megatron():
+    run = RunSpec(global_batch_size=16, recompute=True)
+    lay = Layout(2, 2, 1, 4)
+    pred = predict(stage_costs(MODEL, run, lay, _hardware(2, mem_bw=1e11)), [3, 5])
+    assert sum(pred.breakdown.values()) == pytest.approx(pred.step_s)
+    assert set(pred.breakdown) == {
+        "compute",
+        "tensor_comm",
+        "p2p",
+        "bubble",
+        "grad_sync",
+        "optimizer",
+    }
+    flops = pred.tflops_per_device * 1e12 * lay.num_devices * pred.step_s
+    assert flops == pytest.approx(iteration_flops(MODEL, 16, True))
+    assert pred.samples_per_s == pytest.approx(16 / pred.step_s)
+    with pytest.raises(ConfigError, match="must sum to"):
+        predict(stage_costs(MODEL, run, lay, _hardware(2)), [3, 3])
+
+
+def test_fidelity_within_ten_percent_of_megatron():
+    rows = fidelity.fidelity_table(DEFAULT_EFFICIENCY)
+    assert len(rows) == 10
+    errors = [abs(r["error"]) for r in rows]
+    assert max(errors) <= 0.10, rows
+    # the shipped efficiency is the one calibration, reproducible from the table
+    assert fidelity.calibrate() == pytest.approx(DEFAULT_EFFICIENCY, abs=0.01)
+
+
+def test_fidelity_is_sensitive():
+    # a wrong calibration must fail the 10% bar (the test can fail)
+    rows = fidelity.fidelity_table(DEFAULT_EFFICIENCY * 0.8)
+    assert max(abs(r["error"]) for r in rows) > 0.10
+    assert np.isfinite([r["predicted_tflops"] for r in rows]).all()

@@ -1,0 +1,258 @@
+"""``python -m holmes_jax.plan``: text and JSON output, options, errors, the profile, no jax."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from holmes_jax import plan as plan_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
+TWO = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
+PAPER = os.path.join(ROOT, "meshes", "paper-ib-roce-8x8.yaml")
+GPT13B = [
+    "model.num_layers=40",
+    "model.hidden_size=5120",
+    "model.num_heads=40",
+    "model.seq_len=2048",
+    "model.vocab_size=51200",
+    "train.global_batch_size=128",
+    "model.remat=true",
+]
+
+
+def run(capsys, *args):
+    code = plan_cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def sets(items):
+    return [x for item in items for x in ("--set", item)]
+
+
+def test_text_report_shows_plan_breakdown_and_splits(capsys):
+    code, out, err = run(capsys, "--config", CONFIG, "--mesh", TWO)
+    assert code == 0, err
+    for text in (
+        "topology cpu8-two-islands",
+        "stages per island",
+        "predicted step",
+        "TFLOP/s per device",
+        "memory GB",
+        "grad_sync",
+        "uniform",
+        "holmes",
+        "optimal",
+    ):
+        assert text in out
+
+
+def test_json_has_the_plan_fields(capsys):
+    code, out, _ = run(capsys, "--config", CONFIG, "--mesh", PAPER, "--json", *sets(GPT13B))
+    assert code == 0
+    d = json.loads(out)
+    for key in (
+        "layers_per_stage",
+        "stages_per_island",
+        "predicted_step_s",
+        "tflops_per_device",
+        "breakdown",
+        "alternatives",
+    ):
+        assert key in d
+    assert sum(d["layers_per_stage"]) == 40
+    assert sum(d["stages_per_island"]) == d["stages"] * (d["replica"] if d["replica"] > 1 else 1)
+    assert sum(d["breakdown"].values()) == pytest.approx(d["predicted_step_s"])
+    assert set(d["alternatives"]) == {"uniform", "holmes", "optimal"}
+    assert d["alternatives"]["optimal"]["predicted_step_s"] == pytest.approx(d["predicted_step_s"])
+    # slow Ethernet between the islands: the pipeline crosses them
+    assert d["replica"] == 1 and set(d["stage_islands"]) == {"ib", "roce"}
+
+
+def test_keep_degrees_and_partition_choice(capsys):
+    degrees = sets(
+        [
+            "parallel.stages=4",
+            "parallel.data=2",
+            "parallel.tensor=1",
+            "parallel.microbatches=8",
+            "parallel.schedule=1f1b",
+            "model.num_layers=10",
+        ]
+    )
+    code, out, _ = run(
+        capsys,
+        "--config",
+        CONFIG,
+        "--mesh",
+        TWO,
+        "--json",
+        "--keep-degrees",
+        "--partition",
+        "uniform",
+        *degrees,
+    )
+    assert code == 0
+    d = json.loads(out)
+    assert (d["stages"], d["data"], d["microbatches"], d["schedule"]) == (4, 2, 8, "1f1b")
+    assert d["layers_per_stage"] == [3, 3, 2, 2] and d["method"] == "uniform"
+    assert d["stages_per_island"] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--mesh", "meshes/nope.yaml"], "mesh 'meshes/nope.yaml'"),
+        (["--mesh", TWO, "--set", "model.num_heads=5"], "model.num_heads=5"),
+        (["--mesh", TWO, "--set", "model.colour=1"], "model.colour"),
+        (
+            [
+                "--mesh",
+                TWO,
+                "--keep-degrees",
+                "--set",
+                "parallel.tensor=4",
+                "--set",
+                "parallel.data=0",
+            ],
+            "parallel.tensor=4: must divide devices_per_host=2",
+        ),
+        (["--mesh", TWO, "--profile", "missing.json"], "--profile 'missing.json'"),
+    ],
+)
+def test_errors_are_one_line_exit_2(capsys, args, needle):
+    code, out, err = run(capsys, "--config", CONFIG, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
+
+
+def test_png_draws_timeline_and_topology(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    code, out, _ = run(capsys, "--config", CONFIG, "--mesh", TWO, "--png", str(png))
+    assert code == 0 and f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code, _, err = run(capsys, "--config", CONFIG, "--mesh", TWO, "--png", str(tmp_path / "x.png"))
+    assert code == 2 and "needs matplotlib" in err
+
+
+def test_show_mesh_hook_calls_mesh_describe(capsys, monkeypatch):
+    seen = {}
+    fake = types.ModuleType("holmes_jax.mesh")
+
+    def describe(cfg, topology):
+        seen["args"] = (cfg, topology)
+        return f"grid of {topology.num_devices} devices"
+
+    fake.describe = describe
+    monkeypatch.setitem(sys.modules, "holmes_jax.mesh", fake)
+    code, out, _ = run(capsys, "--config", CONFIG, "--mesh", TWO, "--show-mesh")
+    assert code == 0 and out.strip() == "grid of 8 devices"
+    assert seen["args"][1].name == "cpu8-two-islands"
+
+
+def test_profile_overrides_speed_and_links(capsys, tmp_path):
+    degrees = sets(
+        [
+            "parallel.stages=4",
+            "parallel.data=0",
+            "parallel.tensor=1",
+            "parallel.microbatches=8",
+            "model.num_layers=12",
+        ]
+    )
+    base_code, base_out, _ = run(
+        capsys, "--config", CONFIG, "--mesh", TWO, "--json", "--keep-degrees", *degrees
+    )
+    profile = {
+        "version": 1,
+        "topology": "cpu8-two-islands",
+        "measured_with": {
+            "hidden_size": 128,
+            "seq_len": 128,
+            "num_heads": 4,
+            "mlp_ratio": 4,
+            "microbatch_size": 1,
+            "tensor": 1,
+        },
+        "compute": {"roce": {"layer_fwd_s": 0.05, "layer_bwd_s": 0.1}},  # a slow island
+        "links": {"stage": {"bandwidth_gbps": 0.1, "latency_us": 500}},
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    code, out, err = run(
+        capsys,
+        "--config",
+        CONFIG,
+        "--mesh",
+        TWO,
+        "--json",
+        "--keep-degrees",
+        "--profile",
+        str(path),
+        *degrees,
+    )
+    assert base_code == code == 0, err
+    base, prof = json.loads(base_out), json.loads(out)
+    assert prof["predicted_step_s"] > base["predicted_step_s"]
+    assert base["layers_per_stage"] == [3, 3, 3, 3]
+    # the measured-slow roce island (stages 2, 3) gets fewer layers
+    assert sum(prof["layers_per_stage"][:2]) > sum(prof["layers_per_stage"][2:])
+    profile["compute"]["mars"] = profile["compute"].pop("roce")
+    path.write_text(json.dumps(profile))
+    code, _, err = run(capsys, "--config", CONFIG, "--mesh", TWO, "--profile", str(path))
+    assert code == 2 and "compute.mars" in err
+
+
+def test_profile_reproduces_the_measured_layer():
+    from holmes_jax.cost import Layout, ModelSpec, RunSpec, stage_costs
+    from holmes_jax.placement import stage_hardware
+    from holmes_jax.profile import profile_from_dict
+    from holmes_jax.topology import load_topology
+
+    measured = {
+        "hidden_size": 128,
+        "seq_len": 128,
+        "num_heads": 4,
+        "mlp_ratio": 4,
+        "microbatch_size": 2,
+        "tensor": 1,
+    }
+    raw = {
+        "version": 1,
+        "measured_with": measured,
+        "compute": {"ib": {"layer_fwd_s": 0.02, "layer_bwd_s": 0.045}},
+    }
+    topo, cal = profile_from_dict(raw, load_topology(TWO))
+    model = ModelSpec(4, 128, 4, 128, 256)
+    layout = Layout(4, 2, 1, 4)  # 16 sequences / (2 data x 4 micro-batches) = 2 each
+    costs = stage_costs(model, RunSpec(16, act_bytes=2), layout, stage_hardware(topo, layout, cal))
+    layer_f = costs.fwd[1, 2] - costs.fwd[1, 1]  # stage 1 lives in the ib island
+    layer_b = costs.bwd[1, 2] - costs.bwd[1, 1]
+    assert layer_f == pytest.approx(0.02) and layer_b == pytest.approx(0.045)
+
+
+def test_module_entry_point_and_no_jax_import():
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = ['plan', '--config', {CONFIG!r}, '--mesh', {TWO!r}, '--json']\n"
+        "try:\n"
+        "    runpy.run_module('holmes_jax.plan', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "assert 'jax' not in sys.modules, 'planning must not import jax'\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["topology"] == "cpu8-two-islands"
