@@ -37,20 +37,23 @@ def decay_mask(params):
     )
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """The optax chain used by the trainer (and by tests as the reference)."""
+def make_optimizer(
+    cfg: OptimizerConfig, total_steps: int, *, clip: bool = True
+) -> optax.GradientTransformation:
+    """The optax chain used by the trainer (and by tests as the reference).
+
+    Args:
+      cfg: optimizer settings.
+      total_steps: length of the schedule.
+      clip: apply global-norm clipping here. The pipeline engine clips itself (the global
+        norm spans stages) and passes ``clip=False``; the state structure is the same
+        either way, so checkpoints move between pipelined and unpipelined runs.
+    """
     schedule = learning_rate_schedule(cfg, total_steps)
-    parts = []
-    if cfg.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(
-        optax.adamw(
-            schedule,
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask,
-        )
+    clipping = (
+        optax.clip_by_global_norm(cfg.grad_clip) if clip and cfg.grad_clip > 0 else optax.identity()
     )
-    return optax.chain(*parts)
+    adamw = optax.adamw(
+        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+    )
+    return optax.chain(clipping, adamw)

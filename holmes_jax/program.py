@@ -28,10 +28,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.config import Config
-from holmes_jax.errors import ConfigError
 from holmes_jax.mesh import batch_sharding, replicated
 from holmes_jax.model import GPT, LOGICAL_RULES
 from holmes_jax.optim import learning_rate_schedule, make_optimizer
+from holmes_jax.pipeline import PipelineEngine, layout_from_config, pipeline_shardings
 
 
 @flax.struct.dataclass
@@ -42,48 +42,54 @@ class TrainState:
 
 
 class Program:
-    """Jitted, sharded functions for one config on one mesh."""
+    """Jitted, sharded functions for one config on one mesh.
 
-    def __init__(self, cfg: Config, mesh: Mesh):
-        if cfg.parallel.stages > 1:
-            raise ConfigError(
-                f"parallel.stages={cfg.parallel.stages}: the pipeline engine is not built yet; "
-                "use parallel.stages=1"
-            )
+    With ``parallel.stages > 1`` or ``parallel.microbatches > 1`` the loss and gradients
+    come from the :class:`~holmes_jax.pipeline.PipelineEngine` and the state lives in the
+    pipeline layout; otherwise GSPMD runs the whole model. Either way checkpoints use the
+    logical layout: :meth:`to_logical` / :meth:`from_logical` convert.
+    """
+
+    def __init__(self, cfg: Config, mesh: Mesh, *, nan_bubbles: bool = False):
         self.cfg = cfg
         self.mesh = mesh
-        m = cfg.model
+        m, par = cfg.model, cfg.parallel
+        self.pipelined = par.stages > 1 or par.microbatches > 1
         self.model = GPT(m, deterministic=True)
         self.train_model = GPT(m, deterministic=m.dropout == 0.0)
-        self.tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+        self.tx = make_optimizer(cfg.optimizer, cfg.train.steps, clip=not self.pipelined)
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
         self.batch_sharding = batch_sharding(mesh)
 
         # Abstract shapes + logical names -> NamedShardings, without allocating anything.
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.param_logical = nn.get_partition_spec(boxed)
-        self.param_sharding = nn.logical_to_mesh_sharding(self.param_logical, mesh, LOGICAL_RULES)
-        abstract_params = nn.unbox(boxed)
-        abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
-        opt_sharding = optax.tree_map_params(
-            self.tx,
-            lambda _, sharding: sharding,
-            abstract_opt,
-            self.param_sharding,
-            transform_non_params=lambda _: replicated(mesh),
+        logical_sharding = nn.logical_to_mesh_sharding(self.param_logical, mesh, LOGICAL_RULES)
+        abstract_logical = nn.unbox(boxed)
+        self.logical_state_sharding = self._state_sharding(logical_sharding, abstract_logical)
+        self.abstract_logical_state = self._abstract_state(
+            abstract_logical, self.logical_state_sharding
         )
-        self.state_sharding = TrainState(
-            step=replicated(mesh), params=self.param_sharding, opt_state=opt_sharding
-        )
-        self.abstract_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            TrainState(
-                step=jax.ShapeDtypeStruct((), jnp.int32),
-                params=abstract_params,
-                opt_state=abstract_opt,
-            ),
-            self.state_sharding,
-        )
+
+        if self.pipelined:
+            self.layout = layout_from_config(par.layers_per_stage, par.stages, m.num_layers)
+            self.engine = PipelineEngine(
+                m,
+                self.layout,
+                mesh,
+                microbatches=par.microbatches,
+                schedule=par.schedule,
+                seed=cfg.train.seed,
+                grad_clip=cfg.optimizer.grad_clip,
+                nan_bubbles=nan_bubbles,
+            )
+            self.param_sharding = pipeline_shardings(self.layout, logical_sharding, mesh)
+            abstract_params = jax.eval_shape(self._params_from_logical, abstract_logical)
+        else:
+            self.param_sharding = logical_sharding
+            abstract_params = abstract_logical
+        self.state_sharding = self._state_sharding(self.param_sharding, abstract_params)
+        self.abstract_state = self._abstract_state(abstract_params, self.state_sharding)
 
         self._init = jax.jit(self._init_state, out_shardings=self.state_sharding)
         self._train_step = jax.jit(
@@ -96,6 +102,38 @@ class Program:
             self._eval_loss,
             in_shardings=(self.param_sharding, self.batch_sharding),
             out_shardings=replicated(mesh),
+        )
+        self._to_logical = jax.jit(
+            self._state_to_logical,
+            in_shardings=(self.state_sharding,),
+            out_shardings=self.logical_state_sharding,
+        )
+        self._from_logical = jax.jit(
+            self._state_from_logical,
+            in_shardings=(self.logical_state_sharding,),
+            out_shardings=self.state_sharding,
+        )
+
+    def _state_sharding(self, param_sharding, abstract_params) -> TrainState:
+        abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+        opt_sharding = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            abstract_opt,
+            param_sharding,
+            transform_non_params=lambda _: replicated(self.mesh),
+        )
+        return TrainState(step=replicated(self.mesh), params=param_sharding, opt_state=opt_sharding)
+
+    def _abstract_state(self, abstract_params, sharding: TrainState) -> TrainState:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            TrainState(
+                step=jax.ShapeDtypeStruct((), jnp.int32),
+                params=abstract_params,
+                opt_state=jax.eval_shape(self.tx.init, abstract_params),
+            ),
+            sharding,
         )
 
     # ------------------------------------------------------------------ public
@@ -121,6 +159,28 @@ class Program:
         with self.context():
             return self._eval(params, batch)
 
+    def to_logical(self, state: TrainState) -> TrainState:
+        """The mesh-independent state (blocks stacked [L, ...]) that checkpoints hold."""
+        if not self.pipelined:
+            return state
+        with self.context():
+            return self._to_logical(state)
+
+    def from_logical(self, state: TrainState) -> TrainState:
+        if not self.pipelined:
+            return state
+        with self.context():
+            return self._from_logical(state)
+
+    def loss_and_grads(self, params, batch, step=0):
+        """(loss, grads) for tests: pipeline grads are clipped by ``optimizer.grad_clip``."""
+        with self.context():
+            if self.pipelined:
+                loss, grads, _ = jax.jit(self.engine.loss_and_grads)(params, batch, step)
+                return loss, grads
+            rng = jax.random.key(0)
+            return jax.jit(jax.value_and_grad(self._loss))(params, batch, rng)
+
     def lower_train_step(self):
         """The lowered train step (for HLO inspection and memory analysis)."""
         batch = jax.ShapeDtypeStruct(
@@ -139,9 +199,29 @@ class Program:
 
     def _init_state(self, key) -> TrainState:
         params = nn.unbox(self._init_boxed(key))
+        if self.pipelined:
+            params = self._params_from_logical(params)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)
         )
+
+    def _params_from_logical(self, params):
+        return self.layout.map_parts(self.layout.leaf_to_pipeline, params)
+
+    def _convert_state(self, state: TrainState, fn, params_template) -> TrainState:
+        parts = self.layout.parts_tree(params_template)
+        opt_state = optax.tree_map_params(
+            self.tx, fn, state.opt_state, parts, transform_non_params=lambda x: x
+        )
+        return TrainState(
+            step=state.step, params=self.layout.map_parts(fn, state.params), opt_state=opt_state
+        )
+
+    def _state_to_logical(self, state: TrainState) -> TrainState:
+        return self._convert_state(state, self.layout.leaf_to_logical, state.params)
+
+    def _state_from_logical(self, state: TrainState) -> TrainState:
+        return self._convert_state(state, self.layout.leaf_to_pipeline, state.params)
 
     def _loss(self, params, batch, rng):
         inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T] each
@@ -149,18 +229,24 @@ class Program:
         return self.train_model.apply({"params": params}, inputs, targets, rngs=rngs)
 
     def _step(self, state: TrainState, batch):
-        rng = jax.random.fold_in(jax.random.key(self.cfg.train.seed + 1), state.step)
-        loss, grads = jax.value_and_grad(self._loss)(state.params, batch, rng)
+        if self.pipelined:
+            loss, grads, grad_norm = self.engine.loss_and_grads(state.params, batch, state.step)
+        else:
+            rng = jax.random.fold_in(jax.random.key(self.cfg.train.seed + 1), state.step)
+            loss, grads = jax.value_and_grad(self._loss)(state.params, batch, rng)
+            grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": self.schedule(state.step),
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def _eval_loss(self, params, batch):
+        if self.pipelined:  # gathers the stages' layers: fine for periodic eval
+            params = self.layout.map_parts(self.layout.leaf_to_logical, params)
         return self.model.apply({"params": params}, batch[:, :-1], batch[:, 1:])
 
 

@@ -99,9 +99,10 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
     state, start = None, 0
     if ckpt is not None and cfg.checkpoint.resume:
-        restored = ckpt.restore(program.abstract_state, cfg)
+        restored = ckpt.restore(program.abstract_logical_state, cfg)
         if restored is not None:
-            state, meta = restored
+            logical, meta = restored
+            state = program.from_logical(logical)
             start = int(meta["data_position"])
     resumed = state is not None
     if state is None:
@@ -154,12 +155,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     window_start, window_steps = time.perf_counter(), 0
 
                 if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    ckpt.save(step, state, data_position=step, config=cfg)
+                    ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
                     last_saved = step
                 if stopping:
                     why = f"received {stop.name}" if stop.signum else f"stop_at_step={stop_at_step}"
                     if ckpt is not None and last_saved != step:
-                        ckpt.save(step, state, data_position=step, config=cfg)
+                        ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
                         last_saved = step
                     where = f"; checkpoint saved in {ckpt.directory}" if ckpt else ""
                     logger.message(f"stopping after step {step} ({why}){where}")
@@ -167,7 +168,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
 
         # 6. final save
         if ckpt is not None and last_saved != step:
-            ckpt.save(step, state, data_position=step, config=cfg)
+            ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
     finally:
         if ckpt is not None:
             ckpt.close()

@@ -1,0 +1,454 @@
+"""Pipeline parallelism over the ``stage`` axis: uneven stages, GPipe and 1F1B, one program.
+
+Parameter layout (``PipelineLayout``). The logical parameters ``{'embed', 'blocks' [L, ...],
+'head'}`` become, with a leading stage axis sharded over ``stage``:
+
+    embed  [S, ...]          stage 0 uses its copy (and stage S-1 the tied wte)
+    blocks [S, slots, ...]   stage s uses slots 0 .. layers[s]-1; slots = max(layers)
+    head   [S, ...]          stage S-1 uses its copy
+
+Unused copies and padded slots receive exactly zero gradient; checkpoints always hold the
+logical layout (``to_logical`` / ``from_logical``), so a run can resume under another split.
+
+The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``stage``
+and ``data`` (``tensor`` stays automatic, so GSPMD does tensor parallelism inside a stage):
+
+1. Split the local batch ``[B/d, T+1]`` into M microbatches ``[M, B/(dM), T+1]``.
+2. Tick loop (``lax.scan`` over the tables of :mod:`holmes_jax.schedule`); per tick each
+   stage runs one op, chosen by ``lax.switch``:
+   - FWD: embed (stage 0) or take the activation from the inbox; run the stage's layers
+     with a ``fori_loop`` whose trip count is this stage's layer count (padded slots are
+     never executed), keeping each layer's ``jax.vjp`` residuals in the buffer slot; on the
+     last stage also the head: loss and its gradient right away.
+   - BWD: walk the layers backwards from the stored residuals (explicit vjp, no
+     recompute), accumulating parameter gradients; embedding backward on stage 0.
+   - IDLE: nothing. Bubble ticks cost no compute and never touch real data.
+   Then ``ppermute`` the forward output to s+1 and the input gradient to s−1.
+3. Average gradients over ``data`` (all-reduce inside an island).
+4. Sums across stages (loss, squared gradient norm, tied-embedding gradient) go through
+   ``chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
+   traffic between neighbouring stages ever crosses an island boundary.
+
+Gradient clipping needs the global norm, which only exists after step 4, so the engine
+clips (exactly as ``optax.clip_by_global_norm``) and the optimizer skips its own clip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from holmes_jax.axes import DATA, STAGE
+from holmes_jax.config import ModelConfig
+from holmes_jax.model import GPT, LOGICAL_RULES, Block
+from holmes_jax.schedule import BWD, FWD, IDLE, Schedule, make_schedule
+
+# Inside the pipeline ``data`` is a manual axis: the batch is already split, so the
+# activation constraints map ``batch`` to nothing; tensor rules stay.
+PIPELINE_RULES = tuple((name, None if axis == DATA else axis) for name, axis in LOGICAL_RULES)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where each logical layer lives: ``layers_per_stage`` padded to ``slots``."""
+
+    layers_per_stage: tuple[int, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def slots(self) -> int:
+        return max(self.layers_per_stage)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers_per_stage)
+
+    def layer_table(self) -> np.ndarray:
+        """[stages, slots] global layer index, or -1 for a padded slot."""
+        table = -np.ones((self.stages, self.slots), np.int32)
+        first = 0
+        for s, n in enumerate(self.layers_per_stage):
+            table[s, :n] = np.arange(first, first + n)
+            first += n
+        return table
+
+    # Leaf-wise conversions; ``part`` is the top-level key: 'embed', 'blocks' or 'head'.
+
+    def leaf_to_pipeline(self, x: jax.Array, part: str) -> jax.Array:
+        if part != "blocks":
+            return jnp.broadcast_to(x[None], (self.stages, *x.shape))
+        table = self.layer_table()
+        gathered = x[np.maximum(table, 0)]  # [S, slots, ...]
+        mask = (table >= 0).reshape(table.shape + (1,) * (x.ndim - 1))
+        return jnp.where(mask, gathered, jnp.zeros_like(gathered))
+
+    def leaf_to_logical(self, x: jax.Array, part: str) -> jax.Array:
+        if part == "embed":
+            return x[0]
+        if part == "head":
+            return x[-1]
+        table = self.layer_table()
+        stage_of, slot_of = np.nonzero(table >= 0)  # row-major = layer order
+        return x[stage_of, slot_of]
+
+    def map_parts(self, fn: Callable[[jax.Array, str], jax.Array], tree: Any) -> Any:
+        """Apply ``fn(leaf, part)`` over a params-shaped dict."""
+        return {part: jax.tree.map(lambda x, p=part: fn(x, p), sub) for part, sub in tree.items()}
+
+    def parts_tree(self, params: Any) -> Any:
+        """A params-shaped tree whose leaves are the part names (for optax.tree_map_params)."""
+        return {part: jax.tree.map(lambda _, p=part: p, sub) for part, sub in params.items()}
+
+    def spec(self, logical_spec: PartitionSpec, part: str) -> PartitionSpec:
+        """Mesh spec of a pipeline leaf from its logical leaf's mesh spec."""
+        if part == "blocks":
+            return PartitionSpec(STAGE, None, *tuple(logical_spec)[1:])
+        return PartitionSpec(STAGE, *tuple(logical_spec))
+
+
+def layout_from_config(layers_per_stage, stages: int, num_layers: int) -> PipelineLayout:
+    """Explicit split, or an even one (earlier stages take the remainder)."""
+    if isinstance(layers_per_stage, tuple):
+        return PipelineLayout(tuple(layers_per_stage))
+    base, extra = divmod(num_layers, stages)
+    return PipelineLayout(tuple(base + (s < extra) for s in range(stages)))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _shift(x, stages: int, direction: int):
+    """Send to the neighbouring stage (``+1`` downstream, ``-1`` upstream); ends get 0."""
+    if direction > 0:
+        perm = [(s, s + 1) for s in range(stages - 1)]
+    else:
+        perm = [(s + 1, s) for s in range(stages - 1)]
+    return jax.tree.map(lambda a: lax.ppermute(a, STAGE, perm), x)
+
+
+def chain_sum(x, stages: int):
+    """Sum over ``stage`` using only adjacent-stage ppermutes (2(S−1) hops).
+
+    Accumulate downstream (stage S−1 ends with the total), then broadcast it upstream.
+    Used instead of ``psum`` so no all-reduce ever spans two islands.
+    """
+    if stages == 1:
+        return x
+    stage = lax.axis_index(STAGE)
+    acc = x
+    for _ in range(stages - 1):
+        acc = jax.tree.map(jnp.add, x, _shift(acc, stages, +1))
+    total = acc
+    for _ in range(stages - 1):
+        back = _shift(total, stages, -1)
+        total = jax.tree.map(lambda a, b: jnp.where(stage == stages - 1, a, b), acc, back)
+    return total
+
+
+def _dyn_index(tree, i):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _dyn_set(tree, i, value):
+    return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
+
+
+def clip_by_global_norm(grads, norm, max_norm: float):
+    """Exactly optax.clip_by_global_norm's rule, given an externally computed norm."""
+    if max_norm <= 0:
+        return grads
+    trigger = norm < max_norm
+    return jax.tree.map(
+        lambda g: lax.select(trigger, g, (g / norm.astype(g.dtype)) * max_norm), grads
+    )
+
+
+class _Residuals:
+    """Split a layer's ``jax.vjp`` function into bufferable arrays and the rest.
+
+    The vjp function is a pytree whose leaves are its residuals. Leaves that *are* the
+    layer's weights are not buffered (the backward takes the weights again); non-array
+    leaves are static. The template comes from one trace of the layer; every later trace
+    of the same layer has the same structure, which ``split`` checks.
+    """
+
+    def __init__(self, vjp_fn, weights):
+        leaves, self.treedef = jax.tree.flatten(vjp_fn)
+        self.kinds = self._classify(leaves, weights)
+        self.static = [None if k[0] != "static" else leaf for k, leaf in zip(self.kinds, leaves)]
+        self.buffered = [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            for k, leaf in zip(self.kinds, leaves)
+            if k[0] == "buf"
+        ]
+
+    @staticmethod
+    def _classify(leaves, weights):
+        ids = {id(w): n for n, w in enumerate(jax.tree.leaves(weights))}
+        kinds = []
+        for leaf in leaves:
+            if id(leaf) in ids:
+                kinds.append(("weight", ids[id(leaf)]))
+            elif isinstance(leaf, jax.Array):
+                kinds.append(("buf",))
+            else:
+                kinds.append(("static",))
+        return kinds
+
+    def split(self, vjp_fn, weights) -> list[jax.Array]:
+        leaves = jax.tree.leaves(vjp_fn)
+        if self._classify(leaves, weights) != self.kinds:
+            raise RuntimeError("pipeline: layer vjp residual structure changed between traces")
+        return [leaf for k, leaf in zip(self.kinds, leaves) if k[0] == "buf"]
+
+    def join(self, buffered: list[jax.Array], weights):
+        w = jax.tree.leaves(weights)
+        it = iter(buffered)
+        leaves = [
+            next(it) if k[0] == "buf" else w[k[1]] if k[0] == "weight" else s
+            for k, s in zip(self.kinds, self.static)
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class PipelineEngine:
+    """Loss and gradients of the GPT over a (stage, data, tensor) mesh."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        layout: PipelineLayout,
+        mesh: Mesh,
+        *,
+        microbatches: int,
+        schedule: str,
+        seed: int,
+        grad_clip: float,
+        nan_bubbles: bool = False,
+    ):
+        if layout.stages != mesh.shape[STAGE]:
+            raise ValueError(
+                f"layout has {layout.stages} stages, mesh stage axis {mesh.shape[STAGE]}"
+            )
+        self.cfg = model_cfg
+        self.layout = layout
+        self.mesh = mesh
+        self.M = microbatches
+        self.schedule: Schedule = make_schedule(schedule, layout.stages, microbatches)
+        self.seed = seed
+        self.grad_clip = grad_clip
+        self.nan_bubbles = nan_bubbles
+        self.gpt = GPT(model_cfg, deterministic=model_cfg.dropout == 0.0)
+        self.block = Block(model_cfg, deterministic=model_cfg.dropout == 0.0)
+
+    # The three model parts as pure functions of their parameters.
+
+    def _embed(self, embed_params, tokens):
+        return self.gpt.apply({"params": {"embed": embed_params}}, tokens, method=GPT.embed_tokens)
+
+    def _layer(self, weights, x, key):
+        rngs = {"dropout": key} if self.cfg.dropout > 0 else None
+        y, _ = self.block.apply({"params": weights}, x, rngs=rngs)
+        return y
+
+    def _head_loss(self, embed_params, head_params, x, targets):
+        variables = {"params": {"embed": embed_params, "head": head_params}}
+        return self.gpt.apply(variables, x, targets, method=GPT.head_loss)
+
+    def loss_and_grads(self, params, batch, step):
+        """Returns ``(loss, grads, grad_norm)``; grads clipped by ``grad_clip``.
+
+        Args:
+          params: pipeline-layout parameters (leading stage axis).
+          batch: ``[B, T+1]`` int32 tokens sharded over ``data``.
+          step: int32 scalar (dropout keys derive from seed, step, microbatch, layer).
+        """
+        param_specs = jax.tree.map(lambda _: PartitionSpec(STAGE), params)
+        fn = jax.shard_map(
+            self._body,
+            mesh=self.mesh,
+            in_specs=(param_specs, PartitionSpec(DATA), PartitionSpec()),
+            out_specs=(PartitionSpec(), param_specs, PartitionSpec()),
+            axis_names={STAGE, DATA},
+            check_vma=False,
+        )
+        with nn.logical_axis_rules(PIPELINE_RULES):
+            return fn(params, batch, step)
+
+    def _body(self, params, batch, step):
+        S, M, sched = self.layout.stages, self.M, self.schedule
+        stage = lax.axis_index(STAGE)
+        is_first, is_last = stage == 0, stage == S - 1
+        n_layers = jnp.asarray(self.layout.layers_per_stage, jnp.int32)[stage]
+        first_layer = jnp.asarray(np.cumsum((0,) + self.layout.layers_per_stage[:-1]), jnp.int32)[
+            stage
+        ]
+
+        p = jax.tree.map(lambda a: a[0], params)  # drop the local stage axis (size 1)
+        embed_p, blocks_p, head_p = p["embed"], p["blocks"], p["head"]
+        local = batch.reshape(M, batch.shape[0] // M, batch.shape[1])  # [M, mb, T+1]
+        tokens, targets = local[:, :, :-1], local[:, :, 1:]  # [M, mb, T]
+        mb, T, H = tokens.shape[1], tokens.shape[2], self.cfg.hidden_size
+        act = jax.ShapeDtypeStruct((mb, T, H), jnp.float32)
+        base_key = jax.random.fold_in(jax.random.key(self.seed + 1), step)
+
+        def key_for(i, layer):
+            return jax.random.fold_in(jax.random.fold_in(base_key, i), layer)
+
+        # One trace of a layer's vjp fixes the residual layout (XLA drops this dead code).
+        w0 = _dyn_index(blocks_p, 0)
+        _, vjp0 = jax.vjp(lambda w, x: self._layer(w, x, key_for(0, 0)), w0, jnp.zeros(act.shape))
+        res = _Residuals(vjp0, w0)
+        K, L = sched.buffer_slots, self.layout.slots
+        fill = jnp.nan if self.nan_bubbles else 0.0
+        res_buf = [jnp.zeros((K, L, *r.shape), r.dtype) for r in res.buffered]
+        carry0 = dict(
+            inbox=jnp.full((2, *act.shape), fill),  # forward activations waiting for FWD
+            recv_x=jnp.full(act.shape, fill),
+            recv_g=jnp.full(act.shape, fill),
+            head_ct=jnp.zeros((K, *act.shape)),  # last stage: dloss/dx from the head
+            res=res_buf,
+            grads=jax.tree.map(jnp.zeros_like, p),
+            loss=jnp.zeros((), jnp.float32),
+        )
+        tables = {k: jnp.asarray(getattr(sched, k)) for k in ("op", "mb", "slot")}
+
+        def fwd(c, i, k):
+            x = lax.cond(
+                is_first, lambda: self._embed(embed_p, tokens[i]), lambda: c["inbox"][i % 2]
+            )
+
+            def layer(j, state):
+                x, bufs = state
+                w = _dyn_index(blocks_p, j)
+                y, vjp_fn = jax.vjp(
+                    lambda w, x: self._layer(w, x, key_for(i, first_layer + j)), w, x
+                )
+                saved = res.split(vjp_fn, w)
+                bufs = [
+                    lax.dynamic_update_index_in_dim(b, _at(b[k], j, r), k, 0)
+                    for b, r in zip(bufs, saved)
+                ]
+                return y, bufs
+
+            x, bufs = lax.fori_loop(0, n_layers, layer, (x, c["res"]))
+
+            def head():
+                loss, (g_embed, g_head, dx) = jax.value_and_grad(
+                    self._head_loss, argnums=(0, 1, 2)
+                )(embed_p, head_p, x, targets[i])
+                return loss / M, jax.tree.map(lambda g: g / M, (g_embed, g_head)), dx / M
+
+            zeros = (
+                jnp.zeros(()),
+                jax.tree.map(jnp.zeros_like, (embed_p, head_p)),
+                jnp.zeros(act.shape),
+            )
+            loss, (g_embed, g_head), dx = lax.cond(is_last, head, lambda: zeros)
+            grads = dict(c["grads"])
+            grads["embed"] = jax.tree.map(jnp.add, grads["embed"], g_embed)
+            grads["head"] = jax.tree.map(jnp.add, grads["head"], g_head)
+            c = dict(c, res=bufs, grads=grads, loss=c["loss"] + loss)
+            c["head_ct"] = lax.dynamic_update_index_in_dim(c["head_ct"], dx, k, 0)
+            return c, x, jnp.full(act.shape, fill)
+
+        def bwd(c, i, k):
+            ct = lax.select(is_last, c["head_ct"][k], c["recv_g"])
+
+            def layer(n, state):
+                ct, g_blocks = state
+                j = n_layers - 1 - n
+                w = _dyn_index(blocks_p, j)
+                saved = [b[k][j] for b in c["res"]]
+                dw, dx = res.join(saved, w)(ct)
+                g_blocks = _dyn_set(g_blocks, j, jax.tree.map(jnp.add, _dyn_index(g_blocks, j), dw))
+                return dx, g_blocks
+
+            ct, g_blocks = lax.fori_loop(0, n_layers, layer, (ct, c["grads"]["blocks"]))
+
+            def embed_bwd():
+                _, vjp_fn = jax.vjp(lambda e: self._embed(e, tokens[i]), embed_p)
+                return vjp_fn(ct)[0]
+
+            g_embed = lax.cond(is_first, embed_bwd, lambda: jax.tree.map(jnp.zeros_like, embed_p))
+            grads = dict(c["grads"], blocks=g_blocks)
+            grads["embed"] = jax.tree.map(jnp.add, grads["embed"], g_embed)
+            return dict(c, grads=grads), jnp.full(act.shape, fill), ct
+
+        def idle(c, i, k):
+            return c, jnp.full(act.shape, fill), jnp.full(act.shape, fill)
+
+        def tick(c, t):
+            op, i, k = tables["op"][t, stage], tables["mb"][t, stage], tables["slot"][t, stage]
+            # An activation sent by stage s-1 at tick t-1 lands in the inbox slot of its microbatch.
+            prev = jnp.maximum(stage - 1, 0)
+            arrived = (stage > 0) & (t > 0) & (tables["op"][jnp.maximum(t - 1, 0), prev] == FWD)
+            arr_i = tables["mb"][jnp.maximum(t - 1, 0), prev]
+            inbox = lax.cond(
+                arrived,
+                lambda: lax.dynamic_update_index_in_dim(c["inbox"], c["recv_x"], arr_i % 2, 0),
+                lambda: c["inbox"],
+            )
+            c = dict(c, inbox=inbox)
+            c, send_x, send_g = lax.switch(op, [idle, fwd, bwd], c, i, k)
+            c["recv_x"] = _shift(send_x, S, +1)
+            c["recv_g"] = _shift(send_g, S, -1)
+            return c, None
+
+        assert (IDLE, FWD, BWD) == (0, 1, 2)
+        c, _ = lax.scan(tick, carry0, jnp.arange(sched.ticks))
+
+        # 3. average over data-parallel ranks (inside one island).
+        grads = lax.pmean(c["grads"], DATA)
+        loss = lax.pmean(c["loss"], DATA)
+        # 4. cross-stage sums by neighbour-to-neighbour hops only.
+        if self.cfg.tied_embeddings:  # wte: embedding grad (stage 0) + head grad (stage S-1)
+            wte = chain_sum(grads["embed"]["wte"], S)
+            grads = dict(grads, embed=dict(grads["embed"], wte=wte))
+        owned = jnp.sum(
+            jnp.asarray([jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads["blocks"])])
+        )
+        owned += jnp.where(is_first, _sq(grads["embed"]), 0.0)
+        owned += jnp.where(is_last, _sq(grads["head"]), 0.0)
+        loss, norm = chain_sum((jnp.where(is_last, loss, 0.0), owned), S)
+        norm = jnp.sqrt(norm)
+        grads = clip_by_global_norm(grads, norm, self.grad_clip)
+        return loss, jax.tree.map(lambda g: g[None], grads), norm
+
+
+def _sq(tree) -> jax.Array:
+    return sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree))
+
+
+def _at(buf_k, j, value):
+    """Write ``value`` at slot ``j`` of one microbatch's [slots, ...] residual buffer."""
+    return lax.dynamic_update_index_in_dim(buf_k, value, j, 0)
+
+
+def pipeline_shardings(layout: PipelineLayout, logical_shardings, mesh: Mesh):
+    """NamedShardings of the pipeline layout from the logical parameters' shardings."""
+    return {
+        part: jax.tree.map(
+            lambda s, p=part: NamedSharding(mesh, layout.spec(s.spec, p)),
+            sub,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+        for part, sub in logical_shardings.items()
+    }
