@@ -1,10 +1,16 @@
-"""Build the jax ``Mesh`` with axes (stage, data, tensor) from the resolved degrees.
+"""Build the jax ``Mesh`` with axes (stage, data, tensor) from the degrees and a topology.
 
-Devices are laid out in the order given (island → host → device once a topology is
-named), reshaped to ``[stage, data, tensor]``: tensor groups are runs of adjacent devices,
-data groups the next level out, and every stage a contiguous block. Axis types are passed
-explicitly (``jax.make_mesh`` would default to Explicit); all axes are Auto so GSPMD
-propagates the shardings that the logical rules put on parameters and activations.
+Devices are laid out island → host → device (the topology's order; on one CPU process the
+topology assigns simulated devices to "hosts" in index order) and reshaped to
+``[stage, data, tensor]``: tensor groups are runs of adjacent devices inside one host,
+data groups the next level out inside one island, and every stage a contiguous block
+inside one island, so a bigger island simply holds more stages and only ``stage`` crosses
+island boundaries. An impossible request (a data group spanning two islands) is a
+:class:`~holmes_jax.errors.ConfigError`, never a silent fallback; the rules themselves live
+in :func:`holmes_jax.placement.stage_blocks`, shared with the planner.
+
+Axis types are passed explicitly (``jax.make_mesh`` would default to Explicit); all are
+Auto so GSPMD propagates the shardings that the logical rules put on parameters.
 """
 
 from __future__ import annotations
@@ -16,16 +22,50 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.axes import DATA, MESH_AXES
-from holmes_jax.config import MeshShape
+from holmes_jax.config import Config, MeshShape, check_devices
+from holmes_jax.cost import Layout
+from holmes_jax.errors import ConfigError
+from holmes_jax.placement import stage_blocks
+from holmes_jax.topology import Topology, load_topology
+
+
+def load_mesh_topology(cfg: Config) -> Topology | None:
+    """The topology named by ``parallel.mesh``, or None."""
+    return load_topology(cfg.parallel.mesh) if cfg.parallel.mesh else None
+
+
+def resolve_shape(cfg: Config, available: int, topology: Topology | None) -> MeshShape:
+    """Mesh degrees for ``cfg`` on ``available`` devices, checked against the topology.
+
+    Raises:
+      ConfigError: too few devices for the topology, or degrees that break placement.
+    """
+    if topology is not None:
+        if topology.num_devices > available:
+            raise ConfigError(
+                f"parallel.mesh='{cfg.parallel.mesh}': topology '{topology.name}' has "
+                f"{topology.num_devices} devices but only {available} are visible"
+            )
+        if cfg.parallel.devices and cfg.parallel.devices != topology.num_devices:
+            raise ConfigError(
+                f"parallel.devices={cfg.parallel.devices}: must equal the "
+                f"{topology.num_devices} devices of topology '{topology.name}' (or 0)"
+            )
+        available = topology.num_devices
+    shape = check_devices(cfg, available)
+    if topology is not None:
+        layout = Layout(shape.stages, shape.data, shape.tensor, cfg.parallel.microbatches)
+        stage_blocks(topology, layout)  # raises ConfigError when placement is impossible
+    return shape
 
 
 def build_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh of ``shape.num_devices`` devices, axes ``MESH_AXES``.
+    """A mesh of ``shape.num_devices`` devices in the given (physical) order.
 
     Args:
-      shape: resolved degrees (see :func:`holmes_jax.config.check_devices`).
-      devices: devices in physical order; defaults to ``jax.devices()`` (its first
-        ``shape.num_devices``).
+      shape: resolved degrees (see :func:`resolve_shape`).
+      devices: devices ordered island → host → device; defaults to ``jax.devices()``
+        (its first ``shape.num_devices``).
 
     Returns:
       ``Mesh`` of shape (stages, data, tensor) with Auto axis types.
@@ -33,6 +73,34 @@ def build_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) ->
     devices = list(jax.devices() if devices is None else devices)[: shape.num_devices]
     grid = np.array(devices, dtype=object).reshape(shape.stages, shape.data, shape.tensor)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_islands(mesh: Mesh, topology: Topology) -> dict[int, str]:
+    """{device id: island name} for the devices of ``mesh`` (position in topology order)."""
+    places = topology.device_places()
+    flat = list(mesh.devices.flat)
+    return {dev.id: places[n].island_name for n, dev in enumerate(flat)}
+
+
+def describe(cfg: Config, topology: Topology) -> str:
+    """The device grid: each stage's island and, per data rank, the devices and hosts."""
+    shape = resolve_shape(cfg, topology.num_devices, topology)
+    places = topology.device_places()
+    k = shape.data * shape.tensor
+    lines = [
+        f"mesh stage={shape.stages} x data={shape.data} x tensor={shape.tensor} on topology "
+        f"'{topology.name}' ({topology.num_devices} devices)"
+    ]
+    for s in range(shape.stages):
+        block = places[s * k : (s + 1) * k]
+        lines.append(
+            f"stage {s}  island {block[0].island_name} ({topology.islands[block[0].island].nic})"
+        )
+        for d in range(shape.data):
+            row = block[d * shape.tensor : (d + 1) * shape.tensor]
+            cells = ", ".join(f"dev {p.index}@{p.host_name}" for p in row)
+            lines.append(f"  data {d}: tensor [{cells}]")
+    return "\n".join(lines)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from holmes_jax.axes import DATA, STAGE
 from holmes_jax.config import ModelConfig
 from holmes_jax.model import GPT, LOGICAL_RULES, Block
-from holmes_jax.schedule import BWD, FWD, IDLE, Schedule, make_schedule
+from holmes_jax.schedule import BWD, FWD, Schedule, make_schedule
 
 # Inside the pipeline ``data`` is a manual axis: the batch is already split, so the
 # activation constraints map ``batch`` to nothing; tensor rules stay.
@@ -189,10 +189,12 @@ class _Residuals:
     def __init__(self, vjp_fn, weights):
         leaves, self.treedef = jax.tree.flatten(vjp_fn)
         self.kinds = self._classify(leaves, weights)
-        self.static = [None if k[0] != "static" else leaf for k, leaf in zip(self.kinds, leaves)]
+        self.static = [
+            None if k[0] != "static" else leaf for k, leaf in zip(self.kinds, leaves, strict=True)
+        ]
         self.buffered = [
             jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-            for k, leaf in zip(self.kinds, leaves)
+            for k, leaf in zip(self.kinds, leaves, strict=True)
             if k[0] == "buf"
         ]
 
@@ -213,14 +215,14 @@ class _Residuals:
         leaves = jax.tree.leaves(vjp_fn)
         if self._classify(leaves, weights) != self.kinds:
             raise RuntimeError("pipeline: layer vjp residual structure changed between traces")
-        return [leaf for k, leaf in zip(self.kinds, leaves) if k[0] == "buf"]
+        return [leaf for k, leaf in zip(self.kinds, leaves, strict=True) if k[0] == "buf"]
 
     def join(self, buffered: list[jax.Array], weights):
         w = jax.tree.leaves(weights)
         it = iter(buffered)
         leaves = [
             next(it) if k[0] == "buf" else w[k[1]] if k[0] == "weight" else s
-            for k, s in zip(self.kinds, self.static)
+            for k, s in zip(self.kinds, self.static, strict=True)
         ]
         return jax.tree.unflatten(self.treedef, leaves)
 
@@ -318,22 +320,22 @@ class PipelineEngine:
         res = _Residuals(vjp0, w0)
         K, L = sched.buffer_slots, self.layout.slots
         fill = jnp.nan if self.nan_bubbles else 0.0
-        res_buf = [jnp.zeros((K, L, *r.shape), r.dtype) for r in res.buffered]
+        # Loop state. Big buffers are only ever updated in place: every "if" below is a
+        # 0-or-1-trip while loop (_when), which XLA aliases, where lax.cond/switch would
+        # copy each buffer that one branch writes and another passes through, every tick.
         carry0 = dict(
             inbox=jnp.full((2, *act.shape), fill),  # forward activations waiting for FWD
             recv_x=jnp.full(act.shape, fill),
             recv_g=jnp.full(act.shape, fill),
             head_ct=jnp.zeros((K, *act.shape)),  # last stage: dloss/dx from the head
-            res=res_buf,
+            res=[jnp.zeros((K, L, *r.shape), r.dtype) for r in res.buffered],
             grads=jax.tree.map(jnp.zeros_like, p),
             loss=jnp.zeros((), jnp.float32),
         )
         tables = {k: jnp.asarray(getattr(sched, k)) for k in ("op", "mb", "slot")}
 
-        def fwd(c, i, k):
-            x = lax.cond(
-                is_first, lambda: self._embed(embed_p, tokens[i]), lambda: c["inbox"][i % 2]
-            )
+        def forward(c, i, k):
+            """FWD of microbatch i: layers (residuals to slot k), then the head if last."""
 
             def layer(j, state):
                 x, bufs = state
@@ -342,77 +344,73 @@ class PipelineEngine:
                     lambda w, x: self._layer(w, x, key_for(i, first_layer + j)), w, x
                 )
                 saved = res.split(vjp_fn, w)
-                bufs = [
-                    lax.dynamic_update_index_in_dim(b, _at(b[k], j, r), k, 0)
-                    for b, r in zip(bufs, saved)
-                ]
-                return y, bufs
+                return y, [_put(b, r, k, j) for b, r in zip(bufs, saved, strict=True)]
 
+            x = lax.cond(
+                is_first, lambda: self._embed(embed_p, tokens[i]), lambda: c["inbox"][i % 2]
+            )
             x, bufs = lax.fori_loop(0, n_layers, layer, (x, c["res"]))
 
-            def head():
+            def head(h):
                 loss, (g_embed, g_head, dx) = jax.value_and_grad(
                     self._head_loss, argnums=(0, 1, 2)
                 )(embed_p, head_p, x, targets[i])
-                return loss / M, jax.tree.map(lambda g: g / M, (g_embed, g_head)), dx / M
+                loss_acc, ge, gh, head_ct = h
+                ge = jax.tree.map(lambda a, g: a + g / M, ge, g_embed)
+                gh = jax.tree.map(lambda a, g: a + g / M, gh, g_head)
+                head_ct = lax.dynamic_update_index_in_dim(head_ct, dx / M, k, 0)
+                return loss_acc + loss / M, ge, gh, head_ct
 
-            zeros = (
-                jnp.zeros(()),
-                jax.tree.map(jnp.zeros_like, (embed_p, head_p)),
-                jnp.zeros(act.shape),
-            )
-            loss, (g_embed, g_head), dx = lax.cond(is_last, head, lambda: zeros)
-            grads = dict(c["grads"])
-            grads["embed"] = jax.tree.map(jnp.add, grads["embed"], g_embed)
-            grads["head"] = jax.tree.map(jnp.add, grads["head"], g_head)
-            c = dict(c, res=bufs, grads=grads, loss=c["loss"] + loss)
-            c["head_ct"] = lax.dynamic_update_index_in_dim(c["head_ct"], dx, k, 0)
-            return c, x, jnp.full(act.shape, fill)
+            g = c["grads"]
+            h = (c["loss"], g["embed"], g["head"], c["head_ct"])
+            loss, g_embed, g_head, head_ct = _when(is_last, head, h)
+            grads = dict(g, embed=g_embed, head=g_head)
+            return dict(c, res=bufs, grads=grads, loss=loss, head_ct=head_ct, send_x=x)
 
-        def bwd(c, i, k):
-            ct = lax.select(is_last, c["head_ct"][k], c["recv_g"])
+        def backward(c, i, k):
+            """BWD of microbatch i from slot k's residuals; embedding backward on stage 0."""
 
             def layer(n, state):
                 ct, g_blocks = state
                 j = n_layers - 1 - n
                 w = _dyn_index(blocks_p, j)
-                saved = [b[k][j] for b in c["res"]]
+                saved = [_get(b, k, j) for b in c["res"]]
                 dw, dx = res.join(saved, w)(ct)
                 g_blocks = _dyn_set(g_blocks, j, jax.tree.map(jnp.add, _dyn_index(g_blocks, j), dw))
                 return dx, g_blocks
 
+            ct = lax.select(is_last, c["head_ct"][k], c["recv_g"])
             ct, g_blocks = lax.fori_loop(0, n_layers, layer, (ct, c["grads"]["blocks"]))
 
-            def embed_bwd():
+            def embed_backward(g_embed):
                 _, vjp_fn = jax.vjp(lambda e: self._embed(e, tokens[i]), embed_p)
-                return vjp_fn(ct)[0]
+                return jax.tree.map(jnp.add, g_embed, vjp_fn(ct)[0])
 
-            g_embed = lax.cond(is_first, embed_bwd, lambda: jax.tree.map(jnp.zeros_like, embed_p))
-            grads = dict(c["grads"], blocks=g_blocks)
-            grads["embed"] = jax.tree.map(jnp.add, grads["embed"], g_embed)
-            return dict(c, grads=grads), jnp.full(act.shape, fill), ct
-
-        def idle(c, i, k):
-            return c, jnp.full(act.shape, fill), jnp.full(act.shape, fill)
+            g_embed = _when(is_first, embed_backward, c["grads"]["embed"])
+            grads = dict(c["grads"], blocks=g_blocks, embed=g_embed)
+            return dict(c, grads=grads, send_g=ct)
 
         def tick(c, t):
             op, i, k = tables["op"][t, stage], tables["mb"][t, stage], tables["slot"][t, stage]
-            # An activation sent by stage s-1 at tick t-1 lands in the inbox slot of its microbatch.
-            prev = jnp.maximum(stage - 1, 0)
-            arrived = (stage > 0) & (t > 0) & (tables["op"][jnp.maximum(t - 1, 0), prev] == FWD)
-            arr_i = tables["mb"][jnp.maximum(t - 1, 0), prev]
-            inbox = lax.cond(
+            # An activation sent by stage s-1 at tick t-1 lands in the inbox slot of its
+            # microbatch (the tables guarantee it is not overwritten before use).
+            prev_t, prev_s = jnp.maximum(t - 1, 0), jnp.maximum(stage - 1, 0)
+            arrived = (stage > 0) & (t > 0) & (tables["op"][prev_t, prev_s] == FWD)
+            arr_i = tables["mb"][prev_t, prev_s]
+            inbox = _when(
                 arrived,
-                lambda: lax.dynamic_update_index_in_dim(c["inbox"], c["recv_x"], arr_i % 2, 0),
-                lambda: c["inbox"],
+                lambda box: lax.dynamic_update_index_in_dim(box, c["recv_x"], arr_i % 2, 0),
+                c["inbox"],
             )
-            c = dict(c, inbox=inbox)
-            c, send_x, send_g = lax.switch(op, [idle, fwd, bwd], c, i, k)
-            c["recv_x"] = _shift(send_x, S, +1)
-            c["recv_g"] = _shift(send_g, S, -1)
+            c = dict(
+                c, inbox=inbox, send_x=jnp.full(act.shape, fill), send_g=jnp.full(act.shape, fill)
+            )
+            c = _when(op == FWD, lambda c: forward(c, i, k), c)  # IDLE ticks run neither
+            c = _when(op == BWD, lambda c: backward(c, i, k), c)
+            c["recv_x"] = _shift(c.pop("send_x"), S, +1)
+            c["recv_g"] = _shift(c.pop("send_g"), S, -1)
             return c, None
 
-        assert (IDLE, FWD, BWD) == (0, 1, 2)
         c, _ = lax.scan(tick, carry0, jnp.arange(sched.ticks))
 
         # 3. average over data-parallel ranks (inside one island).
@@ -433,13 +431,25 @@ class PipelineEngine:
         return loss, jax.tree.map(lambda g: g[None], grads), norm
 
 
+def _when(pred, body, carry):
+    """``body(carry)`` if ``pred`` else ``carry``, as a 0-or-1-trip while loop (in place)."""
+    return lax.fori_loop(0, pred.astype(jnp.int32), lambda _, c: body(c), carry)
+
+
 def _sq(tree) -> jax.Array:
     return sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree))
 
 
-def _at(buf_k, j, value):
-    """Write ``value`` at slot ``j`` of one microbatch's [slots, ...] residual buffer."""
-    return lax.dynamic_update_index_in_dim(buf_k, value, j, 0)
+def _put(buf, value, k, j):
+    """buf[k, j] = value, as one in-place dynamic_update_slice. buf [K, slots, ...]."""
+    zeros = (0,) * value.ndim
+    return lax.dynamic_update_slice(buf, value[None, None], (k, j, *zeros))
+
+
+def _get(buf, k, j):
+    """buf[k, j] as one dynamic_slice (no copy of buf[k])."""
+    zeros = (0,) * (buf.ndim - 2)
+    return lax.dynamic_slice(buf, (k, j, *zeros), (1, 1, *buf.shape[2:]))[0, 0]
 
 
 def pipeline_shardings(layout: PipelineLayout, logical_shardings, mesh: Mesh):

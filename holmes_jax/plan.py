@@ -19,6 +19,7 @@ The functions here (``specs_from_config``, ``make_plan``) also serve the trainer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -26,9 +27,9 @@ from typing import Any
 
 from holmes_jax.cost import Layout, ModelSpec, RunSpec
 from holmes_jax.errors import ConfigError
-from holmes_jax.partition import METHODS, Plan, plan_for_layout, search_plan
+from holmes_jax.partition import METHODS, Plan, plan_for_layout, search_plan, split_layers
 from holmes_jax.placement import Calibration, stage_blocks
-from holmes_jax.topology import Topology, load_topology
+from holmes_jax.topology import Topology, load_topology, single_host_topology
 
 _BYTES = {"fp32": (4, 4, 4, 8), "bf16": (2, 2, 4, 12)}  # act, param, grad, optimizer
 
@@ -92,6 +93,38 @@ def make_plan(
     data = par.data or topology.num_devices // per
     layout = Layout(par.stages, data, par.tensor, par.microbatches, par.schedule)
     return plan_for_layout(topology, model, run, layout, method, calibration)
+
+
+def resolve_auto_layers(cfg: Any, shape: Any, topology: Topology | None) -> Any:
+    """``parallel.layers_per_stage: auto`` (or unset) → a concrete split for the trainer.
+
+    ``auto`` asks the planner for the optimal split under the config's degrees on the
+    topology (one simulated host when none is named); unset means an even split.
+
+    Args:
+      cfg: a :class:`holmes_jax.config.Config`.
+      shape: the resolved :class:`holmes_jax.config.MeshShape`.
+      topology: the cluster, or None.
+
+    Returns:
+      ``cfg`` with ``parallel.layers_per_stage`` a tuple (unchanged if it was one).
+    """
+    par = cfg.parallel
+    if isinstance(par.layers_per_stage, tuple):
+        return cfg
+    L, S = cfg.model.num_layers, shape.stages
+    if par.layers_per_stage == "auto" and S > 1:
+        model, run = specs_from_config(cfg)
+        topo = topology or single_host_topology(shape.num_devices)
+        split = split_layers(
+            topo, model, run, S, shape.data, shape.tensor, par.microbatches, par.schedule
+        )
+    else:
+        base, extra = divmod(L, S)
+        split = [base + (s < extra) for s in range(S)]
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(par, layers_per_stage=tuple(split))
+    )
 
 
 def alternatives(

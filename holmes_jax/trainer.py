@@ -24,11 +24,12 @@ import jax
 import numpy as np
 
 from holmes_jax.checkpoint import Checkpointer
-from holmes_jax.config import Config, check_devices
+from holmes_jax.config import Config
 from holmes_jax.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
-from holmes_jax.mesh import build_mesh
+from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape
 from holmes_jax.metrics import MetricsLogger
 from holmes_jax.model import flops_per_token, param_count
+from holmes_jax.plan import resolve_auto_layers
 from holmes_jax.program import Program
 
 
@@ -77,9 +78,11 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     Raises:
       ConfigError: settings that are impossible on the visible devices or data.
     """
-    # 1. mesh
+    # 1. mesh (and the layer split, when the planner is asked for it)
     devices = jax.devices()
-    shape = check_devices(cfg, len(devices))
+    topology = load_mesh_topology(cfg)
+    shape = resolve_shape(cfg, len(devices), topology)
+    cfg = resolve_auto_layers(cfg, shape, topology)
     mesh = build_mesh(shape, devices)
     is_main = jax.process_index() == 0
 
@@ -117,6 +120,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
         f"{devices[0].platform} devices | {corpus.description}"
     )
+    if program.pipelined:
+        logger.message(
+            f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
+            f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
+            + (f", topology {topology.name}" if topology else "")
+        )
     if resumed:
         logger.message(f"resumed from {ckpt.directory} at step {start}")
 
