@@ -21,14 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
+import benchlib  # sets the simulated device count before jax loads
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -40,7 +36,7 @@ from holmes_jax.model import GPT, flops_per_token  # noqa: E402
 from holmes_jax.optim import make_optimizer  # noqa: E402
 from holmes_jax.program import Program  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = benchlib.ROOT
 
 
 def matmul_peak_tflops(n: int = 2048, reps: int = 10) -> float:
@@ -119,14 +115,9 @@ def main(argv=None) -> int:
         "ours_1dev": (ours_runner(cfg, sampler, MeshShape(1, 1, 1)), 1),
         "ours_8dev": (ours_runner(cfg, sampler, MeshShape(1, p.data or 4, p.tensor)), 8),
     }
-    for run, _ in variants.values():  # compile + warm up
-        run(3)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.rounds):
-        for name, (run, _) in variants.items():
-            t = time.perf_counter()
-            run(args.steps)
-            times[name].append((time.perf_counter() - t) / args.steps)
+    medians = benchlib.interleaved_medians(
+        {name: run for name, (run, _) in variants.items()}, args.steps, args.rounds, warmup=3
+    )
 
     peak = matmul_peak_tflops()
     flops = flops_per_token(cfg.model)
@@ -144,7 +135,7 @@ def main(argv=None) -> int:
         "cpu_cores": os.cpu_count(),
     }
     for name, (_, ndev) in variants.items():
-        step_s = statistics.median(times[name])
+        step_s = medians[name]
         model_tflops = tokens * flops.model / step_s / 1e12  # whole machine
         result[name] = {
             "step_ms": round(step_s * 1e3, 2),
