@@ -11,7 +11,8 @@ is checked, unknown keys are errors)::
       "topology": "cpu8-two-islands",          # optional: must match the --mesh name
       "measured_with": {                        # the layer shape that was timed
         "hidden_size": 128, "seq_len": 128, "num_heads": 4, "mlp_ratio": 4,
-        "microbatch_size": 1, "tensor": 1
+        "microbatch_size": 1, "tensor": 1,
+        "act_bytes": 4                          # optional: bytes per activation (default 2)
       },
       "compute": {                              # optional, per island (any subset)
         "<island>": {"layer_fwd_s": 0.004, "layer_bwd_s": 0.008}
@@ -90,8 +91,13 @@ def profile_from_dict(
         r.fail(
             "topology", top["topology"], f"profile is for another topology than '{topology.name}'"
         )
-    shape = r.mapping(top["measured_with"], "measured_with", required=_SHAPE_KEYS)
+    shape = r.mapping(
+        top["measured_with"], "measured_with", required=_SHAPE_KEYS, optional=("act_bytes",)
+    )
     dims = {k: r.integer(shape[k], f"measured_with.{k}", 1) for k in _SHAPE_KEYS}
+    # The timed layer's element-wise traffic is subtracted at the precision it ran in
+    # (fp32: 4); the cost model adds it back at the planned run's precision.
+    act_bytes = r.integer(shape.get("act_bytes", 2), "measured_with.act_bytes", 1)
     names = [isl.name for isl in topology.islands]
 
     base = Calibration() if efficiency is None else Calibration(efficiency)
@@ -100,7 +106,7 @@ def profile_from_dict(
     )
     b, t = dims["microbatch_size"], dims["tensor"]
     flops = layer_fwd_flops(measured, b) / t
-    traffic = layer_activation_bytes(measured, b, t, 2)
+    traffic = layer_activation_bytes(measured, b, t, act_bytes)
     speeds = {}
     compute = top.get("compute", {})
     r.mapping(compute, "compute", optional=tuple(names))

@@ -1,0 +1,300 @@
+"""``python -m holmes_jax.probe``: fitting, unit conversion, the written profile, errors.
+
+One probe run of a tiny model on ``cpu8-two-islands`` (through the CLI) is shared by the
+tests that need real measurements; the unit tests use synthetic timings.
+"""
+
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from holmes_jax import probe as probe_cli
+from holmes_jax.config import load_config
+from holmes_jax.cost import (
+    Layout,
+    ModelSpec,
+    RunSpec,
+    p2p_time,
+    ring_allreduce_time,
+    stage_costs,
+)
+from holmes_jax.errors import ConfigError
+from holmes_jax.placement import stage_hardware
+from holmes_jax.plan import main as plan_main
+from holmes_jax.probe import (
+    ComputeTiming,
+    LinkTiming,
+    Measurement,
+    fit_link,
+    island_pairs,
+    pair_shape,
+    profile_dict,
+)
+from holmes_jax.profile import load_profile, profile_from_dict
+from holmes_jax.topology import load_topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TWO = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
+THREE = os.path.join(ROOT, "meshes", "cpu8-three-islands-uneven.yaml")
+CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
+# 2 layers, hidden 32, seq 16; global batch 8 over 8 devices: micro-batch 1.
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.seq_len=16",
+    "train.global_batch_size=8",
+]
+SIZES = (4 * 1024, 64 * 1024)
+
+
+def sets(items):
+    return [x for item in items for x in ("--set", item)]
+
+
+def run_cli(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = probe_cli.main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """The CLI run once: (exit code, stdout, stderr, profile path)."""
+    path = tmp_path_factory.mktemp("probe") / "profile.json"
+    code, out, err = run_cli(
+        "--mesh", TWO, "--config", CONFIG, "--out", str(path), "--repeats", "2",
+        "--sizes-kib", "4,64", *sets(TINY),
+    )  # fmt: skip
+    return code, out, err, path
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [4e3, 6.4e4, 1e6, 1.6e7]
+    bw, lat = 2.5e9, 30e-6  # bytes/s, s
+    times = [lat + s / bw for s in sizes]
+    got_bw, got_lat = fit_link(sizes, times)
+    assert got_bw == pytest.approx(bw, rel=1e-9) and got_lat == pytest.approx(lat, rel=1e-9)
+    # 2% multiplicative noise: the relative-error fit stays within a few percent
+    noise = np.random.default_rng(0).uniform(0.98, 1.02, len(sizes))
+    got_bw, got_lat = fit_link(sizes, np.array(times) * noise)
+    assert got_bw == pytest.approx(bw, rel=0.05) and got_lat == pytest.approx(lat, rel=0.1)
+
+
+def test_fit_never_returns_negative_latency_or_bandwidth():
+    sizes = [1e3, 1e4, 1e5]
+    # pure bandwidth with a time below the line at the small end: intercept would be < 0
+    bw, lat = fit_link(sizes, [0.5e-6, 1e-5, 1e-4])
+    assert lat == 0.0 and bw > 0
+    # noise swamps the sizes (time falls as size grows): largest message, no latency
+    bw, lat = fit_link(sizes, [3e-4, 2e-4, 1e-4])
+    assert (bw, lat) == (pytest.approx(1e5 / 1e-4), 0.0)
+    with pytest.raises(ConfigError, match="two distinct"):
+        fit_link([1e3, 1e3], [1e-6, 1e-6])
+    with pytest.raises(ConfigError, match="finite and > 0"):
+        fit_link([1e3, 1e4], [1e-6, float("nan")])
+
+
+# --------------------------------------------------------------------------- units
+
+
+def _synthetic(topo, per_ring, per_sender):
+    """A Measurement whose links follow exact laws (per-ring / per-sender bytes/s, s)."""
+    sizes = (4096, 65536, 1 << 20)
+
+    def ring(n, bw, lat):
+        return tuple(ring_allreduce_time(s, n, bw, lat) for s in sizes)
+
+    links = (
+        LinkTiming("tensor", "ib", "all-reduce", 2, 1, sizes, ring(2, 12.5e9, 5e-6)),
+        LinkTiming("data:ib", "ib", "all-reduce", 2, 2, sizes, ring(2, *per_ring)),
+        LinkTiming("data:roce", "roce", "all-reduce", 2, 2, sizes, ring(2, *per_ring)),
+        LinkTiming(
+            "stage:ib:roce",
+            "ib->roce",
+            "p2p",
+            2,
+            2,
+            sizes,
+            tuple(p2p_time(s, *per_sender) for s in sizes),
+        ),
+    )
+    compute = tuple(ComputeTiming(i.name, "cpu:0", 8, 0.02, 0.06, 0.005) for i in topo.islands)
+    model = load_config(None).model  # hidden 128, 4 heads, seq 128
+    return Measurement(topo, model, 2, 3, compute, links, "cpu")
+
+
+def test_profile_units_are_the_planners():
+    """Per-ring and per-sender figures, scaled to per-host NICs in the profile, come back
+    out of the planner's placement as the same per-ring and per-sender paths."""
+    topo = load_topology(TWO)
+    per_ring, per_sender = (1.5e9, 40e-6), (0.9e9, 120e-6)  # bytes/s, s
+    raw = profile_dict(_synthetic(topo, per_ring, per_sender))
+    assert set(raw["links"]) == {"tensor", "data:ib", "data:roce", "stage:ib:roce"}
+    # 2 rings (one per tensor position) share each host's NIC
+    assert raw["links"]["data:ib"]["bandwidth_gbps"] == pytest.approx(2 * 1.5e9 * 8 / 1e9)
+    profiled, cal = profile_from_dict(raw, topo)
+    # The probe's own layouts: island = one stage of data 2 x tensor 2; stage pair 0 -> 1.
+    hw = stage_hardware(profiled, Layout(2, 2, 2, 1), cal)
+    assert hw[0].data == pytest.approx(per_ring, rel=1e-5)
+    assert hw[1].data == pytest.approx(per_ring, rel=1e-5)
+    assert hw[0].tensor == pytest.approx((12.5e9, 5e-6), rel=1e-5)
+    # a replica of t=2 ranks sends 2 x 64 KiB per device's 64 KiB: as long as one device's
+    assert p2p_time(2 * 65536, *hw[0].send) == pytest.approx(p2p_time(65536, *per_sender))
+
+
+def test_profile_reproduces_the_measured_fp32_layer():
+    topo = load_topology(TWO)
+    raw = profile_dict(_synthetic(topo, (1e9, 1e-5), (1e9, 1e-5)))
+    assert raw["measured_with"]["act_bytes"] == 4
+    profiled, cal = profile_from_dict(raw, topo)
+    model = ModelSpec(4, 128, 4, 128, 256)
+    layout = Layout(4, 2, 1, 4)  # 16 / (2 data x 4 micro-batches) = 2 = measured size
+    run = RunSpec(16, act_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    costs = stage_costs(model, run, layout, stage_hardware(profiled, layout, cal))
+    for s in range(4):  # stages 0, 1 on ib, 2, 3 on roce
+        assert costs.fwd[s, 2] - costs.fwd[s, 1] == pytest.approx(0.02)
+        assert costs.bwd[s, 2] - costs.bwd[s, 1] == pytest.approx(0.04)
+
+
+def test_pair_layout_on_uneven_islands():
+    topo = load_topology(THREE)  # 4 + 2 + 2 devices, 2 per host
+    shape = pair_shape(topo)
+    assert (shape.stages, shape.data, shape.tensor) == (4, 1, 2)
+    # last stage of a -> first of b, etc.; each stage is one host's 2 devices
+    assert island_pairs(topo, shape) == [(1, 2, 2), (1, 3, 2), (2, 3, 2)]
+
+
+def test_islands_sharing_a_process_are_timed_together():
+    topo = load_topology(THREE)
+    devs = lambda procs: [SimpleNamespace(process_index=p) for p in procs]  # noqa: E731
+    one = probe_cli._process_groups(topo, devs([0] * 8))
+    assert [g["islands"] for g in one] == [{0, 1, 2}]
+    # one process per host: every island alone
+    split = probe_cli._process_groups(topo, devs([0, 0, 1, 1, 2, 2, 3, 3]))
+    assert sorted(min(g["islands"]) for g in split) == [0, 1, 2]
+    # a process holding the last host of island 0 and island 1
+    joined = probe_cli._process_groups(topo, devs([0, 0, 1, 1, 1, 1, 2, 2]))
+    assert sorted(sorted(g["islands"]) for g in joined) == [[0, 1], [2]]
+
+
+def test_gather_merges_what_each_process_measured(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    nan = math.nan
+    compute = [ComputeTiming("ib", "cpu:0", 4, 1.0, 3.0, 0.5)]
+    compute.append(ComputeTiming("roce", "cpu:4", 4, nan, nan, nan))
+    links = [LinkTiming("data:roce", "roce", "all-reduce", 2, 2, (4, 8), (nan, nan))]
+    other = np.array([nan, nan, nan, 2.0, 5.0, 0.7, 1e-3, 2e-3])  # process 1: roce
+
+    def allgather(x):
+        return np.stack([x, other])
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    compute, links = probe_cli._gather(compute, links)
+    assert (compute[0].fwd_s, compute[1].fwd_s, compute[1].alone_fwd_s) == (1.0, 2.0, 0.7)
+    assert links[0].times_s == (1e-3, 2e-3)
+
+
+# --------------------------------------------------------------------------- real run
+
+
+def test_probe_writes_a_profile_the_planner_reads(probed, capsys):
+    code, out, err, path = probed
+    assert code == 0, err
+    raw = json.loads(path.read_text())
+    assert raw["topology"] == "cpu8-two-islands"
+    assert raw["measured_with"] == {
+        "hidden_size": 32,
+        "seq_len": 16,
+        "num_heads": 2,
+        "mlp_ratio": 4,
+        "microbatch_size": 1,
+        "tensor": 1,
+        "act_bytes": 4,
+    }
+    assert set(raw["compute"]) == {"ib", "roce"}
+    assert set(raw["links"]) == {"tensor", "data:ib", "data:roce", "stage:ib:roce"}
+    numbers = [v for item in raw["compute"].values() for v in item.values()]
+    assert all(math.isfinite(v) and v > 0 for v in numbers)
+    for link in raw["links"].values():
+        assert math.isfinite(link["bandwidth_gbps"]) and link["bandwidth_gbps"] > 0
+        assert math.isfinite(link["latency_us"]) and link["latency_us"] >= 0
+    load_profile(path, load_topology(TWO))  # the loader accepts every key
+    code = plan_main(
+        ["--config", CONFIG, "--mesh", TWO, "--profile", str(path), "--json", *sets(TINY)]
+    )
+    plan_out, plan_err = capsys.readouterr()
+    assert code == 0, plan_err
+    assert json.loads(plan_out)["predicted_step_s"] > 0
+
+
+def test_probe_prints_table_and_progress(probed):
+    code, out, err, path = probed
+    assert code == 0
+    for text in ("probe of topology cpu8-two-islands", "micro-batch 1", "data:roce", "ib->roce"):
+        assert text in out
+    assert f"wrote {path}" in out
+    assert "probe: point-to-point stage 0 (ib) -> stage 1 (roce)" in err
+
+
+def test_probe_function_on_one_island():
+    """``probe()`` for notebooks; one island: no stage pair to time."""
+    cfg = load_config(CONFIG, TINY)
+    topo = load_topology(os.path.join(ROOT, "meshes", "cpu8-one-island.yaml"))
+    lines = []
+    raw = probe_cli.probe(cfg, topo, repeats=1, sizes=SIZES, log=lines.append)
+    island = topo.islands[0].name
+    assert set(raw["links"]) == {"tensor", f"data:{island}"}
+    assert set(raw["compute"]) == {island} and lines
+    profile_from_dict(raw, topo)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--mesh", "meshes/nope.yaml"], "mesh 'meshes/nope.yaml'"),
+        ([], "--mesh=None"),
+        (["--mesh", TWO, "--set", "model.num_heads=5"], "model.num_heads=5"),
+        (["--mesh", TWO, "--sizes-kib", "4,x"], "--sizes-kib='4,x'"),
+        (["--mesh", TWO, "--sizes-kib", "4"], "need >= 2 distinct sizes"),
+        (["--mesh", TWO, "--repeats", "0"], "--repeats=0"),
+        (["--mesh", TWO, "--set", "train.global_batch_size=12"], "global_batch_size=12"),
+    ],
+)
+def test_errors_are_one_line_exit_2(args, needle):
+    code, out, err = run_cli(*args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
+
+
+def test_module_imports_no_jax_and_entry_point_reports_errors():
+    code = (
+        "import sys\n"
+        "import holmes_jax.probe\n"
+        "assert 'jax' not in sys.modules, 'importing the probe must not import jax'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    res = subprocess.run(
+        [sys.executable, "-m", "holmes_jax.probe", "--mesh", "meshes/nope.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
