@@ -30,7 +30,7 @@ SCHEDULES = ("gpipe", "1f1b")
 DATA_SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 PROGRESS_MODES = ("auto", "bar", "plain", "none")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -108,13 +108,15 @@ class ParallelConfig:
     layers_per_stage: tuple[int, ...] | str | None = None  # e.g. [1, 3] or "auto"
     microbatches: int = 1
     schedule: str = "gpipe"  # gpipe | 1f1b
+    replica: int = 1  # data-parallel copies across islands (hierarchical reduction)
+    enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
 
     def validate(self, model: ModelConfig) -> None:
         if self.devices < 0:
             raise ConfigError(f"parallel.devices={self.devices}: must be >= 0 (0 = all)")
         if self.data < 0:
             raise ConfigError(f"parallel.data={self.data}: must be >= 0 (0 = auto)")
-        _positive(self, "parallel", ("tensor", "stages", "microbatches"))
+        _positive(self, "parallel", ("tensor", "stages", "microbatches", "replica"))
         _choice(self.schedule, "parallel.schedule", SCHEDULES)
         lps = self.layers_per_stage
         if isinstance(lps, str) and lps != "auto":
@@ -164,6 +166,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # applied to matmul kernels and embeddings only
     grad_clip: float = 1.0  # global-norm clip; 0 = off
+    zero1: bool = True  # shard optimizer state over data; reduce-scatter gradients
 
     def validate(self) -> None:
         if self.learning_rate <= 0:
@@ -188,7 +191,7 @@ class TrainConfig:
     steps: int = 1000
     global_batch_size: int = 32  # sequences per optimizer step, over all devices
     seed: int = 0
-    precision: str = "fp32"
+    precision: str = "fp32"  # fp32 | bf16 (bf16 params and compute, fp32 master and reduction)
     eval_every: int = 100  # 0 = only at the end
     eval_batches: int = 8
     metrics_path: str | None = None  # JSON lines, one object per logged step
@@ -233,6 +236,29 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process (multi-host) launch; all unset = a single process or auto-detection."""
+
+    coordinator_address: str | None = None  # host:port of process 0; None = auto-detect
+    num_processes: int = 0  # 0 = auto-detect (SLURM / Open MPI / Kubernetes) or 1
+    process_id: int = -1  # -1 = auto-detect
+    heartbeat_timeout_s: int = 30  # a silent peer is declared dead after this long
+    initialization_timeout_s: int = 300  # waiting for all processes to join
+
+    def validate(self) -> None:
+        if self.num_processes < 0:
+            raise ConfigError(f"distributed.num_processes={self.num_processes}: must be >= 0")
+        if self.process_id < -1:
+            raise ConfigError(f"distributed.process_id={self.process_id}: must be >= -1")
+        if self.num_processes and self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"distributed.process_id={self.process_id}: must be < "
+                f"distributed.num_processes={self.num_processes}"
+            )
+        _positive(self, "distributed", ("heartbeat_timeout_s", "initialization_timeout_s"))
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -241,6 +267,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
         """Checks that need no devices. Raises ConfigError."""
@@ -251,13 +278,14 @@ class Config:
         self.train.validate()
         self.checkpoint.validate()
         self.logging.validate()
+        self.distributed.validate()
         if self.data.source != "tokens" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size={self.model.vocab_size}: the byte tokenizer of "
                 f"data.source='{self.data.source}' needs >= 256"
             )
         if self.parallel.data:
-            _check_batch(self, self.parallel.data)
+            _check_batch(self, self.parallel.data * self.parallel.replica)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples), the inverse of :func:`config_from_dict`."""
@@ -277,10 +305,11 @@ class MeshShape:
     stages: int
     data: int
     tensor: int
+    replica: int = 1  # outermost: pipeline copies across islands
 
     @property
     def num_devices(self) -> int:
-        return self.stages * self.data * self.tensor
+        return self.replica * self.stages * self.data * self.tensor
 
 
 def check_devices(cfg: Config, available: int) -> MeshShape:
@@ -303,24 +332,23 @@ def check_devices(cfg: Config, available: int) -> MeshShape:
         raise ConfigError(
             f"parallel.devices={devices}: more devices asked for than exist ({available})"
         )
-    per_replica = p.stages * p.tensor
+    fixed = p.replica * p.stages * p.tensor
     if p.data:
-        if p.data * per_replica != devices:
+        if p.data * fixed != devices:
             raise ConfigError(
-                f"parallel.data={p.data}: stages*data*tensor = {p.stages}*{p.data}*{p.tensor}"
-                f" = {p.data * per_replica} must equal the {devices} devices used "
+                f"parallel.data={p.data}: replica*stages*data*tensor = {p.replica}*{p.stages}*"
+                f"{p.data}*{p.tensor} = {p.data * fixed} must equal the {devices} devices used "
                 f"(set parallel.devices or parallel.data: 0 for auto)"
             )
         data = p.data
     else:
-        if devices % per_replica:
+        if devices % fixed:
             raise ConfigError(
-                f"parallel.stages*parallel.tensor={per_replica}: must divide the {devices} "
-                f"devices used"
+                f"parallel.replica*stages*tensor={fixed}: must divide the {devices} devices used"
             )
-        data = devices // per_replica
-    _check_batch(cfg, data)
-    return MeshShape(stages=p.stages, data=data, tensor=p.tensor)
+        data = devices // fixed
+    _check_batch(cfg, data * p.replica)
+    return MeshShape(stages=p.stages, data=data, tensor=p.tensor, replica=p.replica)
 
 
 def _check_batch(cfg: Config, data: int) -> None:

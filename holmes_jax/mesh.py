@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from holmes_jax.axes import DATA, MESH_AXES
+from holmes_jax.axes import BATCH_AXES, MESH_AXES
 from holmes_jax.config import Config, MeshShape, check_devices
 from holmes_jax.cost import Layout
 from holmes_jax.errors import ConfigError
@@ -53,8 +53,10 @@ def resolve_shape(cfg: Config, available: int, topology: Topology | None) -> Mes
             )
         available = topology.num_devices
     shape = check_devices(cfg, available)
-    if topology is not None:
-        layout = Layout(shape.stages, shape.data, shape.tensor, cfg.parallel.microbatches)
+    if topology is not None and cfg.parallel.enforce_islands:
+        layout = Layout(
+            shape.stages, shape.data, shape.tensor, cfg.parallel.microbatches, replica=shape.replica
+        )
         stage_blocks(topology, layout)  # raises ConfigError when placement is impossible
     return shape
 
@@ -68,10 +70,12 @@ def build_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) ->
         (its first ``shape.num_devices``).
 
     Returns:
-      ``Mesh`` of shape (stages, data, tensor) with Auto axis types.
+      ``Mesh`` of shape (replica, stages, data, tensor) with Auto axis types.
     """
     devices = list(jax.devices() if devices is None else devices)[: shape.num_devices]
-    grid = np.array(devices, dtype=object).reshape(shape.stages, shape.data, shape.tensor)
+    grid = np.array(devices, dtype=object).reshape(
+        shape.replica, shape.stages, shape.data, shape.tensor
+    )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -88,13 +92,16 @@ def describe(cfg: Config, topology: Topology) -> str:
     places = topology.device_places()
     k = shape.data * shape.tensor
     lines = [
-        f"mesh stage={shape.stages} x data={shape.data} x tensor={shape.tensor} on topology "
-        f"'{topology.name}' ({topology.num_devices} devices)"
+        f"mesh replica={shape.replica} x stage={shape.stages} x data={shape.data} x "
+        f"tensor={shape.tensor} on topology '{topology.name}' ({topology.num_devices} devices)"
     ]
-    for s in range(shape.stages):
-        block = places[s * k : (s + 1) * k]
+    for n in range(shape.replica * shape.stages):
+        block = places[n * k : (n + 1) * k]
+        r, s = divmod(n, shape.stages)
+        where = f"replica {r} " if shape.replica > 1 else ""
         lines.append(
-            f"stage {s}  island {block[0].island_name} ({topology.islands[block[0].island].nic})"
+            f"{where}stage {s}  island {block[0].island_name} "
+            f"({topology.islands[block[0].island].nic})"
         )
         for d in range(shape.data):
             row = block[d * shape.tensor : (d + 1) * shape.tensor]
@@ -104,8 +111,8 @@ def describe(cfg: Config, topology: Topology) -> str:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a [batch, seq] token array: rows split over ``data``."""
-    return NamedSharding(mesh, PartitionSpec(DATA, None))
+    """Sharding of a [batch, seq] token array: rows split over ``replica`` × ``data``."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

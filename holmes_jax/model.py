@@ -27,12 +27,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from holmes_jax.axes import DATA, TENSOR
+from holmes_jax.axes import BATCH_AXES, TENSOR
 from holmes_jax.config import ModelConfig
 
 # Logical axis name -> mesh axis. The only place parameters meet the mesh.
 LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", DATA),
+    ("batch", BATCH_AXES),
     ("vocab", TENSOR),
     ("heads", TENSOR),
     ("mlp", TENSOR),
@@ -60,9 +60,11 @@ class LayerNorm(nn.Module):
         h = x.shape[-1]
         scale = _param(self, "scale", nn.initializers.ones, (h,), ("embed",))
         bias = _param(self, "bias", nn.initializers.zeros, (h,), ("embed",))
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
+        x32 = x.astype(jnp.float32)  # statistics in fp32 even for bf16 activations
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 class Embed(nn.Module):
@@ -114,9 +116,11 @@ class Block(nn.Module):
         q, k, v = qkv[0], qkv[1], qkv[2]
         t = x.shape[1]
         scores = jnp.einsum("btnd,bsnd->bnts", q, k) / math.sqrt(hd)  # [B, nh, T, T]
+        scores = scores.astype(jnp.float32)  # softmax in fp32
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        probs = drop(jax.nn.softmax(scores, axis=-1), deterministic=self.deterministic)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        probs = drop(probs, deterministic=self.deterministic)
         y = jnp.einsum("bnts,bsnd->btnd", probs, v)  # [B, T, nh, hd]
         w_o = _param(self, "out_kernel", resid, (nh, hd, h), ("heads", "head_dim", "embed"))
         b_o = _param(self, "out_bias", zeros, (h,), ("embed",))
@@ -163,7 +167,8 @@ class Head(nn.Module):
 
 
 def cross_entropy(logits, targets):
-    """Mean token cross-entropy. logits [B, T, V] float, targets [B, T] int."""
+    """Mean token cross-entropy (in fp32). logits [B, T, V] float, targets [B, T] int."""
+    logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - picked)

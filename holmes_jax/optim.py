@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import optax
+from jax import lax
 
 from holmes_jax.config import OptimizerConfig
 
@@ -34,6 +35,16 @@ def decay_mask(params):
     """Pytree of bools: True where weight decay applies."""
     return jax.tree_util.tree_map_with_path(
         lambda path, _: getattr(path[-1], "key", None) in DECAYED, params
+    )
+
+
+def clip_by_global_norm(grads, norm: jax.Array, max_norm: float):
+    """Exactly optax.clip_by_global_norm's rule, given an externally computed norm."""
+    if max_norm <= 0:
+        return grads
+    trigger = norm < max_norm
+    return jax.tree.map(
+        lambda g: lax.select(trigger, g, (g / norm.astype(g.dtype)) * max_norm), grads
     )
 
 

@@ -29,8 +29,10 @@ and ``data`` (``tensor`` stays automatic, so GSPMD does tensor parallelism insid
    ``chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
    traffic between neighbouring stages ever crosses an island boundary.
 
-Gradient clipping needs the global norm, which only exists after step 4, so the engine
-clips (exactly as ``optax.clip_by_global_norm``) and the optimizer skips its own clip.
+Gradient clipping needs the global norm, which only exists after step 4: the engine
+returns it beside the (unclipped) gradients and the program clips with it
+(``optim.clip_by_global_norm``) instead of letting optax recompute a wrong norm from the
+pipeline layout, where padded slots and a tied embedding's copies would distort it.
 """
 
 from __future__ import annotations
@@ -46,14 +48,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from holmes_jax.axes import DATA, STAGE
+from holmes_jax.axes import BATCH_AXES, DATA, REPLICA, STAGE
 from holmes_jax.config import ModelConfig
 from holmes_jax.model import GPT, LOGICAL_RULES, Block
 from holmes_jax.schedule import BWD, FWD, Schedule, make_schedule
+from holmes_jax.zero import reduce_bucket, shard_shape, sharded_spec, squared_norm
 
 # Inside the pipeline ``data`` is a manual axis: the batch is already split, so the
 # activation constraints map ``batch`` to nothing; tensor rules stay.
-PIPELINE_RULES = tuple((name, None if axis == DATA else axis) for name, axis in LOGICAL_RULES)
+PIPELINE_RULES = tuple((name, None if name == "batch" else axis) for name, axis in LOGICAL_RULES)
 
 
 # --------------------------------------------------------------------------- layout
@@ -167,16 +170,6 @@ def _dyn_set(tree, i, value):
     return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
 
 
-def clip_by_global_norm(grads, norm, max_norm: float):
-    """Exactly optax.clip_by_global_norm's rule, given an externally computed norm."""
-    if max_norm <= 0:
-        return grads
-    trigger = norm < max_norm
-    return jax.tree.map(
-        lambda g: lax.select(trigger, g, (g / norm.astype(g.dtype)) * max_norm), grads
-    )
-
-
 class _Residuals:
     """Split a layer's ``jax.vjp`` function into bufferable arrays and the rest.
 
@@ -242,7 +235,7 @@ class PipelineEngine:
         microbatches: int,
         schedule: str,
         seed: int,
-        grad_clip: float,
+        grad_dims: Any = None,
         nan_bubbles: bool = False,
     ):
         if layout.stages != mesh.shape[STAGE]:
@@ -255,7 +248,10 @@ class PipelineEngine:
         self.M = microbatches
         self.schedule: Schedule = make_schedule(schedule, layout.stages, microbatches)
         self.seed = seed
-        self.grad_clip = grad_clip
+        self.data = mesh.shape[DATA]
+        self.replica = mesh.shape[REPLICA]
+        # Per leaf, the (pipeline-layout) dim that ZeRO-1 scatters over data, or -1.
+        self.grad_dims = grad_dims
         self.nan_bubbles = nan_bubbles
         self.gpt = GPT(model_cfg, deterministic=model_cfg.dropout == 0.0)
         self.block = Block(model_cfg, deterministic=model_cfg.dropout == 0.0)
@@ -275,27 +271,42 @@ class PipelineEngine:
         return self.gpt.apply(variables, x, targets, method=GPT.head_loss)
 
     def loss_and_grads(self, params, batch, step):
-        """Returns ``(loss, grads, grad_norm)``; grads clipped by ``grad_clip``.
+        """Returns ``(loss, grads, grad_norm)``: mean loss, reduced (unclipped) gradients in
+        the pipeline layout (1/d shards with ZeRO-1) and their global norm.
 
         Args:
           params: pipeline-layout parameters (leading stage axis).
           batch: ``[B, T+1]`` int32 tokens sharded over ``data``.
           step: int32 scalar (dropout keys derive from seed, step, microbatch, layer).
         """
+        dims = self._dims(params)
         param_specs = jax.tree.map(lambda _: PartitionSpec(STAGE), params)
+        grad_specs = jax.tree.map(
+            lambda a, dim: sharded_spec(PartitionSpec(STAGE), dim, a.ndim), params, dims
+        )
         fn = jax.shard_map(
             self._body,
             mesh=self.mesh,
-            in_specs=(param_specs, PartitionSpec(DATA), PartitionSpec()),
-            out_specs=(PartitionSpec(), param_specs, PartitionSpec()),
-            axis_names={STAGE, DATA},
+            in_specs=(param_specs, PartitionSpec(BATCH_AXES), PartitionSpec()),
+            out_specs=(PartitionSpec(), grad_specs, PartitionSpec()),
+            axis_names={REPLICA, STAGE, DATA},
             check_vma=False,
         )
         with nn.logical_axis_rules(PIPELINE_RULES):
             return fn(params, batch, step)
 
+    def _dims(self, params):
+        if self.grad_dims is None:
+            return jax.tree.map(lambda _: -1, params)
+        return self.grad_dims
+
     def _body(self, params, batch, step):
         S, M, sched = self.layout.stages, self.M, self.schedule
+        d, r = self.data, self.replica
+        # Local ZeRO dims: the stage axis is gone inside the shard_map, and a block slot
+        # (one layer, the bucket) also drops the slot axis.
+        dims = jax.tree.map(lambda k: k - 1 if k >= 0 else -1, self._dims(params))
+        slot_dims = jax.tree.map(lambda k: k - 1 if k >= 0 else -1, dims["blocks"])
         stage = lax.axis_index(STAGE)
         is_first, is_last = stage == 0, stage == S - 1
         n_layers = jnp.asarray(self.layout.layers_per_stage, jnp.int32)[stage]
@@ -308,7 +319,7 @@ class PipelineEngine:
         local = batch.reshape(M, batch.shape[0] // M, batch.shape[1])  # [M, mb, T+1]
         tokens, targets = local[:, :, :-1], local[:, :, 1:]  # [M, mb, T]
         mb, T, H = tokens.shape[1], tokens.shape[2], self.cfg.hidden_size
-        act = jax.ShapeDtypeStruct((mb, T, H), jnp.float32)
+        act = jax.ShapeDtypeStruct((mb, T, H), embed_p["wte"].dtype)  # compute dtype
         base_key = jax.random.fold_in(jax.random.key(self.seed + 1), step)
 
         def key_for(i, layer):
@@ -316,7 +327,9 @@ class PipelineEngine:
 
         # One trace of a layer's vjp fixes the residual layout (XLA drops this dead code).
         w0 = _dyn_index(blocks_p, 0)
-        _, vjp0 = jax.vjp(lambda w, x: self._layer(w, x, key_for(0, 0)), w0, jnp.zeros(act.shape))
+        _, vjp0 = jax.vjp(
+            lambda w, x: self._layer(w, x, key_for(0, 0)), w0, jnp.zeros(act.shape, act.dtype)
+        )
         res = _Residuals(vjp0, w0)
         K, L = sched.buffer_slots, self.layout.slots
         fill = jnp.nan if self.nan_bubbles else 0.0
@@ -324,12 +337,18 @@ class PipelineEngine:
         # 0-or-1-trip while loop (_when), which XLA aliases, where lax.cond/switch would
         # copy each buffer that one branch writes and another passes through, every tick.
         carry0 = dict(
-            inbox=jnp.full((2, *act.shape), fill),  # forward activations waiting for FWD
-            recv_x=jnp.full(act.shape, fill),
-            recv_g=jnp.full(act.shape, fill),
-            head_ct=jnp.zeros((K, *act.shape)),  # last stage: dloss/dx from the head
+            inbox=jnp.full((2, *act.shape), fill, act.dtype),  # forward activations waiting for FWD
+            recv_x=jnp.full(act.shape, fill, act.dtype),
+            recv_g=jnp.full(act.shape, fill, act.dtype),
+            head_ct=jnp.zeros((K, *act.shape), act.dtype),  # last stage: dloss/dx from the head
             res=[jnp.zeros((K, L, *r.shape), r.dtype) for r in res.buffered],
-            grads=jax.tree.map(jnp.zeros_like, p),
+            grads=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p),  # fp32 sums
+            # Reduced (1/d with ZeRO-1) block gradients, filled bucket by bucket.
+            shards=jax.tree.map(
+                lambda a, k: jnp.zeros(shard_shape(a.shape, k, d), jnp.float32),
+                blocks_p,
+                dims["blocks"],
+            ),
             loss=jnp.zeros((), jnp.float32),
         )
         tables = {k: jnp.asarray(getattr(sched, k)) for k in ("op", "mb", "slot")}
@@ -371,16 +390,24 @@ class PipelineEngine:
             """BWD of microbatch i from slot k's residuals; embedding backward on stage 0."""
 
             def layer(n, state):
-                ct, g_blocks = state
+                ct, g_blocks, shards = state
                 j = n_layers - 1 - n
                 w = _dyn_index(blocks_p, j)
                 saved = [_get(b, k, j) for b in c["res"]]
                 dw, dx = res.join(saved, w)(ct)
-                g_blocks = _dyn_set(g_blocks, j, jax.tree.map(jnp.add, _dyn_index(g_blocks, j), dw))
-                return dx, g_blocks
+                g_j = jax.tree.map(jnp.add, _dyn_index(g_blocks, j), dw)
+                # Phase 1: the last microbatch completes layer j's gradient: reduce it now.
+                shards = _when(
+                    i == M - 1,
+                    lambda sh: _dyn_set(sh, j, reduce_bucket(g_j, slot_dims, d, r)),
+                    shards,
+                )
+                return dx, _dyn_set(g_blocks, j, g_j), shards
 
             ct = lax.select(is_last, c["head_ct"][k], c["recv_g"])
-            ct, g_blocks = lax.fori_loop(0, n_layers, layer, (ct, c["grads"]["blocks"]))
+            ct, g_blocks, shards = lax.fori_loop(
+                0, n_layers, layer, (ct, c["grads"]["blocks"], c["shards"])
+            )
 
             def embed_backward(g_embed):
                 _, vjp_fn = jax.vjp(lambda e: self._embed(e, tokens[i]), embed_p)
@@ -388,7 +415,7 @@ class PipelineEngine:
 
             g_embed = _when(is_first, embed_backward, c["grads"]["embed"])
             grads = dict(c["grads"], blocks=g_blocks, embed=g_embed)
-            return dict(c, grads=grads, send_g=ct)
+            return dict(c, grads=grads, shards=shards, send_g=ct)
 
         def tick(c, t):
             op, i, k = tables["op"][t, stage], tables["mb"][t, stage], tables["slot"][t, stage]
@@ -403,7 +430,10 @@ class PipelineEngine:
                 c["inbox"],
             )
             c = dict(
-                c, inbox=inbox, send_x=jnp.full(act.shape, fill), send_g=jnp.full(act.shape, fill)
+                c,
+                inbox=inbox,
+                send_x=jnp.full(act.shape, fill, act.dtype),
+                send_g=jnp.full(act.shape, fill, act.dtype),
             )
             c = _when(op == FWD, lambda c: forward(c, i, k), c)  # IDLE ticks run neither
             c = _when(op == BWD, lambda c: backward(c, i, k), c)
@@ -413,31 +443,32 @@ class PipelineEngine:
 
         c, _ = lax.scan(tick, carry0, jnp.arange(sched.ticks))
 
-        # 3. average over data-parallel ranks (inside one island).
-        grads = lax.pmean(c["grads"], DATA)
+        # 3. gradients reduced over data (inside an island) and replicas (zero.py phases 1-3):
+        #    the blocks bucket by bucket during the last backward, embedding and head now.
+        g = c["grads"]
+        grads = {
+            "embed": reduce_bucket(g["embed"], dims["embed"], d, r),
+            "blocks": c["shards"],
+            "head": reduce_bucket(g["head"], dims["head"], d, r),
+        }
         loss = lax.pmean(c["loss"], DATA)
-        # 4. cross-stage sums by neighbour-to-neighbour hops only.
+        if r > 1:
+            loss = lax.pmean(loss, REPLICA)
+        # 4. cross-stage sums by neighbour-to-neighbour hops only, on the 1/d shards.
         if self.cfg.tied_embeddings:  # wte: embedding grad (stage 0) + head grad (stage S-1)
             wte = chain_sum(grads["embed"]["wte"], S)
             grads = dict(grads, embed=dict(grads["embed"], wte=wte))
-        owned = jnp.sum(
-            jnp.asarray([jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads["blocks"])])
-        )
-        owned += jnp.where(is_first, _sq(grads["embed"]), 0.0)
-        owned += jnp.where(is_last, _sq(grads["head"]), 0.0)
+        owned = squared_norm(grads["blocks"], dims["blocks"])
+        owned += jnp.where(is_first, squared_norm(grads["embed"], dims["embed"]), 0.0)
+        owned += jnp.where(is_last, squared_norm(grads["head"], dims["head"]), 0.0)
         loss, norm = chain_sum((jnp.where(is_last, loss, 0.0), owned), S)
         norm = jnp.sqrt(norm)
-        grads = clip_by_global_norm(grads, norm, self.grad_clip)
         return loss, jax.tree.map(lambda g: g[None], grads), norm
 
 
 def _when(pred, body, carry):
     """``body(carry)`` if ``pred`` else ``carry``, as a 0-or-1-trip while loop (in place)."""
     return lax.fori_loop(0, pred.astype(jnp.int32), lambda _, c: body(c), carry)
-
-
-def _sq(tree) -> jax.Array:
-    return sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree))
 
 
 def _put(buf, value, k, j):

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from holmes_jax.axes import DATA, STAGE, TENSOR
+from holmes_jax.axes import DATA, MESH_AXES, STAGE, TENSOR
 from holmes_jax.config import Config, MeshShape, ModelConfig, check_devices, load_config
 from holmes_jax.cost import Layout, ModelSpec, layer_fwd_flops
 from holmes_jax.errors import ConfigError
@@ -350,7 +350,7 @@ def _time_layers(
 
     det = model.dropout == 0.0
     rng = None if det else jax.random.key(0)
-    spec = PartitionSpec(STAGE, DATA, TENSOR)  # [1, n, 1, b, s, h]: one micro-batch each
+    spec = PartitionSpec(*MESH_AXES)  # [1, 1, n, 1, b, s, h]: one micro-batch each
 
     def fwd(params, x):  # x [b, s, h]
         return block_apply(model, params, x, deterministic=det, rng=rng)
@@ -362,9 +362,9 @@ def _time_layers(
     def program(mesh, f, inputs: int):
         """``f`` on every device: params replicated, activations one block per device."""
 
-        def body(params, *xs):  # drop, then restore, the [1, 1, 1] mesh block
-            out = f(params, *(x[0, 0, 0] for x in xs))
-            return jax.tree.map(lambda a: a[None, None, None], out)
+        def body(params, *xs):  # drop, then restore, the [1, 1, 1, 1] mesh block
+            out = f(params, *(x[0, 0, 0, 0] for x in xs))
+            return jax.tree.map(lambda a: a[None, None, None, None], out)
 
         in_specs = (PartitionSpec(),) + (spec,) * inputs
         return jax.jit(
@@ -390,7 +390,7 @@ def _time_layers(
     group = next(g for g in _process_groups(topology, devices) if me in g["processes"])
     group_devices = [devices[k] for i in group["islands"] for k in ranges[i]]
     mesh = _mesh(MeshShape(1, len(group_devices), 1), group_devices)
-    host_x = gen.standard_normal((1, len(group_devices), 1, *shape)).astype(np.float32)
+    host_x = gen.standard_normal((*mesh.devices.shape, *shape)).astype(np.float32)
     x = jax.device_put(host_x, NamedSharding(mesh, spec))
     p = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     fwd_s = _median_time(partial(program(mesh, fwd, 1), p, x), repeats)
@@ -402,7 +402,7 @@ def _time_layers(
         if i in group["islands"]:
             timing = replace(timing, fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s)
         if first.process_index == me:
-            one = jax.device_put((params, host_x[0, 0, 0]), first)
+            one = jax.device_put((params, host_x[0, 0, 0, 0]), first)
             timing = replace(timing, alone_fwd_s=_median_time(partial(alone, *one), repeats))
         out.append(timing)
     return out
@@ -434,7 +434,7 @@ def _time_collective(mesh, axis: str, perm, sizes: Sequence[int], repeats: int) 
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    spec = PartitionSpec(STAGE, DATA, TENSOR)  # block [1, 1, 1, n] per device
+    spec = PartitionSpec(*MESH_AXES)  # block [1, 1, 1, 1, n] per device
 
     def body(x):
         return jax.lax.psum(x, axis) if perm is None else jax.lax.ppermute(x, axis, perm)

@@ -128,7 +128,9 @@ def test_training_equals_single_device():
     (ref_losses, ref_params), (losses, params) = results
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert losses[2] < losses[0]
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), params, ref_params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), params, ref_params
+    )
 
 
 @pytest.mark.slow
@@ -166,8 +168,18 @@ def test_resume_under_another_split(tmp_path):
 
 
 def _groups(attr: str) -> list[list[int]]:
-    """Parse replica_groups / source_target_pairs: explicit {{..},{..}} or iota form."""
+    """Parse replica_groups / source_target_pairs: explicit {{..},{..}}, iota
+    ``[G,N]<=[dims]T(perm)``, or mesh form ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}``."""
     attr = attr.strip()
+    if attr.startswith("mesh["):
+        dims = [(n, int(v)) for n, v in re.findall(r"'(\w+)'=(\d+)", attr.split("]")[0])]
+        varying = re.findall(r"'(\w+)'", attr.split("]", 1)[1])
+        ids = np.arange(np.prod([v for _, v in dims])).reshape([v for _, v in dims])
+        names = [n for n, _ in dims]
+        order = [k for k, n in enumerate(names) if n not in varying]
+        order += [names.index(n) for n in varying]
+        size = int(np.prod([dict(dims)[n] for n in varying]))
+        return ids.transpose(order).reshape(-1, size).tolist()
     if attr.startswith("{"):
         return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,]*)\}", attr)]
     m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attr)
@@ -178,6 +190,32 @@ def _groups(attr: str) -> list[list[int]]:
     if m.group(4):
         ids = ids.transpose([int(v) for v in m.group(4).split(",")])
     return ids.reshape(n_groups, size).tolist()
+
+
+def _attr(line: str, name: str) -> str:
+    """The value of ``name=`` in an HLO instruction line (handles the mesh form's space)."""
+    rest = line.split(f"{name}=", 1)[1]
+    if rest.startswith("mesh["):
+        return rest[: rest.index("}") + 1]
+    depth, out = 0, []
+    for ch in rest:
+        if ch == "," and depth == 0:
+            break
+        depth += ch in "{[("
+        depth -= ch in "}])"
+        out.append(ch)
+    return "".join(out)
+
+
+def test_group_parsing():
+    assert _groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    assert _groups("[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
+    assert (
+        _attr("x = f32[2] all-reduce(y), replica_groups=[4,2]<=[8], to_apply=z", "replica_groups")
+        == "[4,2]<=[8]"
+    )
+    assert _groups("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _groups("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}") == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
 def test_compiled_collectives_respect_islands():
@@ -208,7 +246,7 @@ def test_compiled_collectives_respect_islands():
     for line in hlo.splitlines():
         op = re.search(r" (all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\(", line)
         if op:
-            groups = _groups(re.search(r"replica_groups=(\S+?)(?:,\s*\w+=|\s|$)", line).group(1))
+            groups = _groups(_attr(line, "replica_groups"))
             for g in groups:
                 assert len({isl(n) for n in g}) == 1, f"{op.group(1)} crosses islands: {line[:200]}"
             seen["reduce"] += 1
@@ -228,7 +266,10 @@ def test_show_mesh_and_placement_errors(capsys):
 
     quick = os.path.join(ROOT, "configs", "quickstart.yaml")
     two = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
-    assert plan_main(["--config", quick, "--mesh", two, "--show-mesh", "--set", "parallel.stages=4"]) == 0
+    assert (
+        plan_main(["--config", quick, "--mesh", two, "--show-mesh", "--set", "parallel.stages=4"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "stage 1  island ib" in out and "stage 2  island roce" in out
     assert "dev 5@roce-0" in out

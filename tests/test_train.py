@@ -47,7 +47,7 @@ def _train(cfg, shape: MeshShape, steps: int):
             state, make_batch(sampler, step, program.batch_sharding)
         )
         losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state.params), state
+    return losses, jax.device_get(program.to_logical(state).params), state
 
 
 def test_sharded_step_equals_single_device(tiny_cfg):
