@@ -163,7 +163,7 @@ def test_replica_all_reduce_crosses_islands_on_shards():
     found = _collectives(cfg)
     cross = [f for f in found if f[1]]
     assert cross, "expected the cross-island reduction"
-    for kind, _, shape_txt, groups in cross:
+    for kind, _, _shape, groups in cross:
         assert kind == "all-reduce"
         assert all(len(g) == 2 for g in groups)  # one rank per island
     # The MLP kernel's gradient [slots, 128, 512] crosses as a half (data 2) shard.
