@@ -117,7 +117,15 @@ def resolve_auto_layers(cfg: Any, shape: Any, topology: Topology | None) -> Any:
         model, run = specs_from_config(cfg)
         topo = topology or single_host_topology(shape.num_devices)
         split = split_layers(
-            topo, model, run, S, shape.data, shape.tensor, par.microbatches, par.schedule
+            topo,
+            model,
+            run,
+            S,
+            shape.data,
+            shape.tensor,
+            par.microbatches,
+            par.schedule,
+            replica=shape.replica,
         )
     else:
         base, extra = divmod(L, S)

@@ -277,3 +277,23 @@ def test_show_mesh_and_placement_errors(capsys):
     assert train_main(["--config", quick, "--mesh", two, "--set", "parallel.data=8"]) == 2
     err = capsys.readouterr().err
     assert "must divide the 4 devices of island 'ib'" in err and err.count("\n") == 1
+
+
+def test_auto_split_comes_from_the_planner():
+    from holmes_jax.plan import resolve_auto_layers
+
+    two = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "quickstart.yaml"),
+        [f"parallel.mesh={two}", "parallel.stages=4", "parallel.layers_per_stage=auto"],
+    )
+    topology = load_mesh_topology(cfg)
+    shape = resolve_shape(cfg, 8, topology)
+    split = resolve_auto_layers(cfg, shape, topology).parallel.layers_per_stage
+    assert isinstance(split, tuple) and len(split) == 4
+    assert sum(split) == 8 and min(split) >= 1
+    # Unset means an even split; an explicit split is kept.
+    even = load_config(None, ["model.num_layers=7", "parallel.stages=3", "parallel.devices=6"])
+    assert resolve_auto_layers(
+        even, resolve_shape(even, 8, None), None
+    ).parallel.layers_per_stage == (3, 2, 2)
