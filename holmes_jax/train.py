@@ -2,20 +2,29 @@
 
     python -m holmes_jax.train --config configs/quickstart.yaml \\
         [--mesh meshes/cpu8-two-islands.yaml] [--set train.steps=100 --set parallel.tensor=2]
+    python -m holmes_jax.train ... --coordinator host0:1234 --num-processes 4 --process-id 2
 
 On a CPU-only machine the entry point asks XLA for ``--cpu-devices`` simulated devices
 (default 8) before jax is imported; on GPU hosts the flag only adds unused CPU devices.
 A bad setting prints one line naming the key, the value and the rule, and exits with 2.
 This module imports jax lazily, so setting the flag here still works.
+
+One of several processes (explicit flags, or SLURM / Open MPI / Kubernetes detected; see
+:mod:`holmes_jax.distributed`): the entry point sets this host's NCCL profile from the
+topology (:mod:`holmes_jax.transport`; variables already set win), joins the job, and
+runs. A lost peer ends the process with one line naming it (exit code 3); a step that
+raised for another reason exits with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
 
+from holmes_jax import distributed, xla_flags
 from holmes_jax.config import Config, load_config
 from holmes_jax.errors import ConfigError
 
@@ -54,6 +63,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override a config value, e.g. --set train.steps=100 (repeatable)",
     )
     parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's address; sets distributed.coordinator_address",
+    )
+    parser.add_argument(
+        "--num-processes", type=int, help="processes in the job; sets distributed.num_processes"
+    )
+    parser.add_argument(
+        "--process-id", type=int, help="this process, 0-based; sets distributed.process_id"
+    )
+    parser.add_argument(
         "--cpu-devices",
         type=int,
         default=8,
@@ -67,14 +87,49 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.set)
     if args.mesh:
         overrides.append(f"parallel.mesh={args.mesh}")
+    watchdog = None
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = _with_distributed_flags(load_config(args.config, overrides), args)
         request_cpu_devices(args.cpu_devices)
+        xla_flags.apply_gpu_flags()  # async collectives on GPUs, validated (no-op on CPU)
+        watchdog = distributed.start(cfg)  # None: a single process
         run(cfg)
     except ConfigError as e:
+        if watchdog is not None:  # peers name this process instead of waiting on it
+            watchdog.abort(f"ConfigError: {e}")
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except distributed.JoinError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return distributed.FAILED_EXIT
+    except Exception as e:
+        if watchdog is None:
+            raise
+        return watchdog.fail(e)  # names a lost peer (and exits), or this process's error
+    if watchdog is not None:
+        watchdog.close()
     return 0
+
+
+def _with_distributed_flags(cfg: Config, args: argparse.Namespace) -> Config:
+    """``--coordinator`` / ``--num-processes`` / ``--process-id`` over ``distributed.*``.
+
+    Set directly rather than through ``--set`` so an address is never read as YAML.
+
+    Raises:
+      ConfigError: an impossible combination (e.g. a process id >= the process count).
+    """
+    flags = {
+        "coordinator_address": args.coordinator,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
+    flags = {key: value for key, value in flags.items() if value is not None}
+    if not flags:
+        return cfg
+    cfg = cfg.replace(distributed=dataclasses.replace(cfg.distributed, **flags))
+    cfg.distributed.validate()
+    return cfg
 
 
 if __name__ == "__main__":

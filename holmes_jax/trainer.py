@@ -26,6 +26,7 @@ import numpy as np
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import Config
 from holmes_jax.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
+from holmes_jax.distributed import any_process
 from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape
 from holmes_jax.metrics import MetricsLogger
 from holmes_jax.model import flops_per_token, param_count
@@ -85,6 +86,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     cfg = resolve_auto_layers(cfg, shape, topology)
     mesh = build_mesh(shape, devices)
     is_main = jax.process_index() == 0
+    multi_process = jax.process_count() > 1
 
     # 2. data
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
@@ -147,10 +149,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 evaluate = step == total or (
                     cfg.train.eval_every and step % cfg.train.eval_every == 0
                 )
-                stopping = stop.signum is not None or (
-                    stop_at_step is not None and step >= stop_at_step
-                )
-                if first or evaluate or stopping or step % cfg.logging.log_every == 0:
+                log_step = first or evaluate or step % cfg.logging.log_every == 0
+                requested = stop.signum is not None
+                if multi_process:  # all must stop after the same step: agree on log steps
+                    requested = log_step and any_process(requested)
+                stopping = requested or (stop_at_step is not None and step >= stop_at_step)
+                if log_step or stopping:
                     values = jax.device_get(metrics)  # waits for this step
                     elapsed = (time.perf_counter() - window_start) / window_steps
                     rec = logger.record(step, values, elapsed)
@@ -168,6 +172,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     last_saved = step
                 if stopping:
                     why = f"received {stop.name}" if stop.signum else f"stop_at_step={stop_at_step}"
+                    if requested and not stop.signum:
+                        why = "another process received a stop signal"
                     if ckpt is not None and last_saved != step:
                         ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
                         last_saved = step

@@ -1,0 +1,259 @@
+"""Benchmark: Holmes placement vs naive data parallelism on an emulated 2-island network.
+
+    sudo .venv/bin/python scripts/bench_islands.py [--steps 6] [--keep-logs DIR]
+
+Four single-device hosts in two islands, each host a process in its own network namespace
+(``python -m holmes_jax.launch --emulate``): 1 Gbit/s inside each island, 100 Mbit/s
+between them (meshes/emu-4host-2island.yaml), real gloo traffic through ``tc htb``. The
+model (4 layers, hidden 256, seq 32, untied head; 3.3M parameters = 13 MB of fp32
+gradients) has gradients ~400x larger than one micro-batch's activations (32 KiB), so
+where the gradient traffic flows decides the step time. Side by side, a few steps each:
+
+(a) holmes: 2 stages (one per island, only activations cross) x data 2 inside each island,
+    1F1B, 4 micro-batches;
+(b) naive:  data parallel 4 across both islands (``parallel.enforce_islands=false``): the
+    gradient all-reduce ring crosses the slow link;
+(c) fast:   (a) on emu-4host-2island-fast.yaml, every link 1 Gbit/s (homogeneous reference).
+
+Step times are medians of the steps after the first (which compiles), from the trainer's
+metrics. Predictions come from the cost model (holmes_jax.cost / placement) with the
+topology's link rates and the device speed measured first by holmes_jax.probe (one layer
+on all 4 simulated devices at once, as the 4 processes share the 2 cores); the gradient
+reduction is modelled as the trainer runs it: ZeRO-1 reduce-scatter per layer during each
+stage's last backward and an all-gather after the update, synchronous on CPUs (so only
+the other stages' remaining backward hides it). The planner has no "data parallel across
+islands" placement (the placement rules forbid it), so (b) is built here from the same
+cost.py primitives: one stage, data 4, the all-reduce ring bounded by its slowest hop (the
+inter-island link).
+Targets: (b)/(a) >= 2, (a)/(c) <= 1.25, every prediction within 25% of its measurement.
+Needs root. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import benchlib
+import numpy as np
+
+# 4 simulated devices in this process, as the topology has (the probe and the one-process
+# diagnostic); each launched process sets its own count.
+os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
+    "device_count=8", "device_count=4"
+)
+
+from holmes_jax.config import load_config  # noqa: E402
+from holmes_jax.cost import Layout, exposed_tail, pipeline_time, stage_costs  # noqa: E402
+from holmes_jax.errors import ConfigError  # noqa: E402
+from holmes_jax.launch import launch  # noqa: E402
+from holmes_jax.placement import StageHardware, stage_hardware  # noqa: E402
+from holmes_jax.plan import specs_from_config  # noqa: E402
+from holmes_jax.topology import load_topology  # noqa: E402
+
+SLOW = f"{benchlib.ROOT}/meshes/emu-4host-2island.yaml"
+FAST = f"{benchlib.ROOT}/meshes/emu-4host-2island-fast.yaml"
+MODEL = [
+    "model.num_layers=4",
+    "model.hidden_size=256",
+    "model.num_heads=4",
+    "model.seq_len=32",
+    "model.tied_embeddings=false",
+    "train.global_batch_size=8",
+    "data.max_bytes=400000",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "logging.log_every=1",
+    "logging.progress=plain",
+]
+HOLMES = ["parallel.stages=2", "parallel.data=2", "parallel.microbatches=4"]
+HOLMES += ["parallel.schedule=1f1b", "parallel.layers_per_stage=[2,2]"]
+NAIVE = ["parallel.stages=1", "parallel.data=4", "parallel.enforce_islands=false"]
+VARIANTS = {"holmes": (SLOW, HOLMES), "naive": (SLOW, NAIVE), "fast": (FAST, HOLMES)}
+
+
+def config(steps: int, extra: list[str], mesh: str):
+    return load_config(None, MODEL + extra + [f"train.steps={steps}", f"parallel.mesh={mesh}"])
+
+
+def calibrate(cfg, topology):
+    """Device speed from the probe: one layer on every device at once (in this process)."""
+    from holmes_jax.probe import measure, profile_dict
+    from holmes_jax.profile import profile_from_dict
+
+    m = measure(cfg, topology, repeats=5, sizes=(4096, 65536))
+    profile = profile_dict(m)
+    profile.pop("links")  # the links are the emulated rates of the topology file
+    _, calibration = profile_from_dict(profile, topology, source="<probe>")
+    return calibration, {c.island: round(c.fwd_s * 1e3 + c.bwd_s * 1e3, 2) for c in m.compute}
+
+
+def predicted_step(cfg, topology, calibration) -> float:
+    """Cost-model step time of a config, as the trainer runs it on CPUs (module doc)."""
+    model, run = specs_from_config(cfg)
+    run = dataclasses.replace(run, zero1=cfg.optimizer.zero1, overlap_grad_sync=False)
+    par = cfg.parallel
+    layout = Layout(par.stages, par.data, par.tensor, par.microbatches, par.schedule)
+    if par.enforce_islands:
+        hardware = stage_hardware(topology, layout, calibration)
+    else:
+        # One stage over every device, data parallel across islands: a flat ring whose
+        # slowest hop is the inter-island link, one ring per host NIC (1 device per host).
+        isl = topology.islands[0]
+        inter = topology.inter_island(topology.islands[0].name, topology.islands[1].name)
+        hops = [inter] + [i.link for i in topology.islands]
+        fwd, bwd = calibration.flops_per_s(topology, 0)
+        hardware = [
+            StageHardware(
+                island=0,
+                fwd_flops=fwd,
+                bwd_flops=bwd,
+                memory_bytes=isl.memory_gb * 1e9,
+                mem_bw=isl.memory_bytes_per_s,
+                tensor=(topology.intra_host.bytes_per_s, topology.intra_host.latency_s),
+                data=(min(h.bytes_per_s for h in hops), max(h.latency_s for h in hops)),
+                send=(float("inf"), 0.0),
+            )
+        ]
+    split = list(par.layers_per_stage) if par.layers_per_stage else [model.num_layers]
+    costs = stage_costs(model, run, layout, hardware)
+    idx = (np.arange(len(split)), np.array(split))
+    # CPU collectives are synchronous: stage s reduces its gradients layer by layer in
+    # its last backward, which ends sum(bwd[:s]) before the pipeline does (the 1F1B
+    # cooldown); only that much of its reduction hides behind the other stages' work.
+    bwd = costs.bwd[idx]
+    earlier = np.concatenate([[0.0], bwd[:-1]])
+    after = costs.optimizer[idx] + costs.gather[idx]
+    tail, _ = exposed_tail(costs.reduce[idx], after, earlier, overlap=True)
+    return pipeline_time(costs.tau[idx], par.microbatches) + tail
+
+
+def single_process(cfg, topology, calibration, steps: int) -> tuple[float, float]:
+    """Diagnostic: (a)'s plan on 4 devices of this one process (in-process collectives, no
+    network): measured and predicted (every link as fast as the intra-host one) step."""
+    from holmes_jax.config import MeshShape
+
+    par = cfg.parallel
+    shape = MeshShape(par.stages, par.data, par.tensor)
+    runner = benchlib.program_runner(cfg, shape)
+    measured = benchlib.interleaved_medians({"single": runner}, steps, rounds=3)["single"]
+    fast = topology.intra_host
+    local = dataclasses.replace(
+        topology,
+        islands=tuple(dataclasses.replace(i, link=fast) for i in topology.islands),
+        inter_island_default=fast,
+    )
+    return measured, predicted_step(cfg, local, calibration)
+
+
+def measured_step(mesh: str, extra: list[str], steps: int, folder: str, name: str) -> float:
+    """Median step time (after the first) of an emulated launch."""
+    metrics = os.path.join(folder, f"{name}.jsonl")
+    args = [a for o in MODEL + extra for a in ("--set", o)]
+    args += ["--set", f"train.steps={steps}", "--set", f"train.metrics_path={metrics}"]
+    print(
+        f"bench_islands: {name}: launch --mesh {os.path.basename(mesh)} --emulate", file=sys.stderr
+    )
+    code = launch(mesh, args, emulate=True, out=sys.stderr)
+    if code:
+        raise RuntimeError(f"{name}: the emulated launch exited with code {code}")
+    with open(metrics) as f:
+        records = [json.loads(line) for line in f]
+    times = [r["step_time_s"] for r in records if not r.get("includes_compile")]
+    if not times:
+        raise RuntimeError(f"{name}: no step after the first was logged (--steps >= 2)")
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="steps per variant (>= 2)")
+    parser.add_argument("--keep-logs", help="keep the metrics files in this folder")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every variant, e.g. model.hidden_size=512 (repeatable)",
+    )
+    parser.add_argument(
+        "--only", default="holmes,naive,fast", help="comma-separated variants to run"
+    )
+    args = parser.parse_args(argv)
+    MODEL.extend(args.set)
+    for name in set(VARIANTS) - set(args.only.split(",")):
+        del VARIANTS[name]
+    if args.steps < 2:
+        print(f"error: --steps={args.steps}: must be >= 2 (the first compiles)", file=sys.stderr)
+        return 2
+    from holmes_jax.netns import check_privileges
+
+    try:
+        check_privileges()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    slow, fast = load_topology(SLOW), load_topology(FAST)
+    cfgs = {name: config(args.steps, extra, mesh) for name, (mesh, extra) in VARIANTS.items()}
+    calibration, layer_ms = calibrate(config(args.steps, HOLMES, SLOW), slow)
+    topologies = {"holmes": slow, "naive": slow, "fast": fast}
+    predicted = {
+        name: predicted_step(cfg, topologies[name], calibration) for name, cfg in cfgs.items()
+    }
+
+    holmes_cfg = config(args.steps, HOLMES, SLOW)
+    one_measured, one_predicted = single_process(holmes_cfg, slow, calibration, args.steps)
+
+    folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_islands_")
+    os.makedirs(folder, exist_ok=True)
+    measured = {
+        name: measured_step(mesh, extra, args.steps, folder, name)
+        for name, (mesh, extra) in VARIANTS.items()
+    }
+    ratio = lambda a, b: measured[a] / measured[b] if a in measured and b in measured else 0.0
+    b_a, a_c = ratio("naive", "holmes"), ratio("holmes", "fast")
+    errors = {k: (predicted[k] - measured[k]) / measured[k] for k in measured}
+    model, _ = specs_from_config(config(args.steps, HOLMES, SLOW))
+    act = 1 * model.seq_len * model.hidden_size * 4  # one micro-batch of 1 row, fp32
+    result = {
+        "bench": "islands",
+        "topology": {
+            "intra_island_mbit": slow.islands[0].link.bandwidth_gbps * 1e3,
+            "inter_island_mbit": slow.inter_island_default.bandwidth_gbps * 1e3,
+            "hosts": slow.num_hosts,
+        },
+        "model": {
+            "params_m": round(model.num_params / 1e6, 2),
+            "grad_mb": round(model.num_params * 4 / 1e6, 1),
+            "microbatch_act_kib": act / 1024,
+        },
+        "steps_timed": args.steps - 1,
+        "step_ms": {k: round(v * 1e3, 1) for k, v in measured.items()},
+        "predicted_ms": {k: round(v * 1e3, 1) for k, v in predicted.items()},
+        "prediction_error": {k: round(v, 3) for k, v in errors.items()},
+        "probe_layer_fwd_bwd_ms": layer_ms,
+        "diagnostic_holmes_plan_one_process": {
+            "step_ms": round(one_measured * 1e3, 1),
+            "predicted_ms": round(one_predicted * 1e3, 1),
+            "error": round((one_predicted - one_measured) / one_measured, 3),
+        },
+        "naive_over_holmes": round(b_a, 3),
+        "holmes_over_fast": round(a_c, 3),
+        "targets": {
+            "naive_over_holmes >= 2": b_a >= 2,
+            "holmes_over_fast <= 1.25": a_c <= 1.25,
+            "predictions within 25%": all(abs(e) <= 0.25 for e in errors.values()),
+        },
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
