@@ -201,6 +201,7 @@ class Launch:
         0 when every process exited 0; else the first failure's code (128 + signal for a
         process killed by a signal).
         """
+        die_with_parent = _die_with_parent()
         try:
             for w in self.workers:
                 p = subprocess.Popen(
@@ -212,7 +213,7 @@ class Launch:
                     text=True,
                     bufsize=1,
                     start_new_session=True,  # signals reach it only through the launcher
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
                 self.procs.append(p)
                 t = threading.Thread(target=self._pump, args=(w, p.stdout), daemon=True)
@@ -261,15 +262,19 @@ class Launch:
         return 128 - code if code < 0 else code
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it if the launcher dies (Linux prctl)."""
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies (Linux).
+
+    libc is loaded here, in the parent: between fork and exec the child only makes one
+    foreign call (no imports, no locks). None where prctl is unavailable.
+    """
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass  # not Linux: a killed launcher leaves its processes to the watchdog
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _describe(code: int) -> str:

@@ -122,7 +122,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
         f"{devices[0].platform} devices | {corpus.description}"
     )
-    if program.pipelined:
+    if cfg.parallel.stages > 1 or cfg.parallel.microbatches > 1:
         logger.message(
             f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
             f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"

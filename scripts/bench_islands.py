@@ -1,6 +1,7 @@
 """Benchmark: Holmes placement vs naive data parallelism on an emulated 2-island network.
 
-    sudo .venv/bin/python scripts/bench_islands.py [--steps 6] [--keep-logs DIR]
+    sudo .venv/bin/python scripts/bench_islands.py [--steps 6] [--keep-logs DIR] \\
+        [--set model.hidden_size=512] [--only holmes,fast]
 
 Four single-device hosts in two islands, each host a process in its own network namespace
 (``python -m holmes_jax.launch --emulate``): 1 Gbit/s inside each island, 100 Mbit/s
@@ -25,8 +26,13 @@ the other stages' remaining backward hides it). The planner has no "data paralle
 islands" placement (the placement rules forbid it), so (b) is built here from the same
 cost.py primitives: one stage, data 4, the all-reduce ring bounded by its slowest hop (the
 inter-island link).
+
+Diagnostic: (a)'s plan also runs on 4 devices of this one process (no network, no
+process boundaries), next to the model's prediction for it; the gap between that and (a)
+is what 4 processes and their gloo traffic cost on this machine (docs/multihost.md).
+
 Targets: (b)/(a) >= 2, (a)/(c) <= 1.25, every prediction within 25% of its measurement.
-Needs root. Prints one JSON line.
+Needs root. Prints one JSON line; progress and the processes' output go to stderr.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ def calibrate(cfg, topology):
     from holmes_jax.probe import measure, profile_dict
     from holmes_jax.profile import profile_from_dict
 
-    m = measure(cfg, topology, repeats=5, sizes=(4096, 65536))
+    m = measure(cfg, topology, repeats=10, sizes=(4096, 65536))
     profile = profile_dict(m)
     profile.pop("links")  # the links are the emulated rates of the topology file
     _, calibration = profile_from_dict(profile, topology, source="<probe>")

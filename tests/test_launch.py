@@ -188,6 +188,9 @@ def test_one_worker_per_host_with_its_devices_and_profile():
     assert emulated[3].command[:2] == ["ns", "roce-1"]
 
 
+# The launcher forks (to arm PR_SET_PDEATHSIG); jax, loaded in this test process by other
+# tests, warns about any fork. The launcher's own process never imports jax.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_first_failure_stops_the_rest_and_sets_the_exit_code(tmp_path):
     """A worker that fails ends the launch with its code; a hanging one is killed."""
     import io
