@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from holmes_jax.cost import Layout, ModelSpec, RunSpec
-from holmes_jax.errors import ConfigError
+from holmes_jax.errors import ConfigError, run_cli
 from holmes_jax.partition import METHODS, Plan, plan_for_layout, search_plan, split_layers
 from holmes_jax.placement import Calibration, stage_blocks
 from holmes_jax.topology import Topology, load_topology, single_host_topology
@@ -151,12 +151,7 @@ def alternatives(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
-    args = _parser().parse_args(argv)
-    try:
-        return _run(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(_run, _parser().parse_args(argv))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -63,7 +63,7 @@ import numpy as np
 from holmes_jax.axes import DATA, MESH_AXES, STAGE, TENSOR
 from holmes_jax.config import Config, MeshShape, ModelConfig, check_devices, load_config
 from holmes_jax.cost import Layout, ModelSpec, layer_fwd_flops
-from holmes_jax.errors import ConfigError
+from holmes_jax.errors import ConfigError, run_cli
 from holmes_jax.placement import stage_blocks
 from holmes_jax.profile import PROFILE_VERSION, link_dict
 from holmes_jax.topology import Link, Topology, load_topology
@@ -640,12 +640,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
-    args = _parser().parse_args(argv)
-    try:
-        return _run(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(_run, _parser().parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:
