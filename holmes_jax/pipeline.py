@@ -370,7 +370,7 @@ class PipelineEngine:
             )
             x, bufs = lax.fori_loop(0, n_layers, layer, (x, c["res"]))
 
-            def head(h):
+            def head(h, x):
                 loss, (g_embed, g_head, dx) = jax.value_and_grad(
                     self._head_loss, argnums=(0, 1, 2)
                 )(embed_p, head_p, x, targets[i])
@@ -382,7 +382,7 @@ class PipelineEngine:
 
             g = c["grads"]
             h = (c["loss"], g["embed"], g["head"], c["head_ct"])
-            loss, g_embed, g_head, head_ct = _when(is_last, head, h)
+            loss, g_embed, g_head, head_ct = _when(is_last, head, h, x)
             grads = dict(g, embed=g_embed, head=g_head)
             return dict(c, res=bufs, grads=grads, loss=loss, head_ct=head_ct, send_x=x)
 
@@ -399,8 +399,9 @@ class PipelineEngine:
                 # Phase 1: the last microbatch completes layer j's gradient: reduce it now.
                 shards = _when(
                     i == M - 1,
-                    lambda sh: _dyn_set(sh, j, reduce_bucket(g_j, slot_dims, d, r)),
+                    lambda sh, g: _dyn_set(sh, j, reduce_bucket(g, slot_dims, d, r)),
                     shards,
+                    g_j,
                 )
                 return dx, _dyn_set(g_blocks, j, g_j), shards
 
@@ -409,11 +410,11 @@ class PipelineEngine:
                 0, n_layers, layer, (ct, c["grads"]["blocks"], c["shards"])
             )
 
-            def embed_backward(g_embed):
+            def embed_backward(g_embed, ct):
                 _, vjp_fn = jax.vjp(lambda e: self._embed(e, tokens[i]), embed_p)
                 return jax.tree.map(jnp.add, g_embed, vjp_fn(ct)[0])
 
-            g_embed = _when(is_first, embed_backward, c["grads"]["embed"])
+            g_embed = _when(is_first, embed_backward, c["grads"]["embed"], ct)
             grads = dict(c["grads"], blocks=g_blocks, embed=g_embed)
             return dict(c, grads=grads, shards=shards, send_g=ct)
 
@@ -466,9 +467,25 @@ class PipelineEngine:
         return loss, jax.tree.map(lambda g: g[None], grads), norm
 
 
-def _when(pred, body, carry):
-    """``body(carry)`` if ``pred`` else ``carry``, as a 0-or-1-trip while loop (in place)."""
-    return lax.fori_loop(0, pred.astype(jnp.int32), lambda _, c: body(c), carry)
+def _when(pred, body, carry, operands=None):
+    """``body(carry)`` if ``pred`` else ``carry``, as a 0-or-1-trip while loop (in place).
+
+    With ``operands``, ``body(carry, operands)``: every value the body computes from
+    that is not in ``carry`` must come in ``operands``. XLA's loop-invariant code motion
+    hoists work whose inputs are all loop-invariant out of a while loop, where it then
+    runs whatever ``pred`` says (a gradient reduction on every micro-batch, the LM head on
+    every stage). The loop zeroes ``operands`` after its one trip, so they are
+    loop-variant and the work stays inside.
+    """
+    n = pred.astype(jnp.int32)
+    if operands is None:
+        return lax.fori_loop(0, n, lambda _, c: body(c), carry)
+
+    def once(_, state):
+        c, ops = state
+        return body(c, ops), jax.tree.map(jnp.zeros_like, ops)
+
+    return lax.fori_loop(0, n, once, (carry, operands))[0]
 
 
 def _put(buf, value, k, j):

@@ -113,11 +113,13 @@ def test_zero1_on_and_off_train_alike(zero_run):
     )
 
 
-def _collectives(cfg):
+def _collectives(cfg, hlo_out=None):
     topology = load_mesh_topology(cfg)
     shape = resolve_shape(cfg, len(jax.devices()), topology)
     mesh = build_mesh(shape)
     hlo = Program(cfg, mesh).lower_train_step().compile().as_text()
+    if hlo_out is not None:
+        hlo_out.append(hlo)
     island = device_islands(mesh, topology)
     position = [d.id for d in mesh.devices.flat]
     found = []
@@ -142,10 +144,41 @@ def test_hlo_reduce_scatter_inside_islands_then_all_gather():
             "optimizer.zero1=true",
         ],
     )
-    found = _collectives(cfg)
+    hlo = []
+    found = _collectives(cfg, hlo)
     kinds = {k for k, *_ in found}
     assert {"reduce-scatter", "all-gather"} <= kinds, kinds
     assert not any(crosses for _, crosses, *_ in found)  # stage 4 x data 2: all inside islands
+    # Phase 1 runs on the last micro-batch only: every reduce-scatter inside the tick loop
+    # sits in the 0-or-1-trip loop (no known trip count), not hoisted into the layer loop
+    # (trip count = layers), where it would run on every micro-batch.
+    loops = _while_loops(hlo[0])
+    inner = [c for c, ops in _computation_ops(hlo[0]).items() if "reduce-scatter" in ops]
+    assert inner and all(c == "ENTRY" or c in loops for c in inner), inner
+    assert not [c for c in inner if c != "ENTRY" and loops[c]], "reduce-scatter in a counted loop"
+
+
+def _computation_ops(hlo: str) -> dict[str, set[str]]:
+    """{computation name: the collective kinds in it} of compiled HLO text."""
+    out: dict[str, set[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0].lstrip("%")
+        op = re.search(r" (all-reduce|reduce-scatter|all-gather)(?:-start)?\(", line)
+        if op and name:
+            out.setdefault(name, set()).add(op.group(1))
+    return out
+
+
+def _while_loops(hlo: str) -> dict[str, bool]:
+    """{while body computation: whether XLA knows its trip count}."""
+    loops = {}
+    for line in hlo.splitlines():
+        body = re.search(r" while\(.*body=%?([\w.\-]+)", line)
+        if body:
+            loops[body.group(1)] = "known_trip_count" in line
+    return loops
 
 
 def test_replica_all_reduce_crosses_islands_on_shards():
