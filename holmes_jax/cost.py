@@ -6,14 +6,21 @@ across islands), β bytes per element. Times are seconds, sizes bytes, rates per
 
 - FLOPs per layer forward: ``2(4 + 2·mlp_ratio)·b·s·h² + 4·b·s²·h`` (= 24bsh² + 4bs²h for
   mlp_ratio 4); backward 2x forward; full recompute adds one forward. LM head ``2·b·s·h·V``.
-- Collectives over n ranks, bandwidth B, latency α: ring all-reduce
-  ``2(n−1)/n·S/B + 2(n−1)·α``; reduce-scatter and all-gather each half of that.
+- Collectives over n ranks, bandwidth B, latency α, issued as c calls (one per
+  parameter leaf, as the trainer does): ring all-reduce ``2(n−1)/n·S/B + c·2(n−1)·α``;
+  reduce-scatter and all-gather each half of that (a profile may give them their own B, α).
 - Pipeline (GPipe and 1F1B): ``Σ τ_s + (m−1)·max τ_s`` with τ_s a stage's time per
-  micro-batch (compute + tensor all-reduces + point-to-point sends).
+  micro-batch (compute + tensor all-reduces + point-to-point shifts). The engine
+  (:mod:`holmes_jax.pipeline`) shifts activations forward and gradients backward on every
+  tick, 2 ticks per micro-batch, so each tick pays both shifts over the stage's slower link
+  (``RunSpec.engine="megatron"``, for the fidelity check: one send per micro-batch and
+  direction, and one flat gradient buffer, so one collective call).
 - Iteration: pipeline + ``max_s [(rs_s − slack_s)⁺ + opt_s + ag_s]`` where rs is the
   gradient reduction, overlapped with the last backward and the pipeline drain
   (``slack_s = Σ_{k<=s} bwd_k``, one micro-batch's backward per stage), opt the optimizer
-  step and ag the ZeRO-1 parameter all-gather.
+  step and ag the ZeRO-1 parameter all-gather. With synchronous collectives (CPU
+  runtimes) each stage reduces inside its own last backward tick and the lockstep ticks
+  add the stages' reductions up: ``Σ_s rs_s + max_s (opt_s + ag_s)``.
 
 Per-stage speeds and bandwidths come from :mod:`holmes_jax.placement` (which also holds
 the placement conventions); measured ones from :mod:`holmes_jax.profile`. Pure Python +
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
 # Megatron-LM's published A100 runs (holmes_jax.fidelity, scripts/fidelity_megatron.py).
 DEFAULT_EFFICIENCY = 0.58
 SCHEDULES = ("gpipe", "1f1b")
+ENGINES = ("holmes_jax", "megatron")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -86,6 +94,16 @@ class ModelSpec:
     def num_params(self) -> int:
         return self.num_layers * self.layer_params + self.embedding_params + self.head_params
 
+    # Parameter leaves (one collective call each in the trainer's gradient reduction and
+    # parameter all-gather): LayerNorm scale+bias x2, QKV, attention output, MLP in and out
+    # kernels+biases; token + position embeddings; final LayerNorm (+ untied head).
+    layer_leaves = 12
+    embedding_leaves = 2
+
+    @property
+    def head_leaves(self) -> int:
+        return 2 + (0 if self.tied_embeddings else 1)
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -99,10 +117,19 @@ class RunSpec:
     recompute: bool = False  # full activation recomputation in the backward pass
     zero1: bool = True  # optimizer state sharded over data-parallel ranks
     overlap_grad_sync: bool = True  # gradient reduction overlapped with the pipeline drain
+    # Collectives block the device until done (CPU runtimes such as gloo): the stages'
+    # in-loop reductions add up instead of hiding behind each other (module doc).
+    sync_collectives: bool = False
+    # The implementation priced: "holmes_jax" (this trainer: a collective per parameter
+    # leaf, both shifts on every pipeline tick) or "megatron" (Megatron-LM, for the
+    # fidelity check: one flat gradient buffer, a send per micro-batch and direction).
+    engine: str = "holmes_jax"
     memory_fraction: float = 0.9  # usable fraction of device memory
 
     def __post_init__(self):
         _check_positive("train.global_batch_size", self.global_batch_size)
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine='{self.engine}': must be one of {', '.join(ENGINES)}")
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]")
 
@@ -203,21 +230,22 @@ def p2p_time(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) -> float
     return nbytes / bytes_per_s + latency_s if nbytes > 0 else 0.0
 
 
-def ring_allreduce_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0) -> float:
-    """Ring all-reduce: ``2(n−1)/n·S/B + 2(n−1)·α``."""
+def ring_allreduce_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0, calls=1) -> float:
+    """Ring all-reduce of ``nbytes`` in total, split over ``calls`` collectives:
+    ``2(n−1)/n·S/B + calls·2(n−1)·α``."""
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * latency_s
+    return 2 * (n - 1) / n * nbytes / bytes_per_s + calls * 2 * (n - 1) * latency_s
 
 
-def reduce_scatter_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0) -> float:
+def reduce_scatter_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0, calls=1) -> float:
     """Ring reduce-scatter of ``nbytes`` (the full buffer): half an all-reduce."""
-    return 0.5 * ring_allreduce_time(nbytes, n, bytes_per_s, latency_s)
+    return 0.5 * ring_allreduce_time(nbytes, n, bytes_per_s, latency_s, calls)
 
 
-def all_gather_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0) -> float:
+def all_gather_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0, calls=1) -> float:
     """Ring all-gather producing ``nbytes`` per rank: half an all-reduce."""
-    return 0.5 * ring_allreduce_time(nbytes, n, bytes_per_s, latency_s)
+    return 0.5 * ring_allreduce_time(nbytes, n, bytes_per_s, latency_s, calls)
 
 
 def hierarchical_allreduce_time(
@@ -345,6 +373,16 @@ def stage_costs(
     traffic = layer_activation_bytes(model, b, t, run.act_bytes) / col(lambda x: x.mem_bw)
     layer_f = lf / fwd_rate + traffic
     layer_b = 2 * lf / bwd_rate + 2 * traffic + recompute * (lf / fwd_rate + traffic)
+    if run.engine == "holmes_jax":
+        # The pipeline engine, per layer and micro-batch: the layer's weights are sliced out
+        # of the stacked [slots, ...] array (read + write) in the forward and again in the
+        # backward, and the backward adds the layer's gradient into its fp32 accumulator
+        # (read + write). Megatron-LM uses weights in place and fuses the accumulation.
+        weights = model.layer_params / t
+        mem_bw = col(lambda x: x.mem_bw)
+        weight_slice = 2 * weights * run.param_bytes / mem_bw
+        layer_f = layer_f + weight_slice
+        layer_b = layer_b + weight_slice + 2 * weights * run.grad_bytes / mem_bw
     head_f, head_b = hf / fwd_rate, 2 * hf / bwd_rate
     compute = n * (layer_f + layer_b) + last * (head_f + head_b)
 
@@ -355,12 +393,17 @@ def stage_costs(
     tensor_f = n * 2 * ar + first * ar
     tensor_b = n * (2 + 2 * recompute) * ar
 
-    # Point-to-point: activations forward to s+1, gradients backward to s-1.
+    # Point-to-point: every tick (forward or backward) shifts activations s -> s+1 and
+    # gradients s -> s-1, each a [b, s, h] buffer; stage s waits for its slower link.
     v = layout.virtual_stages  # every model chunk boundary sends
     send = np.array([v * p2p_time(act, *x.send) if i < p - 1 else 0.0 for i, x in enumerate(hw)])
     recv_grad = np.concatenate([[0.0], send[:-1]])  # stage s sends gradients over link s-1
-    fwd = n * layer_f + last * head_f + tensor_f + send[:, None]
-    bwd = n * layer_b + last * head_b + tensor_b + recv_grad[:, None]
+    if run.engine == "megatron":  # a send per micro-batch and direction
+        shift_f, shift_b = send, recv_grad
+    else:
+        shift_f = shift_b = 2 * np.maximum(send, recv_grad)  # both links, every tick
+    fwd = n * layer_f + last * head_f + tensor_f + shift_f[:, None]
+    bwd = n * layer_b + last * head_b + tensor_b + shift_b[:, None]
 
     # Parameters held by one device of each stage (tied head: a copy on the last stage).
     tie_copy = V * h if (model.tied_embeddings and p > 1) else 0
@@ -371,7 +414,12 @@ def stage_costs(
     ) / t
     grads = params * run.grad_bytes
     shards = d if run.zero1 else 1
-    reduce = _dp_reduce(grads, layout, hw, run.zero1)
+    calls = (
+        n * model.layer_leaves + first * model.embedding_leaves + last * model.head_leaves
+    )  # (p, L+1) collectives per reduction or all-gather
+    if run.engine == "megatron":  # one contiguous gradient buffer
+        calls = np.ones_like(calls)
+    reduce = _dp_reduce(grads, calls, layout, hw, run.zero1)
     if tie_copy:
         # First and last stage all-reduce the tied embedding's gradient; under ZeRO-1 each
         # rank only its 1/d shard, after the data-parallel reduce-scatter.
@@ -380,9 +428,12 @@ def stage_costs(
         reduce = reduce + (first + last) * tie
     gather = np.zeros_like(params)
     if run.zero1 and d > 1:
-        data_path = [x.data for x in hw]
+        data_path = [x.gather or x.data for x in hw]
         gather = np.stack(
-            [all_gather_time(params[i] * run.param_bytes, d, *data_path[i]) for i in range(p)]
+            [
+                all_gather_time(params[i] * run.param_bytes, d, *data_path[i], calls[i])
+                for i in range(p)
+            ]
         )
     touched = run.grad_bytes + 2 * run.optimizer_bytes + run.param_bytes  # read/write
     optimizer = params / shards * touched / col(lambda x: x.mem_bw)
@@ -396,7 +447,7 @@ def stage_costs(
         microbatch_size=b,
         compute=compute,
         tensor=tensor_f + tensor_b,
-        p2p=send + recv_grad,
+        p2p=shift_f + shift_b,
         fwd=fwd,
         bwd=bwd,
         reduce=reduce,
@@ -408,22 +459,25 @@ def stage_costs(
     )
 
 
-def _dp_reduce(grads: np.ndarray, layout: Layout, hw: list[StageHardware], zero1: bool):
-    """Gradient reduction per stage: reduce-scatter (ZeRO-1) or all-reduce over ``data``;
-    with replicas, then an all-reduce of the 1/d shards across islands."""
+def _dp_reduce(
+    grads: np.ndarray, calls: np.ndarray, layout: Layout, hw: list[StageHardware], zero1: bool
+):
+    """Gradient reduction per stage, one call per leaf: reduce-scatter (ZeRO-1) or
+    all-reduce over ``data``; with replicas, then an all-reduce of the 1/d shards across
+    islands."""
     d, r = layout.data, layout.replica
     rows = []
     for i, x in enumerate(hw):
-        g = grads[i]
+        g, c = grads[i], calls[i]
         row = np.zeros_like(g)
         if zero1 or r > 1:
-            row = row + reduce_scatter_time(g, d, *x.data)
+            row = row + reduce_scatter_time(g, d, *(x.scatter or x.data), c)
         else:
-            row = row + ring_allreduce_time(g, d, *x.data)
+            row = row + ring_allreduce_time(g, d, *x.data, c)
         if r > 1:
-            row = row + ring_allreduce_time(g / d, r, *x.cross)
+            row = row + ring_allreduce_time(g / d, r, *x.cross, c)
             if not zero1:  # plain hierarchical all-reduce: gather the reduced shards back
-                row = row + all_gather_time(g, d, *x.data)
+                row = row + all_gather_time(g, d, *(x.gather or x.data), c)
         rows.append(row)
     return np.stack(rows)
 
@@ -493,7 +547,11 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
     v = costs.layout.virtual_stages
     pipe = pipeline_time(tau, m, v)
     after = costs.optimizer[idx] + costs.gather[idx]
-    tail, s_tail = exposed_tail(costs.reduce[idx], after, bwd, costs.run.overlap_grad_sync)
+    if costs.run.sync_collectives:  # each stage reduces in its own lockstep tick: they add
+        s_tail = int(np.argmax(after))
+        tail = float(costs.reduce[idx].sum() + after[s_tail])
+    else:
+        tail, s_tail = exposed_tail(costs.reduce[idx], after, bwd, costs.run.overlap_grad_sync)
     step = pipe + tail
     k = int(np.argmax(tau))
     opt = float(costs.optimizer[idx][s_tail])

@@ -56,6 +56,8 @@ from holmes_jax.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
 
 __all__ = [
     "FAILED_EXIT",
+    "add_flags",
+    "apply_flags",
     "PEER_LOST_EXIT",
     "JoinError",
     "Settings",
@@ -66,11 +68,51 @@ __all__ = [
     "detect_cluster",
     "initialize",
     "resolve",
+    "run_joined",
     "start",
 ]
 
 
 # --------------------------------------------------------------------------- who joins
+
+
+def add_flags(parser: Any) -> None:
+    """Add ``--coordinator``, ``--num-processes`` and ``--process-id`` to an argparse parser
+    (every entry point that can run as one of several processes has them)."""
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's address; sets distributed.coordinator_address",
+    )
+    parser.add_argument(
+        "--num-processes", type=int, help="processes in the job; sets distributed.num_processes"
+    )
+    parser.add_argument(
+        "--process-id", type=int, help="this process, 0-based; sets distributed.process_id"
+    )
+
+
+def apply_flags(cfg: Any, args: Any) -> Any:
+    """The config with :func:`add_flags`' values over ``distributed.*`` (unset: unchanged).
+
+    Set directly rather than through ``--set`` so an address is never read as YAML.
+
+    Raises:
+      ConfigError: an impossible combination (e.g. a process id >= the process count).
+    """
+    import dataclasses
+
+    flags = {
+        "coordinator_address": args.coordinator,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
+    flags = {key: value for key, value in flags.items() if value is not None}
+    if not flags:
+        return cfg
+    cfg = cfg.replace(distributed=dataclasses.replace(cfg.distributed, **flags))
+    cfg.distributed.validate()
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -237,6 +279,38 @@ def start(cfg: Any, environ: MutableMapping[str, str] | None = None):
         watchdog.abort(f"ConfigError: {e}")
         raise
     return watchdog
+
+
+def run_joined(cfg: Any, body: Callable[[], int], environ=None) -> int:
+    """:func:`start`, then ``body()``, mapping failures to the entry points' exit codes.
+
+    A :class:`ConfigError` prints one line and returns 2 (peers are told, so they name
+    this process instead of waiting on it); a failed join returns 1; any other error of
+    one of several processes goes to :meth:`Watchdog.fail` (a lost peer is named and the
+    process exits 3; its own error returns 1). A single process re-raises it.
+
+    Returns:
+      ``body()``'s exit code, or the failure's.
+    """
+    watchdog = None
+    try:
+        watchdog = start(cfg, environ)
+        code = body()
+    except ConfigError as e:
+        if watchdog is not None:
+            watchdog.abort(f"ConfigError: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except JoinError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return FAILED_EXIT
+    except Exception as e:
+        if watchdog is None:
+            raise
+        return watchdog.fail(e)
+    if watchdog is not None:
+        watchdog.close()
+    return code
 
 
 def process_label(process_id: int, topology: Any = None, num_processes: int | None = None) -> str:

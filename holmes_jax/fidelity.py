@@ -115,6 +115,7 @@ def predict_run(run: MegatronRun, efficiency: float = DEFAULT_EFFICIENCY) -> flo
         recompute=True,
         zero1=False,
         overlap_grad_sync=False,
+        engine="megatron",
         memory_fraction=1.0,
     )
     layout = Layout(

@@ -3,6 +3,8 @@
     python -m holmes_jax.launch --mesh meshes/cpu8-two-islands.yaml -- \\
         --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20
     python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate [--scale 1] -- ...
+    sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
+        --program probe -- --set train.global_batch_size=8 --out runs/probe/emu.json
     python -m holmes_jax.launch --print-env --mesh meshes/paper-ib-roce-4x8.yaml --host roce-0
     python -m holmes_jax.launch --cleanup
 
@@ -14,7 +16,8 @@ output line is prefixed with the host name. The first process to fail ends the l
 the others get ``--grace`` seconds to report (a survivor's watchdog names the lost peer)
 and are then killed; the launcher exits with the failed process's code. Ctrl-C or SIGTERM
 is forwarded as SIGTERM (the processes agree on a step, checkpoint and exit 0); a second
-Ctrl-C kills them.
+Ctrl-C kills them. ``--program probe`` runs ``python -m holmes_jax.probe`` the same way, so
+the links are measured as training sees them (process 0 writes the profile).
 
 ``--emulate`` runs every host in its own network namespace, a bridge per island, islands
 joined through a router namespace, every host's NIC shaped with ``tc htb`` at its island's
@@ -47,6 +50,8 @@ OWNED_FLAGS = ("--mesh", "--coordinator", "--num-processes", "--process-id", "--
 DEFAULT_GRACE_S = 10.0
 STOP_GRACE_S = 300.0  # after a forwarded stop: time to finish the step and checkpoint
 EMULATED_PORT = 29500  # free in a fresh namespace
+# What a launch can run: the trainer, or the probe (to measure the links as training sees them).
+PROGRAMS = {"train": "holmes_jax.train", "probe": "holmes_jax.probe"}
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ def plan_workers(
     base_env: dict[str, str] | None = None,
     python: str = sys.executable,
     prefix: Callable[[str], list[str]] | None = None,
+    program: str = "train",
 ) -> list[Worker]:
     """The command and environment of every host's process (pure: nothing starts).
 
@@ -98,13 +104,16 @@ def plan_workers(
       base_env: environment to extend (default ``os.environ``).
       python: interpreter.
       prefix: host name -> command prefix (``ip netns exec <ns>`` when emulating).
+      program: a key of :data:`PROGRAMS` (``train`` or ``probe``).
 
     Returns:
       One :class:`Worker` per host.
 
     Raises:
-      ConfigError: a train argument the launcher sets itself.
+      ConfigError: an unknown program, or an argument the launcher sets itself.
     """
+    if program not in PROGRAMS:
+        raise ConfigError(f"--program={program}: must be one of {', '.join(PROGRAMS)}")
     for arg in train_args:
         name = arg.split("=", 1)[0]
         if name in OWNED_FLAGS:
@@ -115,7 +124,7 @@ def plan_workers(
     hosts = [(h, isl) for isl in topology.islands for h in isl.hosts]
     workers = []
     for pid, (host, island) in enumerate(hosts):
-        command = [python, "-m", "holmes_jax.train", "--mesh", mesh_path] + [
+        command = [python, "-m", PROGRAMS[program], "--mesh", mesh_path] + [
             "--coordinator",
             coordinator,
             "--num-processes",
@@ -295,6 +304,7 @@ def launch(
     grace_s: float = DEFAULT_GRACE_S,
     out=None,
     env: dict[str, str] | None = None,
+    program: str = "train",
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -306,6 +316,7 @@ def launch(
       grace_s: time the others get after the first failure.
       out: where the prefixed output goes (default stdout).
       env: base environment of the processes (default ``os.environ``).
+      program: ``train`` (default) or ``probe`` (:data:`PROGRAMS`).
 
     Returns:
       The exit code (see :meth:`Launch.run`); 130 when stopped before anything started.
@@ -328,7 +339,9 @@ def launch(
     try:
         if not emulate:
             coordinator = f"127.0.0.1:{free_port()}"
-            workers = plan_workers(topology, mesh_path, train_args, coordinator, base_env=env)
+            workers = plan_workers(
+                topology, mesh_path, train_args, coordinator, base_env=env, program=program
+            )
             launcher = Launch(workers, grace_s=grace_s, out=out)
             return launcher.run()
         from holmes_jax import netns
@@ -345,6 +358,7 @@ def launch(
                 coordinator,
                 base_env=env,
                 prefix=network.exec_prefix,
+                program=program,
             )
             launcher = Launch(workers, grace_s=grace_s, out=out)
             launcher.say(
@@ -391,7 +405,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     parser = argparse.ArgumentParser(
         prog="python -m holmes_jax.launch",
         description="One holmes_jax.train process per topology host on this machine.",
-        epilog="Arguments after '--' go to python -m holmes_jax.train.",
+        epilog="Arguments after '--' go to python -m holmes_jax.train (or .probe).",
     )
     parser.add_argument("--mesh", help="topology file (meshes/*.yaml)")
     parser.add_argument(
@@ -399,6 +413,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     )
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiply every emulated link rate (default 1)"
+    )
+    parser.add_argument(
+        "--program",
+        choices=sorted(PROGRAMS),
+        default="train",
+        help="what each process runs: holmes_jax.train (default) or holmes_jax.probe",
     )
     parser.add_argument(
         "--grace",
@@ -444,7 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.grace < 0:
             raise ConfigError(f"--grace={args.grace}: must be >= 0")
         return launch(
-            args.mesh, train_args, emulate=args.emulate, scale=args.scale, grace_s=args.grace
+            args.mesh,
+            train_args,
+            emulate=args.emulate,
+            scale=args.scale,
+            grace_s=args.grace,
+            program=args.program,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -39,6 +39,8 @@ class Calibration:
     efficiency: float = DEFAULT_EFFICIENCY
     # {island name: (forward FLOP/s, backward FLOP/s)} per device, from a profile.
     island_flops: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # {island name: {"reduce-scatter" | "all-gather": per-host Link}}, from a profile.
+    data_ops: Mapping[str, Mapping[str, Link]] = field(default_factory=dict)
 
     def flops_per_s(self, topology: Topology, island: int) -> tuple[float, float]:
         """(forward, backward) FLOP/s of one device of ``island``."""
@@ -67,6 +69,10 @@ class StageHardware:
     send: tuple[float, float]  # one data replica's activations to the next stage
     tie: tuple[float, float] = (math.inf, 0.0)  # one rank to the other pipeline end
     cross: tuple[float, float] = (math.inf, 0.0)  # one rank's cross-island ring (replica)
+    # ZeRO-1's reduce-scatter and all-gather rings when measured on their own (a profile's
+    # data:<island>:<op> links); None: the data ring's all-reduce figures.
+    scatter: tuple[float, float] | None = None
+    gather: tuple[float, float] | None = None
 
 
 def stage_blocks(topology: Topology, layout: Layout) -> list[list[tuple[int, int]]]:
@@ -182,6 +188,8 @@ def stage_hardware(
                 send=_slowest_path([x.send for x in hw]),
                 tie=_slowest_path([x.tie for x in hw]),
                 cross=cross,
+                scatter=_slowest_path([x.scatter or x.data for x in hw]),
+                gather=_slowest_path([x.gather or x.data for x in hw]),
             )
         )
     return out
@@ -194,15 +202,19 @@ def _stage(topology, layout, cal, memory_fraction, rep, s) -> StageHardware:
     intra = (topology.intra_host.bytes_per_s, topology.intra_host.latency_s)
     counts = _host_counts(off, k, D)
     busiest = max(counts.values())  # devices of this stage on its fullest host
-    if layout.data == 1:
-        data = _NONE
-    elif len(counts) == 1:
-        data = intra
-    else:
+
+    def ring(link: Link) -> Path:
+        if layout.data == 1:
+            return _NONE
+        if len(counts) == 1:
+            return intra
         # Each data ring leaving a host carries min(counts)/t of its ranks there; the D/that
         # rings of all tensor positions (and other stages) on the host share its NIC.
-        per_ring = isl.link.bytes_per_s * min(counts.values()) / t / D
-        data = (min(intra[0], per_ring), isl.link.latency_s)
+        per_ring = link.bytes_per_s * min(counts.values()) / t / D
+        return (min(intra[0], per_ring), link.latency_s)
+
+    data = ring(isl.link)
+    ops = {op: ring(link) for op, link in cal.data_ops.get(isl.name, {}).items()}
 
     def to(other: tuple[int, int], senders: float, same_host: Path) -> Path:
         j, off2 = other
@@ -230,6 +242,8 @@ def _stage(topology, layout, cal, memory_fraction, rep, s) -> StageHardware:
         data=data,
         send=send,
         tie=tie,
+        scatter=ops.get("reduce-scatter"),
+        gather=ops.get("all-gather"),
     )
 
 

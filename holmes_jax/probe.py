@@ -4,6 +4,8 @@
         [--config configs/quickstart.yaml] [--set model.hidden_size=256 ...] \\
         [--out runs/probe/profile.json] [--repeats 10] [--sizes-kib 4,64,1024,16384]
     python -m holmes_jax.plan --config C --mesh M --profile runs/probe/profile.json
+    sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
+        --program probe -- --config C --out runs/probe/emu.json   # one process per host
 
 Writes a profile (the schema of :mod:`holmes_jax.profile`) that replaces the topology's
 analytic device speed and link figures in the planner, and prints what it measured.
@@ -30,6 +32,10 @@ What is timed (median of ``--repeats`` runs after two warm-up calls):
      sends ``devices_per_host`` rings through its NIC at once, so the per-ring bandwidth is
      multiplied by that count to give the per-host NIC figure of the topology. Islands of
      one host have no NIC traffic inside and are skipped.
+   - ``data:<island>:reduce-scatter`` and ``data:<island>:all-gather``: ZeRO-1's two
+     collectives on the same rings, each fitted to its own cost-model formula (half an
+     all-reduce's steps and bytes). A runtime need not run them at that rate: gloo on
+     CPUs takes ~0.8 of an all-reduce's time for a reduce-scatter.
    - ``stage:<a>:<b>``: ``ppermute`` from the last stage of island a to the first stage of
      island b (one direction, nothing else sending) on the mesh ``stage × data × tensor``
      whose stages are the largest block that tiles every island. A host sends as many
@@ -37,8 +43,11 @@ What is timed (median of ``--repeats`` runs after two warm-up calls):
      count is the per-host inter-island figure.
 
 On one CPU process all islands are the same simulated devices (the numbers then describe
-the machine, not a network), which is what the tests use. With several processes each one
-times the islands it holds and the results are gathered; process 0 prints and writes.
+the machine, not a network), which is what the tests use. With several processes (the
+``--coordinator/--num-processes/--process-id`` flags, a detected cluster, or
+``holmes_jax.launch --program probe``) each one times the islands it holds and the results
+are gathered; process 0 prints and writes. Through ``launch --emulate`` that measures the
+shaped links and the compute of processes sharing this machine, as training meets them.
 Bad input prints one line and exits with code 2. The entry point sets the simulated CPU
 device count (default: the topology's) before jax is imported; the library functions here
 import jax only when they measure.
@@ -60,12 +69,13 @@ from typing import Any
 
 import numpy as np
 
+from holmes_jax import distributed
 from holmes_jax.axes import DATA, MESH_AXES, STAGE, TENSOR
 from holmes_jax.config import Config, MeshShape, ModelConfig, check_devices, load_config
 from holmes_jax.cost import Layout, ModelSpec, layer_fwd_flops
 from holmes_jax.errors import ConfigError, run_cli
 from holmes_jax.placement import stage_blocks
-from holmes_jax.profile import PROFILE_VERSION, link_dict
+from holmes_jax.profile import DATA_OPS, PROFILE_VERSION, link_dict
 from holmes_jax.topology import Link, Topology, load_topology
 
 KIB = 1024
@@ -73,6 +83,8 @@ DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1024 * KIB, 16384 * KIB)  # bytes per device
 DEFAULT_REPEATS = 10
 DEFAULT_OUT = "runs/probe/profile.json"
 _WARMUP = 2  # untimed calls: compile, then one run to settle caches and allocators
+# Ring steps per (n - 1) ranks of each collective, as holmes_jax.cost counts them.
+RING_STEPS = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
 
 Log = Callable[[str], None]
 
@@ -114,14 +126,19 @@ class LinkTiming:
     times_s: tuple[float, ...]  # median seconds at each size
 
     def path(self) -> tuple[float, float]:
-        """(bytes/s, latency s) seen by one ring or one sender, in the cost model's terms."""
+        """(bytes/s, latency s) seen by one ring or one sender, in the cost model's terms.
+
+        The inverse of the cost model's formula for ``op`` (:data:`RING_STEPS`): a ring
+        all-reduce moves ``2(n−1)/n·S`` bytes per rank in ``2(n−1)`` steps, a reduce-scatter
+        or all-gather of an S-byte buffer half of both; a p2p sends S once.
+        """
         n = self.ranks
         if self.op == "p2p":
             return fit_link(self.sizes, self.times_s)
-        # Ring all-reduce: 2(n-1)/n·S bytes per rank over the slowest hop, 2(n-1) steps.
-        bus = [2 * (n - 1) / n * s for s in self.sizes]
+        steps = RING_STEPS[self.op] * (n - 1)
+        bus = [steps / n * s for s in self.sizes]
         bw, lat = fit_link(bus, self.times_s)
-        return bw, lat / (2 * (n - 1))
+        return bw, lat / steps
 
     def link(self) -> Link:
         """The fitted link in the topology's units (per device or per host NIC)."""
@@ -289,16 +306,21 @@ def measure(
         group = devices[off : off + isl.num_devices]
         mesh = _mesh(MeshShape(1, isl.num_hosts, isl.devices_per_host), group)
         mine = any(d.process_index == me for d in group)
-        for key, axis, n, share in (
-            (TENSOR, TENSOR, isl.devices_per_host, 1),
-            (f"{DATA}:{isl.name}", DATA, isl.num_hosts, isl.devices_per_host),
+        data = f"{DATA}:{isl.name}"
+        for key, axis, n, share, op in (
+            (TENSOR, TENSOR, isl.devices_per_host, 1, "all-reduce"),
+            (data, DATA, isl.num_hosts, isl.devices_per_host, "all-reduce"),
+            # ZeRO-1's two collectives, as issued by the trainer (a runtime may not run
+            # them as half an all-reduce each, e.g. gloo on CPUs).
+            (f"{data}:{DATA_OPS[0]}", DATA, isl.num_hosts, isl.devices_per_host, DATA_OPS[0]),
+            (f"{data}:{DATA_OPS[1]}", DATA, isl.num_hosts, isl.devices_per_host, DATA_OPS[1]),
         ):
             if n < 2:
                 continue  # a one-device ring moves nothing
             if mine:
-                say(f"all-reduce over {axis} on {isl.name} ({n} ranks), {_sizes_text(sizes)}")
-            times = _time_collective(mesh, axis, None, sizes, repeats) if mine else None
-            links.append(_link(key, isl.name, "all-reduce", n, share, sizes, times))
+                say(f"{op} over {axis} on {isl.name} ({n} ranks), {_sizes_text(sizes)}")
+            times = _time_collective(mesh, axis, op, sizes, repeats) if mine else None
+            links.append(_link(key, isl.name, op, n, share, sizes, times))
 
     if len(topology.islands) > 1:
         shape = pair_shape(topology)
@@ -308,7 +330,7 @@ def measure(
             island_pairs(topology, shape), _name_pairs(names), strict=True
         ):
             say(f"point-to-point stage {src} ({a}) -> stage {dst} ({c}), {_sizes_text(sizes)}")
-            times = _time_collective(mesh, STAGE, [(src, dst)], sizes, repeats)
+            times = _time_collective(mesh, STAGE, "p2p", sizes, repeats, perm=[(src, dst)])
             links.append(_link(f"{STAGE}:{a}:{c}", f"{a}->{c}", "p2p", 2, senders, sizes, times))
 
     if jax.process_count() > 1:
@@ -428,22 +450,35 @@ def _process_groups(topology: Topology, devices: list) -> list[dict[str, set[int
     return groups
 
 
-def _time_collective(mesh, axis: str, perm, sizes: Sequence[int], repeats: int) -> list[float]:
-    """Median seconds of ``psum`` (perm None) or ``ppermute`` over ``axis`` at each size."""
+def _time_collective(
+    mesh, axis: str, op: str, sizes: Sequence[int], repeats: int, perm=None
+) -> list[float]:
+    """Median seconds of ``op`` over ``axis`` at each size (bytes of the full buffer per
+    device: a reduce-scatter's input, an all-gather's output)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     spec = PartitionSpec(*MESH_AXES)  # block [1, 1, 1, 1, n] per device
-
-    def body(x):
-        return jax.lax.psum(x, axis) if perm is None else jax.lax.ppermute(x, axis, perm)
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    n = mesh.shape[axis]
+    bodies = {
+        "all-reduce": lambda x: jax.lax.psum(x, axis),
+        "reduce-scatter": lambda x: jax.lax.psum_scatter(x, axis, scatter_dimension=4, tiled=True),
+        "all-gather": lambda x: jax.lax.all_gather(x, axis, axis=4, tiled=True),
+        "p2p": lambda x: jax.lax.ppermute(x, axis, perm),
+    }
+    fn = jax.jit(
+        jax.shard_map(bodies[op], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    )
     times = []
     for size in sizes:
+        elements = size // 4  # 4 B/element
+        if op == "reduce-scatter":
+            elements -= elements % n  # the scattered dimension splits evenly
+        elif op == "all-gather":
+            elements //= n  # each rank's part of the gathered buffer
         ones = jax.jit(
-            partial(jnp.ones, (*mesh.devices.shape, size // 4), jnp.float32),  # 4 B/element
+            partial(jnp.ones, (*mesh.devices.shape, elements), jnp.float32),
             out_shardings=NamedSharding(mesh, spec),
         )
         times.append(_median_time(partial(fn, ones()), repeats))
@@ -635,6 +670,7 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="simulated CPU devices when no accelerator is present (0: the topology's)",
     )
+    distributed.add_flags(ap)
     return ap
 
 
@@ -644,11 +680,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.set)
-    mesh = args.mesh or cfg.parallel.mesh
-    if not mesh:
+    overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
+    cfg = distributed.apply_flags(load_config(args.config, overrides), args)
+    if not cfg.parallel.mesh:
         raise ConfigError("--mesh=None: a topology is needed (--mesh or parallel.mesh)")
-    topology = load_topology(mesh)
+    topology = load_topology(cfg.parallel.mesh)
     try:
         sizes = [round(float(s) * KIB) for s in args.sizes_kib.split(",")]
     except ValueError:
@@ -660,17 +696,21 @@ def _run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(f"probe: {line}", file=sys.stderr, flush=True)
 
-    import jax
+    def body() -> int:
+        import jax
 
-    main_process = jax.process_index() == 0
-    result = measure(
-        cfg, topology, repeats=args.repeats, sizes=sizes, log=log if main_process else None
-    )
-    if main_process:
-        write_profile(profile_dict(result), args.out)
-        print(format_table(result))
-        print(f"wrote {args.out}  (use: python -m holmes_jax.plan --profile {args.out} ...)")
-    return 0
+        main_process = jax.process_index() == 0
+        result = measure(
+            cfg, topology, repeats=args.repeats, sizes=sizes, log=log if main_process else None
+        )
+        if main_process:
+            write_profile(profile_dict(result), args.out)
+            print(format_table(result))
+            print(f"wrote {args.out}  (use: python -m holmes_jax.plan --profile {args.out} ...)")
+        return 0
+
+    # One of several processes (the launcher's, or SLURM's ...): join, then measure.
+    return distributed.run_joined(cfg, body)
 
 
 if __name__ == "__main__":

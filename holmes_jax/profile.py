@@ -20,6 +20,8 @@ is checked, unknown keys are errors)::
       "links": {                                # optional, same units as the topology
         "tensor": {"bandwidth_gbps": 80, "latency_us": 8},      # -> intra_host (per device)
         "data:<island>": {"bandwidth_gbps": 20, "latency_us": 15},  # -> island NIC (per host)
+        "data:<island>:reduce-scatter": {...},  # optional: ZeRO-1's own collectives, in
+        "data:<island>:all-gather": {...},      #   the cost model's ring terms
         "stage": {"bandwidth_gbps": 0.9, "latency_us": 250},        # -> inter_island default
         "stage:<a>:<b>": {"bandwidth_gbps": 2, "latency_us": 90}    # -> that pair
       }
@@ -29,7 +31,9 @@ Compute: the measured times become the island's achieved FLOP/s, net of the cost
 memory-bound element-wise term, so the model reproduces the measured layer exactly and
 scales to other shapes by FLOPs. Links: a probe measuring per-ring bus bandwidth on an
 axis multiplies by the number of rings that shared the host NIC (``tensor`` needs no
-conversion: it is per device). Pure Python; no jax import.
+conversion: it is per device). A runtime may not run a reduce-scatter or all-gather as
+half an all-reduce (gloo on CPUs takes nearly a whole one): the ``:reduce-scatter`` and
+``:all-gather`` links then price ZeRO-1's collectives. Pure Python; no jax import.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from holmes_jax.placement import Calibration
 from holmes_jax.topology import Link, StrictReader, Topology
 
 PROFILE_VERSION = 1
+DATA_OPS = ("reduce-scatter", "all-gather")  # collectives a profile may time on their own
 _SHAPE_KEYS = ("hidden_size", "seq_len", "num_heads", "mlp_ratio", "microbatch_size", "tensor")
 
 
@@ -125,6 +130,7 @@ def profile_from_dict(
     allowed = (
         (TENSOR, STAGE)
         + tuple(f"{DATA}:{n}" for n in names)
+        + tuple(f"{DATA}:{n}:{op}" for n in names for op in DATA_OPS)
         + tuple(f"{STAGE}:{a}:{c}" for a in names for c in names if a != c)
     )
     r.mapping(links, "links", optional=allowed)
@@ -134,7 +140,11 @@ def profile_from_dict(
         for isl in topology.islands
     )
     overrides = {(a, c): link for a, c, link in topology.inter_island_overrides}
+    data_ops: dict[str, dict[str, Link]] = {}
     for key, link in new.items():
+        if key.startswith(f"{DATA}:") and key.count(":") == 2:
+            _, island, op = key.split(":")
+            data_ops.setdefault(island, {})[op] = link
         if key.startswith(f"{STAGE}:"):
             _, a, c = key.split(":")
             overrides[tuple(sorted((a, c)))] = link
@@ -145,7 +155,7 @@ def profile_from_dict(
         inter_island_default=new.get(STAGE, topology.inter_island_default),
         inter_island_overrides=tuple((a, c, link) for (a, c), link in sorted(overrides.items())),
     )
-    return profiled, dataclasses.replace(base, island_flops=speeds)
+    return profiled, dataclasses.replace(base, island_flops=speeds, data_ops=data_ops)
 
 
 def link_dict(link: Link) -> dict[str, float]:

@@ -19,7 +19,6 @@ raised for another reason exits with 1.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Any
@@ -62,17 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="override a config value, e.g. --set train.steps=100 (repeatable)",
     )
-    parser.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="process 0's address; sets distributed.coordinator_address",
-    )
-    parser.add_argument(
-        "--num-processes", type=int, help="processes in the job; sets distributed.num_processes"
-    )
-    parser.add_argument(
-        "--process-id", type=int, help="this process, 0-based; sets distributed.process_id"
-    )
+    distributed.add_flags(parser)
     parser.add_argument(
         "--cpu-devices",
         type=int,
@@ -87,49 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.set)
     if args.mesh:
         overrides.append(f"parallel.mesh={args.mesh}")
-    watchdog = None
     try:
-        cfg = _with_distributed_flags(load_config(args.config, overrides), args)
-        request_cpu_devices(args.cpu_devices)
-        xla_flags.apply_gpu_flags()  # async collectives on GPUs, validated (no-op on CPU)
-        watchdog = distributed.start(cfg)  # None: a single process
-        run(cfg)
+        cfg = distributed.apply_flags(load_config(args.config, overrides), args)
     except ConfigError as e:
-        if watchdog is not None:  # peers name this process instead of waiting on it
-            watchdog.abort(f"ConfigError: {e}")
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except distributed.JoinError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return distributed.FAILED_EXIT
-    except Exception as e:
-        if watchdog is None:
-            raise
-        return watchdog.fail(e)  # names a lost peer (and exits), or this process's error
-    if watchdog is not None:
-        watchdog.close()
-    return 0
+    request_cpu_devices(args.cpu_devices)
+    xla_flags.apply_gpu_flags()  # async collectives on GPUs, validated (no-op on CPU)
 
+    def body() -> int:
+        run(cfg)
+        return 0
 
-def _with_distributed_flags(cfg: Config, args: argparse.Namespace) -> Config:
-    """``--coordinator`` / ``--num-processes`` / ``--process-id`` over ``distributed.*``.
-
-    Set directly rather than through ``--set`` so an address is never read as YAML.
-
-    Raises:
-      ConfigError: an impossible combination (e.g. a process id >= the process count).
-    """
-    flags = {
-        "coordinator_address": args.coordinator,
-        "num_processes": args.num_processes,
-        "process_id": args.process_id,
-    }
-    flags = {key: value for key, value in flags.items() if value is not None}
-    if not flags:
-        return cfg
-    cfg = cfg.replace(distributed=dataclasses.replace(cfg.distributed, **flags))
-    cfg.distributed.validate()
-    return cfg
+    return distributed.run_joined(cfg, body)
 
 
 if __name__ == "__main__":

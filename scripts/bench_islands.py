@@ -16,20 +16,24 @@ where the gradient traffic flows decides the step time. Side by side, a few step
     gradient all-reduce ring crosses the slow link;
 (c) fast:   (a) on emu-4host-2island-fast.yaml, every link 1 Gbit/s (homogeneous reference).
 
-Step times are medians of the steps after the first (which compiles), from the trainer's
-metrics. Predictions come from the cost model (holmes_jax.cost / placement) with the
-topology's link rates and the device speed measured first by holmes_jax.probe (one layer
-on all 4 simulated devices at once, as the 4 processes share the 2 cores); the gradient
-reduction is modelled as the trainer runs it: ZeRO-1 reduce-scatter per layer during each
-stage's last backward and an all-gather after the update, synchronous on CPUs (so only
-the other stages' remaining backward hides it). The planner has no "data parallel across
-islands" placement (the placement rules forbid it), so (b) is built here from the same
-cost.py primitives: one stage, data 4, the all-reduce ring bounded by its slowest hop (the
-inter-island link).
+Step times are medians over logging windows of 5 steps after the first step (which
+compiles), from the trainer's metrics.
+
+Predictions come from the cost model (holmes_jax.cost / placement) fed with a profile that
+holmes_jax.probe measures first *through the same emulated launch* (``launch --program
+probe``, one per topology): one layer on every device while the 4 processes share the 2
+cores, and the links as gloo sees them through the namespaces (all-reduce, ZeRO-1's
+reduce-scatter and all-gather inside each island, point-to-point between the islands). The
+model prices the step as the trainer runs it: a shift each way on every pipeline tick,
+one collective per parameter leaf, and synchronous CPU collectives (``sync_collectives``:
+each stage's reduction inside its own last backward tick, added up across stages). The
+planner has no "data parallel across islands" placement (the placement rules forbid it),
+so (b) is built here from the same cost.py primitives: one stage, data 4, the ring bounded
+by its slowest hop (the measured inter-island link, at the measured ratio of the
+reduce-scatter's or all-gather's rate to the all-reduce's).
 
 Diagnostic: (a)'s plan also runs on 4 devices of this one process (no network, no
-process boundaries), next to the model's prediction for it; the gap between that and (a)
-is what 4 processes and their gloo traffic cost on this machine (docs/multihost.md).
+process boundaries), next to the model's prediction for it with the in-process probe.
 
 Targets: (b)/(a) >= 2, (a)/(c) <= 1.25, every prediction within 25% of its measurement.
 Needs root. Prints one JSON line; progress and the processes' output go to stderr.
@@ -46,7 +50,6 @@ import sys
 import tempfile
 
 import benchlib
-import numpy as np
 
 # 4 simulated devices in this process, as the topology has (the probe and the one-process
 # diagnostic); each launched process sets its own count.
@@ -55,7 +58,7 @@ os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
 )
 
 from holmes_jax.config import load_config  # noqa: E402
-from holmes_jax.cost import Layout, exposed_tail, pipeline_time, stage_costs  # noqa: E402
+from holmes_jax.cost import Layout, predict, stage_costs  # noqa: E402
 from holmes_jax.errors import ConfigError  # noqa: E402
 from holmes_jax.launch import launch  # noqa: E402
 from holmes_jax.placement import StageHardware, stage_hardware  # noqa: E402
@@ -74,7 +77,7 @@ MODEL = [
     "data.max_bytes=400000",
     "train.eval_every=0",
     "train.eval_batches=1",
-    "logging.log_every=1",
+    "logging.log_every=5",
     "logging.progress=plain",
 ]
 HOLMES = ["parallel.stages=2", "parallel.data=2", "parallel.microbatches=4"]
@@ -88,55 +91,91 @@ def config(steps: int, extra: list[str], mesh: str):
 
 
 def calibrate(cfg, topology):
-    """Device speed from the probe: one layer on every device at once (in this process)."""
+    """Device speed from the probe in this process: one layer on every device at once."""
     from holmes_jax.probe import measure, profile_dict
     from holmes_jax.profile import profile_from_dict
 
     m = measure(cfg, topology, repeats=10, sizes=(4096, 65536))
     profile = profile_dict(m)
-    profile.pop("links")  # the links are the emulated rates of the topology file
-    _, calibration = profile_from_dict(profile, topology, source="<probe>")
-    return calibration, {c.island: round(c.fwd_s * 1e3 + c.bwd_s * 1e3, 2) for c in m.compute}
+    profile.pop("links")  # no network in one process: the links are the topology's
+    return profile_from_dict(profile, topology, source="<probe>")[1]
+
+
+def probe_launch(mesh: str, extra: list[str], folder: str, name: str):
+    """Profile measured by ``launch --program probe --emulate``: the topology with its
+    measured links, the calibration and the per-island layer times (ms)."""
+    from holmes_jax.profile import load_profile
+
+    out = os.path.join(folder, f"profile-{name}.json")
+    args = [a for o in MODEL + extra for a in ("--set", o)]
+    args += ["--out", out, "--repeats", "10", "--sizes-kib", "4,64,1024,8192"]
+    print(
+        f"bench_islands: probe {os.path.basename(mesh)} through the emulated network",
+        file=sys.stderr,
+    )
+    code = launch(mesh, args, emulate=True, out=sys.stderr, program="probe")
+    if code:
+        raise RuntimeError(f"probe on {mesh}: the emulated launch exited with code {code}")
+    with open(out) as f:
+        compute = json.load(f)["compute"]
+    topology, calibration = load_profile(out, load_topology(mesh))
+    layer_ms = {
+        k: round((v["layer_fwd_s"] + v["layer_bwd_s"]) * 1e3, 2) for k, v in compute.items()
+    }
+    return topology, calibration, layer_ms
 
 
 def predicted_step(cfg, topology, calibration) -> float:
     """Cost-model step time of a config, as the trainer runs it on CPUs (module doc)."""
     model, run = specs_from_config(cfg)
-    run = dataclasses.replace(run, zero1=cfg.optimizer.zero1, overlap_grad_sync=False)
+    run = dataclasses.replace(run, zero1=cfg.optimizer.zero1, sync_collectives=True)
     par = cfg.parallel
     layout = Layout(par.stages, par.data, par.tensor, par.microbatches, par.schedule)
     if par.enforce_islands:
         hardware = stage_hardware(topology, layout, calibration)
     else:
-        # One stage over every device, data parallel across islands: a flat ring whose
-        # slowest hop is the inter-island link, one ring per host NIC (1 device per host).
-        isl = topology.islands[0]
-        inter = topology.inter_island(topology.islands[0].name, topology.islands[1].name)
-        hops = [inter] + [i.link for i in topology.islands]
-        fwd, bwd = calibration.flops_per_s(topology, 0)
-        hardware = [
-            StageHardware(
-                island=0,
-                fwd_flops=fwd,
-                bwd_flops=bwd,
-                memory_bytes=isl.memory_gb * 1e9,
-                mem_bw=isl.memory_bytes_per_s,
-                tensor=(topology.intra_host.bytes_per_s, topology.intra_host.latency_s),
-                data=(min(h.bytes_per_s for h in hops), max(h.latency_s for h in hops)),
-                send=(float("inf"), 0.0),
-            )
-        ]
+        hardware = [naive_hardware(topology, calibration)]
     split = list(par.layers_per_stage) if par.layers_per_stage else [model.num_layers]
-    costs = stage_costs(model, run, layout, hardware)
-    idx = (np.arange(len(split)), np.array(split))
-    # CPU collectives are synchronous: stage s reduces its gradients layer by layer in
-    # its last backward, which ends sum(bwd[:s]) before the pipeline does (the 1F1B
-    # cooldown); only that much of its reduction hides behind the other stages' work.
-    bwd = costs.bwd[idx]
-    earlier = np.concatenate([[0.0], bwd[:-1]])
-    after = costs.optimizer[idx] + costs.gather[idx]
-    tail, _ = exposed_tail(costs.reduce[idx], after, earlier, overlap=True)
-    return pipeline_time(costs.tau[idx], par.microbatches) + tail
+    return predict(stage_costs(model, run, layout, hardware), split).step_s
+
+
+def naive_hardware(topology, calibration) -> StageHardware:
+    """One stage over every device, data parallel across islands: a flat ring (one per host
+    NIC, 1 device per host) whose slowest hop is the inter-island link.
+
+    Where the probe timed ZeRO-1's reduce-scatter / all-gather on their own, the time they
+    take beyond an all-reduce's ring rate is a per-byte runtime cost (gloo's copies and
+    reductions on the shared cores), not wire time: it is added per byte to the slow ring.
+    """
+    inter = topology.inter_island(topology.islands[0].name, topology.islands[1].name)
+    hops = [inter] + [i.link for i in topology.islands]
+    ring = (min(h.bytes_per_s for h in hops), max(h.latency_s for h in hops))
+
+    def op_path(op: str):
+        extra = [  # seconds per byte beyond the island's all-reduce ring rate
+            (1 / ops[op].bytes_per_s - 1 / isl.link.bytes_per_s, ops[op].latency_s)
+            for isl in topology.islands
+            if op in (ops := calibration.data_ops.get(isl.name, {}))
+        ]
+        if not extra:
+            return None
+        per_byte = max(0.0, *(e for e, _ in extra))
+        return (1 / (1 / ring[0] + per_byte), max(ring[1], *(lat for _, lat in extra)))
+
+    isl = topology.islands[0]
+    fwd, bwd = calibration.flops_per_s(topology, 0)
+    return StageHardware(
+        island=0,
+        fwd_flops=fwd,
+        bwd_flops=bwd,
+        memory_bytes=isl.memory_gb * 1e9,
+        mem_bw=isl.memory_bytes_per_s,
+        tensor=(topology.intra_host.bytes_per_s, topology.intra_host.latency_s),
+        data=ring,
+        send=(float("inf"), 0.0),
+        scatter=op_path("reduce-scatter"),
+        gather=op_path("all-gather"),
+    )
 
 
 def single_process(cfg, topology, calibration, steps: int) -> tuple[float, float]:
@@ -178,7 +217,7 @@ def measured_step(mesh: str, extra: list[str], steps: int, folder: str, name: st
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="steps per variant (>= 2)")
+    parser.add_argument("--steps", type=int, default=11, help="steps per variant (>= 6)")
     parser.add_argument("--keep-logs", help="keep the metrics files in this folder")
     parser.add_argument(
         "--set",
@@ -194,8 +233,11 @@ def main(argv=None) -> int:
     MODEL.extend(args.set)
     for name in set(VARIANTS) - set(args.only.split(",")):
         del VARIANTS[name]
-    if args.steps < 2:
-        print(f"error: --steps={args.steps}: must be >= 2 (the first compiles)", file=sys.stderr)
+    if args.steps < 6:
+        print(
+            f"error: --steps={args.steps}: must be >= 6 (the first compiles; then windows of 5)",
+            file=sys.stderr,
+        )
         return 2
     from holmes_jax.netns import check_privileges
 
@@ -205,19 +247,23 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    slow, fast = load_topology(SLOW), load_topology(FAST)
+    slow = load_topology(SLOW)
+    folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_islands_")
+    os.makedirs(folder, exist_ok=True)
     cfgs = {name: config(args.steps, extra, mesh) for name, (mesh, extra) in VARIANTS.items()}
-    calibration, layer_ms = calibrate(config(args.steps, HOLMES, SLOW), slow)
-    topologies = {"holmes": slow, "naive": slow, "fast": fast}
+    profiled = {"slow": probe_launch(SLOW, HOLMES, folder, "slow")}
+    if "fast" in VARIANTS:
+        profiled["fast"] = probe_launch(FAST, HOLMES, folder, "fast")
+    which = {"holmes": "slow", "naive": "slow", "fast": "fast"}
     predicted = {
-        name: predicted_step(cfg, topologies[name], calibration) for name, cfg in cfgs.items()
+        name: predicted_step(cfg, *profiled[which[name]][:2]) for name, cfg in cfgs.items()
     }
 
     holmes_cfg = config(args.steps, HOLMES, SLOW)
-    one_measured, one_predicted = single_process(holmes_cfg, slow, calibration, args.steps)
+    one_measured, one_predicted = single_process(
+        holmes_cfg, slow, calibrate(holmes_cfg, slow), args.steps
+    )
 
-    folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_islands_")
-    os.makedirs(folder, exist_ok=True)
     measured = {
         name: measured_step(mesh, extra, args.steps, folder, name)
         for name, (mesh, extra) in VARIANTS.items()
@@ -243,7 +289,7 @@ def main(argv=None) -> int:
         "step_ms": {k: round(v * 1e3, 1) for k, v in measured.items()},
         "predicted_ms": {k: round(v * 1e3, 1) for k, v in predicted.items()},
         "prediction_error": {k: round(v, 3) for k, v in errors.items()},
-        "probe_layer_fwd_bwd_ms": layer_ms,
+        "probe_layer_fwd_bwd_ms": {k: v[2] for k, v in profiled.items()},
         "diagnostic_holmes_plan_one_process": {
             "step_ms": round(one_measured * 1e3, 1),
             "predicted_ms": round(one_predicted * 1e3, 1),

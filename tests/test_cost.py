@@ -222,6 +222,65 @@ def test_breakdown_sums_to_step_and_tflops_is_megatron():
         predict(stage_costs(MODEL, run, lay, _hardware(2)), [3, 3])
 
 
+def test_collectives_pay_latency_per_call():
+    """Split over c calls, a collective moves the same bytes and pays c latencies."""
+    one = reduce_scatter_time(8e6, 4, 1e9, 1e-4)
+    assert reduce_scatter_time(8e6, 4, 1e9, 1e-4, calls=12) == pytest.approx(one + 11 * 3e-4)
+    assert ring_allreduce_time(8e6, 4, 1e9, 0.0, calls=12) == ring_allreduce_time(8e6, 4, 1e9)
+
+
+def _latency_only(p):
+    """Hardware whose data ring and sends cost latency only (infinite bandwidth)."""
+    return [
+        StageHardware(
+            island=0,
+            fwd_flops=1e12,
+            bwd_flops=1e12,
+            memory_bytes=80 * GB,
+            mem_bw=2e12,
+            tensor=(math.inf, 0.0),
+            data=(math.inf, 1e-3),
+            send=(math.inf, 1e-2),
+        )
+        for _ in range(p)
+    ]
+
+
+def test_trainer_reduces_per_leaf_and_shifts_both_ways_every_tick():
+    layout = Layout(2, 2, 1, 4)
+    ours = stage_costs(MODEL, RunSpec(8), layout, _latency_only(2))
+    mega_run = RunSpec(8, engine="megatron", zero1=False)
+    mega = stage_costs(MODEL, mega_run, layout, _latency_only(2))
+    # one reduce-scatter call per leaf: 12 a layer, + 2 embedding leaves on the first stage,
+    # + final LayerNorm and untied head (3) on the last; a 2-rank ring step each
+    assert ours.reduce[0, 3] == pytest.approx((3 * 12 + 2) * 1e-3)
+    assert ours.reduce[1, 3] == pytest.approx((3 * 12 + 3) * 1e-3)
+    assert mega.reduce[0, 3] == pytest.approx(2 * 1e-3)  # one flat buffer (no ZeRO: all-reduce)
+    # every tick (forward or backward) shifts activations and gradients over the one link
+    assert ours.p2p.tolist() == pytest.approx([4e-2, 4e-2])
+    assert mega.p2p.tolist() == pytest.approx([1e-2, 1e-2])  # a send each way per micro-batch
+
+
+def test_sync_collectives_add_the_stages_reductions():
+    layout, split = Layout(2, 2, 1, 4), [4, 4]
+    run = RunSpec(8, overlap_grad_sync=True)
+    hw = _latency_only(2)
+    overlapped = predict(stage_costs(MODEL, run, layout, hw), split)
+    sync = stage_costs(MODEL, RunSpec(8, sync_collectives=True), layout, hw)
+    got = predict(sync, split)
+    idx = ([0, 1], split)
+    pipe = pipeline_time((sync.fwd + sync.bwd)[idx], 4)
+    after = sync.optimizer[idx] + sync.gather[idx]
+    assert got.step_s == pytest.approx(pipe + sync.reduce[idx].sum() + after.max())
+    assert got.step_s > overlapped.step_s
+    assert sum(got.breakdown.values()) == pytest.approx(got.step_s)
+
+
+def test_bad_engine_is_a_config_error():
+    with pytest.raises(ConfigError, match="engine='nccl': must be one of holmes_jax, megatron"):
+        RunSpec(8, engine="nccl")
+
+
 def test_fidelity_within_ten_percent_of_megatron():
     rows = fidelity.fidelity_table(DEFAULT_EFFICIENCY)
     assert len(rows) == 10

@@ -186,6 +186,10 @@ def test_one_worker_per_host_with_its_devices_and_profile():
         topo, "m.yaml", [], "10.77.0.2:29500", base_env={}, prefix=lambda h: ["ns", h]
     )
     assert emulated[3].command[:2] == ["ns", "roce-1"]
+    probes = launch.plan_workers(topo, "m.yaml", [], "h:1", base_env={}, program="probe")
+    assert probes[0].command[1:3] == ["-m", "holmes_jax.probe"]
+    with pytest.raises(ConfigError, match="--program=bench: must be one of train, probe"):
+        launch.plan_workers(topo, "m.yaml", [], "h:1", base_env={}, program="bench")
 
 
 # The launcher forks (to arm PR_SET_PDEATHSIG); jax, loaded in this test process by other

@@ -235,7 +235,10 @@ def test_profile_reproduces_the_measured_layer():
     topo, cal = profile_from_dict(raw, load_topology(TWO))
     model = ModelSpec(4, 128, 4, 128, 256)
     layout = Layout(4, 2, 1, 4)  # 16 sequences / (2 data x 4 micro-batches) = 2 each
-    costs = stage_costs(model, RunSpec(16, act_bytes=2), layout, stage_hardware(topo, layout, cal))
+    # the bare layer, as the probe timed it (engine "megatron": no per-layer weight slice or
+    # gradient accumulation on top; tests/test_probe.py checks those)
+    run = RunSpec(16, act_bytes=2, engine="megatron")
+    costs = stage_costs(model, run, layout, stage_hardware(topo, layout, cal))
     layer_f = costs.fwd[1, 2] - costs.fwd[1, 1]  # stage 1 lives in the ib island
     layer_b = costs.bwd[1, 2] - costs.bwd[1, 1]
     assert layer_f == pytest.approx(0.02) and layer_b == pytest.approx(0.045)

@@ -5,6 +5,7 @@ tests that need real measurements; the unit tests use synthetic timings.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -22,7 +23,9 @@ from holmes_jax.cost import (
     Layout,
     ModelSpec,
     RunSpec,
+    all_gather_time,
     p2p_time,
+    reduce_scatter_time,
     ring_allreduce_time,
     stage_costs,
 )
@@ -38,7 +41,7 @@ from holmes_jax.probe import (
     pair_shape,
     profile_dict,
 )
-from holmes_jax.profile import load_profile, profile_from_dict
+from holmes_jax.profile import DATA_OPS, load_profile, profile_from_dict
 from holmes_jax.topology import load_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,6 +158,37 @@ def test_profile_units_are_the_planners():
     assert p2p_time(2 * 65536, *hw[0].send) == pytest.approx(p2p_time(65536, *per_sender))
 
 
+def test_zero1_collectives_get_their_own_measured_paths():
+    """A reduce-scatter and an all-gather timed on their own are fitted to their formulas
+    and price ZeRO-1's collectives; the all-reduce still prices the data ring."""
+    topo = load_topology(TWO)
+    per_ring = (1.5e9, 40e-6)
+    rs, ag = (0.6e9, 70e-6), (0.8e9, 50e-6)  # slower than half an all-reduce
+    m = _synthetic(topo, per_ring, (0.9e9, 120e-6))
+    sizes = m.links[0].sizes
+    extra = tuple(
+        LinkTiming(f"data:{isl}:{op}", isl, op, 2, 2, sizes, tuple(f(s, 2, *p) for s in sizes))
+        for isl in ("ib", "roce")
+        for op, f, p in (
+            ("reduce-scatter", reduce_scatter_time, rs),
+            ("all-gather", all_gather_time, ag),
+        )
+    )
+    raw = profile_dict(dataclasses.replace(m, links=m.links + extra))
+    assert "data:roce:all-gather" in raw["links"]
+    profiled, cal = profile_from_dict(raw, topo)
+    assert set(cal.data_ops["ib"]) == {"reduce-scatter", "all-gather"}
+    hw = stage_hardware(profiled, Layout(2, 2, 2, 1), cal)
+    assert hw[0].data == pytest.approx(per_ring, rel=1e-5)
+    assert hw[0].scatter == pytest.approx(rs, rel=1e-5)
+    assert hw[1].gather == pytest.approx(ag, rel=1e-5)
+    model, layout = ModelSpec(4, 128, 4, 128, 256), Layout(2, 2, 2, 8)
+    costs = stage_costs(model, RunSpec(16), layout, hw)
+    plain = stage_costs(model, RunSpec(16), layout, stage_hardware(profiled, layout))
+    assert np.all(costs.reduce[:, 1:] > plain.reduce[:, 1:])  # the slower measured paths
+    assert np.all(costs.gather[:, 1:] > plain.gather[:, 1:])
+
+
 def test_profile_reproduces_the_measured_fp32_layer():
     topo = load_topology(TWO)
     raw = profile_dict(_synthetic(topo, (1e9, 1e-5), (1e9, 1e-5)))
@@ -163,10 +197,16 @@ def test_profile_reproduces_the_measured_fp32_layer():
     model = ModelSpec(4, 128, 4, 128, 256)
     layout = Layout(4, 2, 1, 4)  # 16 / (2 data x 4 micro-batches) = 2 = measured size
     run = RunSpec(16, act_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
-    costs = stage_costs(model, run, layout, stage_hardware(profiled, layout, cal))
+    hw = stage_hardware(profiled, layout, cal)
+    costs = stage_costs(model, run, layout, hw)
     for s in range(4):  # stages 0, 1 on ib, 2, 3 on roce
-        assert costs.fwd[s, 2] - costs.fwd[s, 1] == pytest.approx(0.02)
-        assert costs.bwd[s, 2] - costs.bwd[s, 1] == pytest.approx(0.04)
+        # the probe times the bare layer; the engine adds its per-layer weight slice (read +
+        # write) to each pass and the fp32 gradient accumulation to the backward
+        moved = 2 * model.layer_params * 4 / hw[s].mem_bw
+        assert costs.fwd[s, 2] - costs.fwd[s, 1] == pytest.approx(0.02 + moved)
+        assert costs.bwd[s, 2] - costs.bwd[s, 1] == pytest.approx(0.04 + 2 * moved)
+    bare = stage_costs(model, dataclasses.replace(run, engine="megatron"), layout, hw)
+    assert bare.fwd[0, 2] - bare.fwd[0, 1] == pytest.approx(0.02)
 
 
 def test_pair_layout_on_uneven_islands():
@@ -226,7 +266,8 @@ def test_probe_writes_a_profile_the_planner_reads(probed, capsys):
         "act_bytes": 4,
     }
     assert set(raw["compute"]) == {"ib", "roce"}
-    assert set(raw["links"]) == {"tensor", "data:ib", "data:roce", "stage:ib:roce"}
+    zero1 = {f"data:{i}:{op}" for i in ("ib", "roce") for op in DATA_OPS}
+    assert set(raw["links"]) == {"tensor", "data:ib", "data:roce", "stage:ib:roce"} | zero1
     numbers = [v for item in raw["compute"].values() for v in item.values()]
     assert all(math.isfinite(v) and v > 0 for v in numbers)
     for link in raw["links"].values():
@@ -257,7 +298,8 @@ def test_probe_function_on_one_island():
     lines = []
     raw = probe_cli.probe(cfg, topo, repeats=1, sizes=SIZES, log=lines.append)
     island = topo.islands[0].name
-    assert set(raw["links"]) == {"tensor", f"data:{island}"}
+    ops = {f"data:{island}:{op}" for op in DATA_OPS}
+    assert set(raw["links"]) == {"tensor", f"data:{island}"} | ops
     assert set(raw["compute"]) == {island} and lines
     profile_from_dict(raw, topo)
 
