@@ -276,15 +276,24 @@ def pipeline_time(
 
 
 def exposed_tail(
-    reduce_s: Sequence[float], after_s: Sequence[float], bwd_s: Sequence[float], overlap: bool
+    reduce_s: Sequence[float],
+    after_s: Sequence[float],
+    bwd_s: Sequence[float],
+    overlap: bool,
+    sync: bool = False,
 ) -> tuple[float, int]:
     """Time the iteration runs past the pipeline, and the stage that sets it.
 
     Stage s finishes its last backward ``Σ_{k<s} bwd_k`` before the pipeline ends, and its
     reduction can start layer by layer during that last backward, so with ``overlap`` it
     hides behind ``slack_s = Σ_{k<=s} bwd_k``; then ``after_s`` (optimizer step +
-    parameter all-gather) follows.
+    parameter all-gather) follows. With ``sync`` (collectives that block the device) each
+    stage reduces inside its own lockstep tick, so the reductions add up:
+    ``Σ_s reduce_s + max_s after_s``.
     """
+    if sync:
+        arg = int(np.argmax(after_s))
+        return float(np.sum(reduce_s) + after_s[arg]), arg
     slack, best, arg = 0.0, -math.inf, 0
     for s, (red, after) in enumerate(zip(reduce_s, after_s, strict=True)):
         slack += bwd_s[s]
@@ -428,11 +437,10 @@ def stage_costs(
         reduce = reduce + (first + last) * tie
     gather = np.zeros_like(params)
     if run.zero1 and d > 1:
-        data_path = [x.gather or x.data for x in hw]
         gather = np.stack(
             [
-                all_gather_time(params[i] * run.param_bytes, d, *data_path[i], calls[i])
-                for i in range(p)
+                all_gather_time(params[i] * run.param_bytes, d, *x.gather_path, calls[i])
+                for i, x in enumerate(hw)
             ]
         )
     touched = run.grad_bytes + 2 * run.optimizer_bytes + run.param_bytes  # read/write
@@ -471,13 +479,13 @@ def _dp_reduce(
         g, c = grads[i], calls[i]
         row = np.zeros_like(g)
         if zero1 or r > 1:
-            row = row + reduce_scatter_time(g, d, *(x.scatter or x.data), c)
+            row = row + reduce_scatter_time(g, d, *x.scatter_path, c)
         else:
             row = row + ring_allreduce_time(g, d, *x.data, c)
         if r > 1:
             row = row + ring_allreduce_time(g / d, r, *x.cross, c)
             if not zero1:  # plain hierarchical all-reduce: gather the reduced shards back
-                row = row + all_gather_time(g, d, *(x.gather or x.data), c)
+                row = row + all_gather_time(g, d, *x.gather_path, c)
         rows.append(row)
     return np.stack(rows)
 
@@ -547,11 +555,10 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
     v = costs.layout.virtual_stages
     pipe = pipeline_time(tau, m, v)
     after = costs.optimizer[idx] + costs.gather[idx]
-    if costs.run.sync_collectives:  # each stage reduces in its own lockstep tick: they add
-        s_tail = int(np.argmax(after))
-        tail = float(costs.reduce[idx].sum() + after[s_tail])
-    else:
-        tail, s_tail = exposed_tail(costs.reduce[idx], after, bwd, costs.run.overlap_grad_sync)
+    run = costs.run
+    tail, s_tail = exposed_tail(
+        costs.reduce[idx], after, bwd, run.overlap_grad_sync, sync=run.sync_collectives
+    )
     step = pipe + tail
     k = int(np.argmax(tau))
     opt = float(costs.optimizer[idx][s_tail])

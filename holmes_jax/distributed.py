@@ -48,7 +48,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from holmes_jax.errors import ConfigError
@@ -100,8 +100,6 @@ def apply_flags(cfg: Any, args: Any) -> Any:
     Raises:
       ConfigError: an impossible combination (e.g. a process id >= the process count).
     """
-    import dataclasses
-
     flags = {
         "coordinator_address": args.coordinator,
         "num_processes": args.num_processes,
@@ -110,7 +108,7 @@ def apply_flags(cfg: Any, args: Any) -> Any:
     flags = {key: value for key, value in flags.items() if value is not None}
     if not flags:
         return cfg
-    cfg = cfg.replace(distributed=dataclasses.replace(cfg.distributed, **flags))
+    cfg = cfg.replace(distributed=replace(cfg.distributed, **flags))
     cfg.distributed.validate()
     return cfg
 

@@ -74,6 +74,16 @@ class StageHardware:
     scatter: tuple[float, float] | None = None
     gather: tuple[float, float] | None = None
 
+    @property
+    def scatter_path(self) -> tuple[float, float]:
+        """The ring ZeRO-1's reduce-scatter runs on (measured, else the data ring's)."""
+        return self.scatter or self.data
+
+    @property
+    def gather_path(self) -> tuple[float, float]:
+        """The ring ZeRO-1's all-gather runs on (measured, else the data ring's)."""
+        return self.gather or self.data
+
 
 def stage_blocks(topology: Topology, layout: Layout) -> list[list[tuple[int, int]]]:
     """(island index, first device inside that island) of every stage, per replica.
@@ -188,8 +198,8 @@ def stage_hardware(
                 send=_slowest_path([x.send for x in hw]),
                 tie=_slowest_path([x.tie for x in hw]),
                 cross=cross,
-                scatter=_slowest_path([x.scatter or x.data for x in hw]),
-                gather=_slowest_path([x.gather or x.data for x in hw]),
+                scatter=_slowest_path([x.scatter_path for x in hw]),
+                gather=_slowest_path([x.gather_path for x in hw]),
             )
         )
     return out

@@ -312,8 +312,7 @@ def measure(
             (data, DATA, isl.num_hosts, isl.devices_per_host, "all-reduce"),
             # ZeRO-1's two collectives, as issued by the trainer (a runtime may not run
             # them as half an all-reduce each, e.g. gloo on CPUs).
-            (f"{data}:{DATA_OPS[0]}", DATA, isl.num_hosts, isl.devices_per_host, DATA_OPS[0]),
-            (f"{data}:{DATA_OPS[1]}", DATA, isl.num_hosts, isl.devices_per_host, DATA_OPS[1]),
+            *((f"{data}:{op}", DATA, isl.num_hosts, isl.devices_per_host, op) for op in DATA_OPS),
         ):
             if n < 2:
                 continue  # a one-device ring moves nothing
