@@ -31,6 +31,8 @@ DATA_SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 PROGRESS_MODES = ("auto", "bar", "plain", "none")
 PRECISIONS = ("fp32", "bf16")
+REMAT_POLICIES = ("none", "full", "selective")
+ATTENTION_KERNELS = ("auto", "xla", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,15 @@ class ModelConfig:
     mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden_size
     dropout: float = 0.0
     tied_embeddings: bool = True  # LM head reuses the token embedding
-    remat: bool = False  # recompute each block's activations in the backward pass
+    # What a layer keeps for its backward: none (everything), full (only its input; the
+    # forward is recomputed) or selective (matmul and attention outputs; norms, GELU and
+    # softmax are recomputed). YAML true / false are read as full / none.
+    remat: str | bool = "none"
+    attention: str = "auto"  # auto (cuDNN on a CUDA device where it can run) | xla | cudnn
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool):  # the old boolean switch
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
 
     @property
     def head_dim(self) -> int:
@@ -65,6 +75,8 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
+        _choice(self.remat, "model.remat", REMAT_POLICIES)
+        _choice(self.attention, "model.attention", ATTENTION_KERNELS)
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from holmes_jax.axes import BATCH_AXES, TENSOR
 from holmes_jax.config import ModelConfig
+from holmes_jax.errors import ConfigError
 
 # Logical axis name -> mesh axis. The only place parameters meet the mesh.
 LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
@@ -48,6 +50,87 @@ _INIT_STD = 0.02
 
 def _param(module: nn.Module, name: str, init, shape, names):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_kernel(cfg: ModelConfig, dtype) -> str:
+    """The attention implementation a run uses: ``'xla'`` or ``'cudnn'``.
+
+    ``auto`` takes cuDNN's fused kernel on a CUDA device when it can run (bf16/fp16,
+    head_dim a multiple of 8 up to 128), else XLA.
+
+    Raises:
+      ConfigError: ``model.attention=cudnn`` where cuDNN cannot run.
+    """
+    if cfg.attention == "xla":
+        return "xla"
+    why = _cudnn_unavailable(cfg, dtype)
+    if cfg.attention == "cudnn" and why:
+        raise ConfigError(f"model.attention=cudnn: {why} (use auto or xla)")
+    return "xla" if why else "cudnn"
+
+
+def _cudnn_unavailable(cfg: ModelConfig, dtype) -> str | None:
+    """Why cuDNN attention cannot run here, or None."""
+    devices = jax.devices()
+    if devices[0].platform != "gpu" or "cuda" not in devices[0].client.platform_version.lower():
+        return f"needs a CUDA GPU, this run has {devices[0].platform} devices"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"needs bf16 or fp16 compute, this run computes in {jnp.dtype(dtype).name}"
+    if cfg.head_dim % 8 or cfg.head_dim > 128:
+        return f"needs head_dim a multiple of 8 and <= 128, got {cfg.head_dim}"
+    return None
+
+
+def attention(q, k, v, kernel: str):
+    """Causal softmax attention. q, k, v [B, T, nh, hd] -> [B, T, nh, hd].
+
+    Never keeps ``[B, nh, T, T]`` scores for the backward: cuDNN's fused kernel stores only
+    its output and the softmax statistics; the XLA path is wrapped in a checkpoint that
+    keeps q, k, v and recomputes scores and softmax (in fp32) in the backward.
+    """
+    if kernel == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return _xla_attention(q, k, v)
+
+
+@jax.checkpoint
+def _xla_attention(q, k, v):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("btnd,bsnd->bnts", q, k).astype(jnp.float32) * scale  # [B, nh, T, T]
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
+    return jnp.einsum("bnts,bsnd->btnd", probs, v)
+
+
+# --------------------------------------------------------------------------- remat
+
+# What ``model.remat=selective`` keeps per layer (named with ``checkpoint_name`` in Block):
+# the four matmul outputs and the attention output. Norms, GELU and softmax are recomputed.
+SELECTIVE_SAVED = ("qkv", "attn_out", "attn_proj", "mlp_fc", "mlp_proj")
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint`` policy of a ``model.remat`` value (None: no checkpoint)."""
+    if name == "none":
+        return None
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "selective":
+        return jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED)
+    raise ConfigError(f"model.remat='{name}': must be one of none, full, selective")
+
+
+def remat_block(cfg: ModelConfig):
+    """``Block``, wrapped in ``nn.remat`` with the config's policy (or bare for none)."""
+    policy = remat_policy(cfg.remat)
+    if policy is None:
+        return Block
+    return nn.remat(Block, prevent_cse=False, policy=policy)
 
 
 class LayerNorm(nn.Module):
@@ -113,18 +196,13 @@ class Block(nn.Module):
         )
         b_qkv = _param(self, "qkv_bias", zeros, (3, nh, hd), ("qkv", "heads", "head_dim"))
         qkv = jnp.einsum("bth,hcnd->cbtnd", a, w_qkv) + b_qkv[:, None, None]
+        qkv = checkpoint_name(qkv, "qkv")  # [3, B, T, nh, hd]: saved by `selective`
         q, k, v = qkv[0], qkv[1], qkv[2]
-        t = x.shape[1]
-        scores = jnp.einsum("btnd,bsnd->bnts", q, k) / math.sqrt(hd)  # [B, nh, T, T]
-        scores = scores.astype(jnp.float32)  # softmax in fp32
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        probs = drop(probs, deterministic=self.deterministic)
-        y = jnp.einsum("bnts,bsnd->btnd", probs, v)  # [B, T, nh, hd]
+        y = attention(q, k, v, attention_kernel(c, q.dtype))  # [B, T, nh, hd]
+        y = checkpoint_name(y, "attn_out")
         w_o = _param(self, "out_kernel", resid, (nh, hd, h), ("heads", "head_dim", "embed"))
         b_o = _param(self, "out_bias", zeros, (h,), ("embed",))
-        y = jnp.einsum("btnd,ndh->bth", y, w_o) + b_o
+        y = checkpoint_name(jnp.einsum("btnd,ndh->bth", y, w_o) + b_o, "attn_proj")
         x = x + drop(y, deterministic=self.deterministic)
         x = nn.with_logical_constraint(x, ("batch", "seq", "embed"))
 
@@ -132,10 +210,10 @@ class Block(nn.Module):
         m = LayerNorm(name="ln2")(x)
         w_fc = _param(self, "fc_kernel", normal, (h, f), ("embed", "mlp"))
         b_fc = _param(self, "fc_bias", zeros, (f,), ("mlp",))
-        m = jax.nn.gelu(m @ w_fc + b_fc, approximate=True)
+        m = jax.nn.gelu(checkpoint_name(m @ w_fc + b_fc, "mlp_fc"), approximate=True)
         w_pr = _param(self, "proj_kernel", resid, (f, h), ("mlp", "embed"))
         b_pr = _param(self, "proj_bias", zeros, (h,), ("embed",))
-        m = m @ w_pr + b_pr
+        m = checkpoint_name(m @ w_pr + b_pr, "mlp_proj")
         x = x + drop(m, deterministic=self.deterministic)
         return nn.with_logical_constraint(x, ("batch", "seq", "embed")), None
 
@@ -181,7 +259,7 @@ class GPT(nn.Module):
     deterministic: bool = True
 
     def setup(self):
-        block = nn.remat(Block, prevent_cse=False) if self.cfg.remat else Block
+        block = remat_block(self.cfg)
         self.embed = Embed(self.cfg, self.deterministic)
         self.blocks = nn.scan(
             block,
@@ -207,7 +285,7 @@ class GPT(nn.Module):
 
 def block_apply(cfg: ModelConfig, layer_params, x, *, deterministic=True, rng=None):
     """Apply one transformer layer given its (unstacked) parameters. x [B, T, H]."""
-    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+    block = remat_block(cfg)
     rngs = {"dropout": rng} if rng is not None else None
     y, _ = block(cfg, deterministic).apply({"params": layer_params}, x, rngs=rngs)
     return y

@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.axes import BATCH_AXES, DATA, REPLICA, STAGE
 from holmes_jax.config import ModelConfig
-from holmes_jax.model import GPT, LOGICAL_RULES, Block
+from holmes_jax.model import GPT, LOGICAL_RULES, remat_block
 from holmes_jax.schedule import BWD, FWD, Schedule, make_schedule
 from holmes_jax.zero import reduce_bucket, shard_shape, sharded_spec, squared_norm
 
@@ -254,7 +254,9 @@ class PipelineEngine:
         self.grad_dims = grad_dims
         self.nan_bubbles = nan_bubbles
         self.gpt = GPT(model_cfg, deterministic=model_cfg.dropout == 0.0)
-        self.block = Block(model_cfg, deterministic=model_cfg.dropout == 0.0)
+        # The layer under the config's remat policy: its jax.vjp residuals, which the engine
+        # buffers per layer and micro-batch, are exactly what the policy saves.
+        self.block = remat_block(model_cfg)(model_cfg, deterministic=model_cfg.dropout == 0.0)
 
     # The three model parts as pure functions of their parameters.
 

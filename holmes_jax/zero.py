@@ -87,7 +87,9 @@ def reduce_bucket(grads: Any, dims: Any, data: int, replica: int) -> Any:
 
     def one(g, dim):
         g = g.astype(jnp.float32)  # reductions always in fp32
-        if dim < 0:
+        if data == 1:  # no collective over a size-1 axis (XLA's SPMD partitioner rejects
+            out = g  # a manual all-reduce beside an automatic tensor axis there)
+        elif dim < 0:
             out = lax.psum(g, DATA)
         else:
             out = lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
