@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from holmes_jax.errors import ConfigError
+from holmes_jax.memory import REMAT_POLICIES, MemoryInputs, device_memory
 
 if TYPE_CHECKING:
     from holmes_jax.placement import StageHardware
@@ -114,7 +115,8 @@ class RunSpec:
     param_bytes: int = 2  # working copy of the parameters
     grad_bytes: int = 4  # gradients as reduced over data-parallel ranks
     optimizer_bytes: int = 12  # per parameter: fp32 master + Adam m, v (8 without master)
-    recompute: bool = False  # full activation recomputation in the backward pass
+    remat: str = "none"  # activation policy (holmes_jax.memory): none | full | selective
+    attention: str = "xla"  # xla (fp32 [b, a/t, s, s] transients) | cudnn (fused)
     zero1: bool = True  # optimizer state sharded over data-parallel ranks
     overlap_grad_sync: bool = True  # gradient reduction overlapped with the pipeline drain
     # Collectives block the device until done (CPU runtimes such as gloo): the stages'
@@ -132,6 +134,15 @@ class RunSpec:
             raise ConfigError(f"engine='{self.engine}': must be one of {', '.join(ENGINES)}")
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(
+                f"model.remat='{self.remat}': must be one of {', '.join(REMAT_POLICIES)}"
+            )
+
+    @property
+    def recompute(self) -> bool:
+        """Full recomputation: the backward reruns every layer's forward."""
+        return self.remat == "full"
 
 
 @dataclass(frozen=True)
@@ -376,12 +387,16 @@ def stage_costs(
     lf, hf = layer_fwd_flops(model, b) / t, head_fwd_flops(model, b) / t
     fwd_rate, bwd_rate = col(lambda x: x.fwd_flops), col(lambda x: x.bwd_flops)
     recompute = 1.0 if run.recompute else 0.0
+    # Selective remat reruns the attention scores (q·kᵀ) and the element-wise ops.
+    selective = 1.0 if run.remat == "selective" else 0.0
+    scores_f = 2 * b * s * s * h / t
     # Element-wise work (norms, softmax, dropout, GELU, residuals) is memory bound: each
     # activation byte a layer stores is written in the forward, read and its gradient
     # written in the backward, and written again by a recomputed forward.
     traffic = layer_activation_bytes(model, b, t, run.act_bytes) / col(lambda x: x.mem_bw)
     layer_f = lf / fwd_rate + traffic
     layer_b = 2 * lf / bwd_rate + 2 * traffic + recompute * (lf / fwd_rate + traffic)
+    layer_b = layer_b + selective * (scores_f / fwd_rate + traffic)
     if run.engine == "holmes_jax":
         # The pipeline engine, per layer and micro-batch: the layer's weights are sliced out
         # of the stacked [slots, ...] array (read + write) in the forward and again in the
@@ -446,8 +461,7 @@ def stage_costs(
     touched = run.grad_bytes + 2 * run.optimizer_bytes + run.param_bytes  # read/write
     optimizer = params / shards * touched / col(lambda x: x.mem_bw)
 
-    memory = params * (run.param_bytes + run.grad_bytes + run.optimizer_bytes / shards)
-    memory = memory + _activation_memory(model, run, layout, b, n)
+    memory = _memory_table(model, run, layout, b)
     return StageCosts(
         model=model,
         run=run,
@@ -490,23 +504,37 @@ def _dp_reduce(
     return np.stack(rows)
 
 
-def _activation_memory(model: ModelSpec, run: RunSpec, layout: Layout, b: int, n: np.ndarray):
-    """Activation bytes per device: in-flight micro-batches x layers (Korthikanti et al. 2022,
-    tensor parallel without sequence parallelism), scaled to ``act_bytes``."""
-    p, t, m = layout.stages, layout.tensor, layout.microbatches
-    h, s, V = model.hidden_size, model.seq_len, model.vocab_size
-    full = layer_activation_bytes(model, b, t, run.act_bytes)
-    if layout.schedule == "1f1b":  # stage i holds at most p - i micro-batches
-        in_flight = np.minimum(p - np.arange(p), m)[:, None]
-    else:  # GPipe keeps every micro-batch's activations until its backward
-        in_flight = np.full((p, 1), m)
-    if run.recompute:  # keep each layer's input; rebuild one layer at a time
-        per_layer, working = s * b * h * run.act_bytes, full
-    else:
-        per_layer, working = full, 0.0
-    logits = np.zeros((p, 1))
-    logits[-1] = 2 * b * s * V / t * 4  # fp32 logits and their gradient, one micro-batch
-    return in_flight * n * per_layer + working + logits
+def _memory_table(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> np.ndarray:
+    """(p, L+1) per-device peak bytes when each device holds n layer slots
+    (:func:`holmes_jax.memory.device_memory`; a split pads every stage to its largest)."""
+    x = memory_inputs(model, run, layout, b)
+    n = np.arange(model.num_layers + 1, dtype=np.float64)
+    p = layout.stages
+    return np.stack([device_memory(x, n, last_stage=s == p - 1).peak for s in range(p)])
+
+
+def memory_inputs(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> MemoryInputs:
+    """The memory model's inputs for a run with ``b`` sequences per microbatch."""
+    return MemoryInputs(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_heads=model.num_heads,
+        mlp_size=model.mlp_ratio * model.hidden_size,
+        seq_len=model.seq_len,
+        vocab_size=model.vocab_size,
+        tied_embeddings=model.tied_embeddings,
+        stages=layout.stages,
+        data=layout.data,
+        tensor=layout.tensor,
+        microbatches=layout.microbatches,
+        schedule=layout.schedule,
+        microbatch_size=b,
+        remat=run.remat,
+        attention=run.attention,
+        act_bytes=run.act_bytes,
+        zero1=run.zero1 and layout.data > 1,
+        master=run.optimizer_bytes > 8,
+    )
 
 
 # --------------------------------------------------------------------------- prediction
@@ -580,7 +608,7 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
         breakdown=breakdown,
         stage_fwd_s=tuple(float(x) for x in fwd),
         stage_bwd_s=tuple(float(x) for x in bwd),
-        memory_gb=tuple(float(x) / 1e9 for x in costs.memory[idx]),
+        memory_gb=tuple(float(x) / 1e9 for x in costs.memory[:, max(split)]),
         memory_limit_gb=tuple(float(x) / 1e9 for x in costs.capacity),
         tflops_per_device=float(hw_flops / n_dev / step / 1e12),
         model_tflops_per_device=float(model_flops / n_dev / step / 1e12),

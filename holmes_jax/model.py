@@ -299,7 +299,8 @@ class FlopsPerToken:
     """Training FLOPs per token of one optimizer step (forward + backward)."""
 
     model: float  # 6N + attention, no recompute (what MFU counts)
-    hardware: float  # what actually runs: model + one more forward of the blocks if remat
+    hardware: float  # what runs: model + a forward of the blocks (remat full) or of the
+    # attention scores q·kᵀ (remat selective)
     megatron: float  # Megatron's 96·L·h²·(1 + s/6h + V/16Lh) (full recompute), per token
 
 
@@ -318,6 +319,7 @@ def flops_per_token(cfg: ModelConfig) -> FlopsPerToken:
     attention = 2 * 2 * s * h * L  # QK^T and AV, forward, per token (full, not causal-halved)
     model = 6 * matmul_params + 3 * attention
     block_forward = 2 * L * (4 * h * h + 2 * h * f) + attention
-    hardware = model + (block_forward if cfg.remat else 0)
+    scores = 2 * s * h * L  # q·kᵀ forward per token, rerun by selective remat
+    hardware = model + {"full": block_forward, "selective": scores}.get(cfg.remat, 0)
     megatron = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     return FlopsPerToken(model=float(model), hardware=float(hardware), megatron=float(megatron))

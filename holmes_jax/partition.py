@@ -188,6 +188,13 @@ def _dp(cube: np.ndarray, combine) -> tuple[float, list[int] | None]:
     return value, split[::-1]
 
 
+def slot_fits(costs: StageCosts) -> np.ndarray:
+    """(p, L+1) whether a stage may hold n layers: the engine pads every stage to the
+    largest one, so n layers fit only if *every* device fits n layer slots."""
+    every = (costs.memory <= costs.capacity[:, None]).all(axis=0)
+    return np.broadcast_to(every, costs.memory.shape)
+
+
 def optimal_split(costs: StageCosts) -> list[int] | None:
     """Exact memory-feasible split minimising ``pipeline + max_s tail_s``.
 
@@ -197,7 +204,7 @@ def optimal_split(costs: StageCosts) -> list[int] | None:
       no split fits in memory.
     """
     m = costs.layout.microbatches
-    fits = costs.memory <= costs.capacity[:, None]
+    fits = slot_fits(costs)
     tau = np.where(fits, costs.tau, np.inf)
     tail = np.where(fits, costs.tail, np.inf)
     cube, tail_cube = cost_cube(tau), cost_cube(tail)
@@ -451,7 +458,7 @@ def _lower_bound(costs: StageCosts) -> float:
     """A step time no split of this placement can beat; inf if no split fits in memory."""
     p, m, L = costs.layout.stages, costs.layout.microbatches, costs.model.num_layers
     # Memory grows with the layer count, so stage s holds at most room[s] layers.
-    room = (costs.memory[:, 1:] <= costs.capacity[:, None]).sum(axis=1)
+    room = slot_fits(costs)[:, 1:].sum(axis=1)
     if room.min() < 1 or room.sum() < L:
         return math.inf
     tau = costs.tau

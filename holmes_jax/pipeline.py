@@ -339,11 +339,12 @@ class PipelineEngine:
         # 0-or-1-trip while loop (_when), which XLA aliases, where lax.cond/switch would
         # copy each buffer that one branch writes and another passes through, every tick.
         carry0 = dict(
-            inbox=jnp.full((2, *act.shape), fill, act.dtype),  # forward activations waiting for FWD
+            # forward activations waiting for FWD
+            inbox=_to_bits(jnp.full((2, *act.shape), fill, act.dtype)),
             recv_x=jnp.full(act.shape, fill, act.dtype),
             recv_g=jnp.full(act.shape, fill, act.dtype),
-            head_ct=jnp.zeros((K, *act.shape), act.dtype),  # last stage: dloss/dx from the head
-            res=[jnp.zeros((K, L, *r.shape), r.dtype) for r in res.buffered],
+            head_ct=_to_bits(jnp.zeros((K, *act.shape), act.dtype)),  # last stage: dloss/dx
+            res=[_to_bits(jnp.zeros((K, L, *r.shape), r.dtype)) for r in res.buffered],
             grads=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p),  # fp32 sums
             # Reduced (1/d with ZeRO-1) block gradients, filled bucket by bucket.
             shards=jax.tree.map(
@@ -368,7 +369,9 @@ class PipelineEngine:
                 return y, [_put(b, r, k, j) for b, r in zip(bufs, saved, strict=True)]
 
             x = lax.cond(
-                is_first, lambda: self._embed(embed_p, tokens[i]), lambda: c["inbox"][i % 2]
+                is_first,
+                lambda: self._embed(embed_p, tokens[i]),
+                lambda: _from_bits(c["inbox"][i % 2], act.dtype),
             )
             x, bufs = lax.fori_loop(0, n_layers, layer, (x, c["res"]))
 
@@ -379,7 +382,7 @@ class PipelineEngine:
                 loss_acc, ge, gh, head_ct = h
                 ge = jax.tree.map(lambda a, g: a + g / M, ge, g_embed)
                 gh = jax.tree.map(lambda a, g: a + g / M, gh, g_head)
-                head_ct = lax.dynamic_update_index_in_dim(head_ct, dx / M, k, 0)
+                head_ct = lax.dynamic_update_index_in_dim(head_ct, _to_bits(dx / M), k, 0)
                 return loss_acc + loss / M, ge, gh, head_ct
 
             g = c["grads"]
@@ -395,7 +398,10 @@ class PipelineEngine:
                 ct, g_blocks, shards = state
                 j = n_layers - 1 - n
                 w = _dyn_index(blocks_p, j)
-                saved = [_get(b, k, j) for b in c["res"]]
+                saved = [
+                    _from_bits(_get(b, k, j), r.dtype)
+                    for b, r in zip(c["res"], res.buffered, strict=True)
+                ]
                 dw, dx = res.join(saved, w)(ct)
                 g_j = jax.tree.map(jnp.add, _dyn_index(g_blocks, j), dw)
                 # Phase 1: the last microbatch completes layer j's gradient: reduce it now.
@@ -407,7 +413,7 @@ class PipelineEngine:
                 )
                 return dx, _dyn_set(g_blocks, j, g_j), shards
 
-            ct = lax.select(is_last, c["head_ct"][k], c["recv_g"])
+            ct = lax.select(is_last, _from_bits(c["head_ct"][k], act.dtype), c["recv_g"])
             ct, g_blocks, shards = lax.fori_loop(
                 0, n_layers, layer, (ct, c["grads"]["blocks"], c["shards"])
             )
@@ -429,7 +435,9 @@ class PipelineEngine:
             arr_i = tables["mb"][prev_t, prev_s]
             inbox = _when(
                 arrived,
-                lambda box: lax.dynamic_update_index_in_dim(box, c["recv_x"], arr_i % 2, 0),
+                lambda box: lax.dynamic_update_index_in_dim(
+                    box, _to_bits(c["recv_x"]), arr_i % 2, 0
+                ),
                 c["inbox"],
             )
             c = dict(
@@ -490,10 +498,28 @@ def _when(pred, body, carry, operands=None):
     return lax.fori_loop(0, n, once, (carry, operands))[0]
 
 
+def _to_bits(x):
+    """16-bit floats as their uint16 bit patterns (other dtypes unchanged).
+
+    The engine's big buffers (residuals, inbox, head cotangents) are stored this way:
+    XLA:CPU rewrites a bf16 dynamic-update-slice into f32 and keeps an f32 copy of the whole
+    buffer, which would double its bytes in the compiled memory analysis that the memory
+    model is checked against. On GPU the bitcast is free.
+    """
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _from_bits(x, dtype):
+    """Inverse of :func:`_to_bits` for a value of ``dtype``."""
+    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def _put(buf, value, k, j):
     """buf[k, j] = value, as one in-place dynamic_update_slice. buf [K, slots, ...]."""
     zeros = (0,) * value.ndim
-    return lax.dynamic_update_slice(buf, value[None, None], (k, j, *zeros))
+    return lax.dynamic_update_slice(buf, _to_bits(value)[None, None], (k, j, *zeros))
 
 
 def _get(buf, k, j):

@@ -58,7 +58,7 @@ def specs_from_config(cfg: Any) -> tuple[ModelSpec, RunSpec]:
         param,
         grad,
         opt,
-        recompute=bool(getattr(m, "remat", False)),
+        remat=m.remat,
     )
     return model, run
 

@@ -27,7 +27,7 @@ def main() -> None:
     model = ModelSpec(
         num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200
     )
-    run = RunSpec(global_batch_size=1536, recompute=True)
+    run = RunSpec(global_batch_size=1536, remat="full")
     times = []
     for _ in range(args.repeat):
         start = time.perf_counter()
