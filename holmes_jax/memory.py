@@ -214,3 +214,34 @@ def inputs_from_config(cfg, data: int, attention: str = "xla") -> MemoryInputs:
         zero1=cfg.optimizer.zero1 and data > 1,
         master=bf16,
     )
+
+
+def check_fits(x: MemoryInputs, layers_per_stage, limit_bytes: float) -> list[float]:
+    """Refuse a run whose predicted per-device peak exceeds the device memory.
+
+    Args:
+      x: the run's memory inputs (:func:`inputs_from_config`).
+      layers_per_stage: the split (every stage pads to its largest entry).
+      limit_bytes: memory of one device.
+
+    Returns:
+      The predicted peak bytes of a device of each stage.
+
+    Raises:
+      ConfigError: one line naming the first stage that does not fit, its predicted GB,
+        the limit and the switches that lower it.
+    """
+    from holmes_jax.errors import ConfigError
+
+    slots, stages = max(layers_per_stage), len(layers_per_stage)
+    peaks = [float(device_memory(x, slots, last_stage=s == stages - 1).peak) for s in range(stages)]
+    for s, peak in enumerate(peaks):
+        if peak > limit_bytes:
+            raise ConfigError(
+                f"stage {s}: predicted {peak / 1e9:.1f} GB per device > the device limit "
+                f"{limit_bytes / 1e9:.1f} GB (model.remat={x.remat}, {x.microbatch_size} "
+                f"sequences per microbatch, {slots} layers per device); lower it with "
+                f"model.remat=selective or full, more parallel.microbatches, a larger "
+                f"parallel.tensor or more parallel.stages (python -m holmes_jax.plan)"
+            )
+    return peaks

@@ -319,9 +319,13 @@ def plan_for_layout(
     if isinstance(method, str):
         split = _split(costs, method)
         if split is None:
+            need = -(-costs.model.num_layers // layout.stages)  # the most even split
             raise ConfigError(
                 f"layout stages={layout.stages} data={layout.data} tensor={layout.tensor} "
-                f"microbatches={layout.microbatches}: no split fits in device memory"
+                f"microbatches={layout.microbatches}: no split fits in device memory (the "
+                f"most even split needs {costs.memory[:, need].max() / 1e9:.1f} GB per "
+                f"device, usable {costs.capacity.min() / 1e9:.1f} GB; try "
+                f"model.remat=selective or full, or more parallel.microbatches)"
             )
         name = method
     else:

@@ -278,6 +278,19 @@ class Program:
         with self.context():
             return self._train_step.lower(self.abstract_state, batch)
 
+    def compiled_memory(self) -> dict[str, int]:
+        """Per-device bytes of the compiled train step (XLA's memory analysis; nothing is
+        allocated). ``peak`` = arguments + outputs − donated aliases + temporaries."""
+        m = self.lower_train_step().compile().memory_analysis()
+        out = {
+            "arguments": m.argument_size_in_bytes,
+            "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes,
+            "temp": m.temp_size_in_bytes,
+        }
+        out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temp"]
+        return out
+
     # ------------------------------------------------------------------ traced bodies
 
     def _init_boxed(self, key):

@@ -21,15 +21,18 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import Config
 from holmes_jax.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.distributed import any_process
+from holmes_jax.memory import check_fits, inputs_from_config
 from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape
 from holmes_jax.metrics import MetricsLogger
-from holmes_jax.model import flops_per_token, param_count
+from holmes_jax.model import attention_kernel, flops_per_token, param_count
+from holmes_jax.pipeline import layout_from_config
 from holmes_jax.plan import resolve_auto_layers
 from holmes_jax.program import Program
 
@@ -85,6 +88,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     shape = resolve_shape(cfg, len(devices), topology)
     cfg = resolve_auto_layers(cfg, shape, topology)
     mesh = build_mesh(shape, devices)
+    check_memory(cfg, shape, topology, devices)
     is_main = jax.process_index() == 0
     multi_process = jax.process_count() > 1
 
@@ -195,6 +199,34 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             + (f", eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
         )
     return history
+
+
+def device_limit_bytes(topology, devices) -> float | None:
+    """Memory of one device: the smallest island's ``memory_gb`` when a topology names it,
+    else what the runtime reports (GPUs), else None (CPU: no limit to check)."""
+    if topology is not None:
+        return min(isl.memory_gb for isl in topology.islands) * 1e9
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return None
+
+
+def check_memory(cfg: Config, shape, topology, devices) -> None:
+    """Refuse, before compiling, a plan the memory model says will not fit
+    (:func:`holmes_jax.memory.check_fits`; a one-line ConfigError)."""
+    limit = device_limit_bytes(topology, devices)
+    if limit is None:
+        return
+    dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
+    x = inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
+    lps = cfg.parallel.layers_per_stage
+    split = (
+        lps
+        if isinstance(lps, tuple)
+        else layout_from_config(None, shape.stages, cfg.model.num_layers).layers_per_stage
+    )
+    check_fits(x, split, limit)
 
 
 def _evaluate(program: Program, params, eval_set: list[jax.Array]) -> float:

@@ -1,0 +1,274 @@
+"""Per-device memory of the shipped GPU configs, measured from the compiled program.
+
+For each shipped GPU config on the topology its header names, the train step is compiled
+at the real per-device shapes on simulated CPU devices (nothing is allocated) and XLA's
+memory analysis gives the per-device peak; the memory model (holmes_jax.memory) predicts
+it beside. Topologies with more than MAX_DEVICES devices are compiled with the
+data-parallel degree shrunk (same microbatch size, so the same activations per device);
+the prediction is then given at both degrees. Then a validation grid (model sizes,
+tensor 1/2/8, stages 1/2/4, schedules, remat policies, microbatch sizes, fp32/bf16)
+with its worst error.
+
+    python scripts/bench_memory.py            # ~5 min on 2 cores
+    python scripts/bench_memory.py --no-grid  # shipped configs only
+
+Prints a table and one JSON line. Targets: every shipped config <= 90% of 80 GB, every
+prediction within 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+MAX_DEVICES = 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_DEVICES}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from holmes_jax.config import MeshShape, load_config  # noqa: E402
+from holmes_jax.memory import device_memory, inputs_from_config  # noqa: E402
+from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape  # noqa: E402
+from holmes_jax.model import attention_kernel  # noqa: E402
+from holmes_jax.plan import resolve_auto_layers  # noqa: E402
+from holmes_jax.program import Program  # noqa: E402
+
+SHIPPED = [
+    ("configs/gpt-124m.yaml", "meshes/paper-ib-8x8.yaml"),
+    ("configs/gpt-350m.yaml", "meshes/paper-ib-8x8.yaml"),
+    ("configs/gpt-1.3b.yaml", "meshes/paper-ib-8x8.yaml"),
+    ("configs/gpt-7b.yaml", "meshes/paper-ib-roce-8x8.yaml"),
+]
+LIMIT_GB = 80.0
+TARGET_FRACTION = 0.9
+
+# Validation grid: (config, overrides). Degrees, schedules, policies, microbatch sizes.
+_350M = "configs/gpt-350m.yaml"
+GRID = [
+    (_350M, "parallel.tensor=1 parallel.stages=1 parallel.data=2 model.remat=none"),
+    (
+        _350M,
+        "parallel.tensor=1 parallel.stages=1 parallel.data=2 parallel.microbatches=4 "
+        "model.remat=full",
+    ),
+    (
+        _350M,
+        "parallel.tensor=2 parallel.stages=1 parallel.data=1 parallel.microbatches=2 "
+        "model.remat=selective",
+    ),
+    (
+        _350M,
+        "parallel.tensor=2 parallel.stages=2 parallel.data=2 parallel.microbatches=4 "
+        "model.remat=selective parallel.schedule=1f1b",
+    ),
+    (
+        _350M,
+        "parallel.tensor=2 parallel.stages=2 parallel.data=2 parallel.microbatches=4 "
+        "model.remat=none parallel.schedule=gpipe",
+    ),
+    (
+        _350M,
+        "parallel.tensor=8 parallel.stages=2 parallel.data=1 parallel.microbatches=8 "
+        "model.remat=full",
+    ),
+    (_350M, "parallel.tensor=8 parallel.stages=1 parallel.data=1 model.remat=none"),
+    (
+        _350M,
+        "parallel.tensor=1 parallel.stages=4 parallel.data=2 parallel.microbatches=8 "
+        "model.remat=full",
+    ),
+    (
+        _350M,
+        "parallel.tensor=1 parallel.stages=4 parallel.data=1 parallel.microbatches=4 "
+        "model.remat=selective parallel.schedule=gpipe",
+    ),
+    (
+        _350M,
+        "parallel.tensor=2 parallel.stages=4 parallel.data=2 parallel.microbatches=8 "
+        "model.remat=none",
+    ),
+    (
+        _350M,
+        "parallel.tensor=1 parallel.stages=2 parallel.data=4 parallel.microbatches=4 "
+        "model.remat=full train.precision=fp32",
+    ),
+    (
+        _350M,
+        "parallel.tensor=2 parallel.stages=2 parallel.data=2 parallel.microbatches=4 "
+        "model.remat=selective train.precision=fp32",
+    ),
+    (
+        _350M,
+        "parallel.tensor=1 parallel.stages=1 parallel.data=8 model.remat=none train.precision=fp32",
+    ),
+    (
+        "configs/gpt-1.3b.yaml",
+        "parallel.tensor=2 parallel.stages=2 parallel.data=2 "
+        "parallel.microbatches=8 model.remat=selective train.global_batch_size=64",
+    ),
+    (
+        "configs/gpt-1.3b.yaml",
+        "parallel.tensor=8 parallel.stages=1 parallel.data=1 "
+        "parallel.microbatches=2 model.remat=none train.global_batch_size=8",
+    ),
+    (
+        "configs/gpt-7b.yaml",
+        "parallel.tensor=8 parallel.stages=2 parallel.data=1 "
+        "parallel.microbatches=4 model.remat=full train.global_batch_size=16",
+    ),
+    (
+        "configs/gpt-7b.yaml",
+        "parallel.tensor=8 parallel.stages=2 parallel.data=1 "
+        "parallel.microbatches=4 model.remat=none train.global_batch_size=4",
+    ),
+]
+GRID_BATCH = "train.global_batch_size=32 train.precision=bf16"
+
+
+def measure(cfg, shape: MeshShape, split) -> tuple[float, float, dict]:
+    """(measured peak bytes, predicted peak bytes, predicted breakdown in GB)."""
+    program = Program(cfg, build_mesh(shape, jax.devices()[: shape.num_devices]))
+    measured = program.compiled_memory()["peak"]
+    dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
+    x = inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
+    stages = len(split)
+    peaks = [device_memory(x, max(split), last_stage=s == stages - 1) for s in range(stages)]
+    worst = max(peaks, key=lambda b: b.peak)
+    return float(measured), float(worst.peak), worst.as_gb()
+
+
+def shipped_row(config: str, mesh: str) -> dict:
+    """Compile one shipped config on its topology (data degree shrunk if needed)."""
+    cfg = load_config(config, [f"parallel.mesh={mesh}"])
+    topology = load_mesh_topology(cfg)
+    real = resolve_shape(cfg, topology.num_devices, topology)
+    cfg = resolve_auto_layers(cfg, real, topology)
+    data = real.data
+    while real.replica * real.stages * data * real.tensor > MAX_DEVICES:
+        data //= 2  # shrink only the data degree, keeping sequences per microbatch
+    mb = cfg.train.global_batch_size // (real.replica * real.data * cfg.parallel.microbatches)
+    shape = MeshShape(real.stages, data, real.tensor, real.replica)
+    small = cfg.replace(
+        parallel=dataclasses.replace(
+            cfg.parallel,
+            mesh=None,
+            devices=shape.num_devices,
+            data=data,
+            enforce_islands=False,
+        ),
+        train=dataclasses.replace(
+            cfg.train,
+            global_batch_size=mb * cfg.parallel.microbatches * data * real.replica,
+        ),
+    )
+    split = small.parallel.layers_per_stage
+    measured, predicted, parts = measure(small, shape, split)
+    at_real = device_memory(inputs_from_config(cfg, real.data), max(split)).peak
+    return {
+        "config": os.path.basename(config),
+        "mesh": os.path.basename(mesh),
+        "degrees": f"s{real.stages} d{real.data} t{real.tensor}"
+        + (f" r{real.replica}" if real.replica > 1 else ""),
+        "compiled_data": data,
+        "split": list(split),
+        "remat": cfg.model.remat,
+        "microbatch": mb,
+        "measured_gb": measured / 1e9,
+        "predicted_gb": predicted / 1e9,
+        "error": predicted / measured - 1,
+        "predicted_real_gb": float(at_real) / 1e9,
+        "limit_gb": LIMIT_GB,
+        "parts_gb": parts,
+    }
+
+
+def grid_row(config: str, overrides: str) -> dict:
+    sets = GRID_BATCH.split() + overrides.split()
+    cfg = load_config(config, sets + ["parallel.layers_per_stage=null"])
+    p = cfg.parallel
+    base, extra = divmod(cfg.model.num_layers, p.stages)
+    split = [base + (s < extra) for s in range(p.stages)]
+    cfg = load_config(
+        config,
+        sets
+        + [
+            f"parallel.layers_per_stage={split}",
+            f"parallel.devices={p.stages * p.data * p.tensor}",
+        ],
+    )
+    measured, predicted, _ = measure(cfg, MeshShape(p.stages, p.data, p.tensor), split)
+    return {
+        "config": os.path.basename(config),
+        "overrides": overrides,
+        "measured_gb": measured / 1e9,
+        "predicted_gb": predicted / 1e9,
+        "error": predicted / measured - 1,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-grid", action="store_true", help="shipped configs only")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    print("shipped GPU configs (per device; limit 80 GB, target <= 72 GB):", flush=True)
+    print(
+        f"  {'config':<15} {'mesh':<24} {'degrees':<12} {'remat':<9} {'mb':>3} "
+        f"{'measured':>9} {'predicted':>9} {'error':>7}",
+        flush=True,
+    )
+    shipped = []
+    for config, mesh in SHIPPED:
+        r = shipped_row(config, mesh)
+        shipped.append(r)
+        note = (
+            ""
+            if r["compiled_data"] == int(r["degrees"].split("d")[1].split()[0])
+            else (
+                f"  (compiled at data {r['compiled_data']}; predicted at real data: "
+                f"{r['predicted_real_gb']:.2f} GB)"
+            )
+        )
+        print(
+            f"  {r['config']:<15} {r['mesh']:<24} {r['degrees']:<12} {r['remat']:<9} "
+            f"{r['microbatch']:>3} {r['measured_gb']:>8.2f}G {r['predicted_gb']:>8.2f}G "
+            f"{r['error']:>+7.1%}{note}",
+            flush=True,
+        )
+    grid = []
+    if not args.no_grid:
+        print("validation grid (bf16 unless noted, global batch 32 unless noted):", flush=True)
+        for config, overrides in GRID:
+            r = grid_row(config, overrides)
+            grid.append(r)
+            print(
+                f"  {r['config']:<15} {overrides:<95} {r['measured_gb']:>8.3f}G "
+                f"{r['predicted_gb']:>8.3f}G {r['error']:>+7.1%}",
+                flush=True,
+            )
+    errors = [abs(r["error"]) for r in shipped + grid]
+    summary = {
+        "bench": "memory",
+        "shipped": shipped,
+        "grid": grid,
+        "worst_abs_error": max(errors),
+        "max_shipped_fraction_of_80gb": max(r["measured_gb"] for r in shipped) / LIMIT_GB,
+        "seconds": time.perf_counter() - t0,
+    }
+    print(
+        f"worst |error| {summary['worst_abs_error']:.1%} (target 15%); largest shipped "
+        f"config {summary['max_shipped_fraction_of_80gb']:.0%} of 80 GB (target 90%)"
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
