@@ -1,0 +1,130 @@
+"""The memory model against what the engine really keeps and what XLA really allocates."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import holmes_jax.pipeline as pipeline
+from holmes_jax.config import MeshShape, load_config
+from holmes_jax.errors import ConfigError
+from holmes_jax.memory import check_fits, device_memory, inputs_from_config, layer_residual_bytes
+from holmes_jax.mesh import build_mesh
+from holmes_jax.program import Program
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Shapes where every term is visible: T*T scores, an MLP 4x wider, heads split by tensor.
+TINY = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.seq_len=64",
+    "train.global_batch_size=16",
+]
+# GPT-like proportions (hidden 512, seq 512, vocab 4096) for the compiled comparisons: the
+# model is claimed for real shapes; compiling costs the same and nothing is allocated.
+SMALL = [
+    "model.num_layers=4",
+    "model.hidden_size=512",
+    "model.num_heads=8",
+    "model.seq_len=512",
+    "model.vocab_size=4096",
+    "train.global_batch_size=16",
+    "train.precision=bf16",
+]
+
+
+def _program(overrides, shape: MeshShape, base=TINY):
+    n = shape.stages * shape.data * shape.tensor
+    cfg = load_config(
+        None,
+        base
+        + [
+            f"parallel.stages={shape.stages}",
+            f"parallel.data={shape.data}",
+            f"parallel.tensor={shape.tensor}",
+            f"parallel.devices={n}",
+        ]
+        + overrides,
+    )
+    return cfg, Program(cfg, build_mesh(shape))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("remat", ["none", "full", "selective"])
+def test_residual_formula_matches_traced_vjp(monkeypatch, remat, precision):
+    """What the engine buffers per layer (global shapes; tensor 1) = the formula."""
+    seen = []
+    original = pipeline._Residuals.__init__
+
+    def spy(self, vjp_fn, weights):
+        original(self, vjp_fn, weights)
+        seen.append(sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in self.buffered))
+
+    monkeypatch.setattr(pipeline._Residuals, "__init__", spy)
+    overrides = [f"model.remat={remat}", f"train.precision={precision}", "parallel.microbatches=2"]
+    cfg, program = _program(overrides, MeshShape(1, 1, 1))
+    program.lower_train_step()
+    m, b = cfg.model, cfg.train.global_batch_size // 2
+    beta = 2 if precision == "bf16" else 4
+    expected = layer_residual_bytes(remat, b, m.seq_len, m.hidden_size, m.mlp_size, 1, beta)
+    small = 4 * b * m.seq_len * 4 + 2 * m.hidden_size * 4 + 2 * beta  # LN stats, scalars
+    assert seen and expected <= seen[0] <= expected + small, (seen[0], expected)
+
+
+@pytest.fixture(scope="module")
+def pipeline_temps():
+    """Compiled temporaries of a 2-stage 1F1B step under each remat policy."""
+    out = {}
+    for remat in ("none", "full", "selective"):
+        overrides = [
+            f"model.remat={remat}",
+            "parallel.microbatches=4",
+            "parallel.schedule=1f1b",
+            "parallel.layers_per_stage=[1,3]",
+        ]
+        cfg, program = _program(overrides, MeshShape(2, 2, 1), SMALL)
+        out[remat] = (cfg, program.compiled_memory())
+    return out
+
+
+def test_remat_lowers_pipeline_temporaries(pipeline_temps):
+    temp = {k: v[1]["temp"] for k, v in pipeline_temps.items()}
+    assert temp["full"] < temp["selective"] < temp["none"], temp
+    assert temp["full"] < 0.7 * temp["none"], temp
+
+
+def test_model_within_15_percent_of_compiled(pipeline_temps):
+    for remat, (cfg, measured) in pipeline_temps.items():
+        predicted = device_memory(inputs_from_config(cfg, 2), 3).peak
+        assert abs(predicted / measured["peak"] - 1) < 0.15, (remat, predicted, measured)
+
+
+def test_check_fits_names_stage_prediction_and_limit():
+    cfg = load_config(None, TINY + ["parallel.stages=2", "parallel.microbatches=2"])
+    x = inputs_from_config(cfg, 1)
+    peaks = check_fits(x, (1, 3), 1e12)
+    assert len(peaks) == 2 and peaks[1] >= peaks[0] > 0
+    with pytest.raises(ConfigError) as err:
+        check_fits(x, (1, 3), 1e5)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("stage 0: predicted") and "device limit" in msg
+
+
+def test_trainer_refuses_a_plan_that_does_not_fit(tmp_path):
+    """On a topology with tiny devices the trainer stops before compiling, in one line."""
+    import yaml
+
+    from holmes_jax.train import run
+
+    raw = yaml.safe_load(open(os.path.join(ROOT, "meshes", "cpu8-one-island.yaml")))
+    for island in raw["islands"]:
+        island["memory_gb"] = 0.001  # 1 MB devices
+    mesh = tmp_path / "tiny.yaml"
+    mesh.write_text(yaml.safe_dump(raw))
+    cfg = load_config(None, TINY + [f"parallel.mesh={mesh}"])
+    with pytest.raises(ConfigError, match=r"stage 0: predicted .* GB per device > the device"):
+        run(cfg)
+    assert jax.device_count() == 8
