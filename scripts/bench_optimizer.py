@@ -42,6 +42,7 @@ def compiled_program(config: str, zero1: bool) -> tuple[Program, object]:
             "parallel.layers_per_stage=null",
             "parallel.microbatches=2",
             "parallel.tensor=1",
+            "train.precision=fp32",  # the formula below is for fp32 parameters and state
             f"optimizer.zero1={str(zero1).lower()}",
         ],
     )
