@@ -206,7 +206,11 @@ def device_limit_bytes(topology, devices) -> float | None:
     else what the runtime reports (GPUs), else None (CPU: no limit to check)."""
     if topology is not None:
         return min(isl.memory_gb for isl in topology.islands) * 1e9
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    try:  # only this process's devices can be asked; CPU runtimes may not answer
+        stats = local[0].memory_stats() if local else None
+    except Exception:  # noqa: BLE001 (any runtime refusal means: no limit known)
+        stats = None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
     return None
