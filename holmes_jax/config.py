@@ -31,7 +31,8 @@ DATA_SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 PROGRESS_MODES = ("auto", "bar", "plain", "none")
 PRECISIONS = ("fp32", "bf16")
-REMAT_POLICIES = ("none", "full", "selective")
+REMAT_POLICIES = ("none", "full", "selective")  # what the model runs
+REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fits
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")
 
 
@@ -49,7 +50,8 @@ class ModelConfig:
     tied_embeddings: bool = True  # LM head reuses the token embedding
     # What a layer keeps for its backward: none (everything), full (only its input; the
     # forward is recomputed) or selective (matmul and attention outputs; norms, GELU and
-    # softmax are recomputed). YAML true / false are read as full / none.
+    # softmax are recomputed); auto lets the planner pick the fastest that fits. YAML
+    # true / false are read as full / none.
     remat: str | bool = "none"
     attention: str = "auto"  # auto (cuDNN on a CUDA device where it can run) | xla | cudnn
 
@@ -75,7 +77,7 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
-        _choice(self.remat, "model.remat", REMAT_POLICIES)
+        _choice(self.remat, "model.remat", REMAT_CHOICES)
         _choice(self.attention, "model.attention", ATTENTION_KERNELS)
 
 

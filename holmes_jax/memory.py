@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-REMAT_POLICIES = ("none", "full", "selective")
+from holmes_jax.config import REMAT_POLICIES
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,12 @@ def remat_policy(name: str):
         return jax.checkpoint_policies.nothing_saveable
     if name == "selective":
         return jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED)
-    raise ConfigError(f"model.remat='{name}': must be one of none, full, selective")
+    if name == "auto":
+        raise ConfigError(
+            "model.remat='auto': the planner resolves it before the model is built "
+            "(holmes_jax.plan.resolve_auto; the trainer calls it)"
+        )
+    raise ConfigError(f"model.remat='{name}': must be one of none, full, selective, auto")
 
 
 def remat_block(cfg: ModelConfig):

@@ -25,6 +25,7 @@ Pure Python + NumPy; no jax import.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from holmes_jax.cost import (
     stage_costs,
 )
 from holmes_jax.errors import ConfigError
+from holmes_jax.memory import REMAT_POLICIES
 from holmes_jax.placement import Calibration, stage_blocks, stage_hardware, stages_per_island
 from holmes_jax.topology import Topology
 
@@ -249,6 +251,7 @@ class Plan:
     stage_islands: tuple[str, ...]  # island name of each stage (replica 0)
     microbatch_size: int
     prediction: Prediction
+    remat: str = "none"  # the activation policy the prediction (time and memory) assumes
 
     @property
     def predicted_step_s(self) -> float:
@@ -284,6 +287,7 @@ class Plan:
             "replica": lay.replica,
             "microbatches": lay.microbatches,
             "microbatch_size": self.microbatch_size,
+            "remat": self.remat,
             "schedule": lay.schedule,
             "predicted_step_s": pr.step_s,
             "breakdown": {k: float(v) for k, v in pr.breakdown.items()},
@@ -333,6 +337,36 @@ def plan_for_layout(
     return _plan(topology, layout, costs, split, name)
 
 
+def best_policy_plan(
+    topology: Topology,
+    model: ModelSpec,
+    run: RunSpec,
+    layout: Layout,
+    method: str = "optimal",
+    calibration: Calibration | None = None,
+    remats: Sequence[str] = REMAT_POLICIES,
+) -> Plan:
+    """The fastest fitting plan of one fixed layout over activation policies.
+
+    Raises:
+      ConfigError: no policy fits (naming the last policy's shortfall).
+    """
+    best, error = None, None
+    for remat in remats:
+        try:
+            plan = plan_for_layout(
+                topology, model, dataclasses.replace(run, remat=remat), layout, method, calibration
+            )
+        except ConfigError as e:
+            error = e
+            continue
+        if plan.prediction.fits and (best is None or plan.predicted_step_s < best.predicted_step_s):
+            best = plan
+    if best is None:
+        raise error or ConfigError(f"layout {layout}: no activation policy fits in memory")
+    return best
+
+
 def split_layers(
     topology: Topology,
     model_spec: ModelSpec,
@@ -373,9 +407,11 @@ def search_plan(
     tensor: int | None = None,
     microbatches: int | None = None,
     replica: int | None = None,
+    remats: Sequence[str] | None = None,
 ) -> Plan:
-    """Search placements (replica, tensor, data, hence stages per island, micro-batches)
-    and the split, minimising the predicted step time.
+    """Search placements (replica, tensor, data, hence stages per island, micro-batches
+    and so the micro-batch size), the activation policy and the split, minimising the
+    predicted step time among the plans that fit in memory.
 
     Args:
       topology, model, run: the problem.
@@ -383,6 +419,7 @@ def search_plan(
       schedule: ``1f1b`` or ``gpipe``.
       calibration: device speed (default fraction of peak, or a profile's).
       stages, data, tensor, microbatches, replica: pin a degree; None searches it.
+      remats: activation policies to consider (None: only ``run.remat``).
 
     Returns:
       The best :class:`Plan` that fits in memory.
@@ -398,8 +435,10 @@ def search_plan(
         key = (layout.replica, layout.data, layout.tensor)  # hardware does not depend on m
         if key not in hardware:
             hardware[key] = stage_hardware(topology, layout, calibration, run.memory_fraction)
-        costs = stage_costs(model, run, layout, hardware[key])
-        bounded.append((_lower_bound(costs), id(costs), costs))
+        for remat in remats or (run.remat,):
+            policy_run = dataclasses.replace(run, remat=remat)
+            costs = stage_costs(model, policy_run, layout, hardware[key])
+            bounded.append((_lower_bound(costs), id(costs), costs))
     bounded.sort(key=lambda x: x[:2])
     best: Plan | None = None
     for bound, _, costs in bounded:
@@ -496,6 +535,7 @@ def _plan(topology, layout, costs, split, method) -> Plan:
         stage_islands=tuple(topology.islands[i].name for i, _ in stage_blocks(topology, layout)[0]),
         microbatch_size=costs.microbatch_size,
         prediction=predict(costs, split),
+        remat=costs.run.remat,
     )
 
 

@@ -25,9 +25,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from holmes_jax.config import REMAT_POLICIES
 from holmes_jax.cost import Layout, ModelSpec, RunSpec
 from holmes_jax.errors import ConfigError, run_cli
-from holmes_jax.partition import METHODS, Plan, plan_for_layout, search_plan, split_layers
+from holmes_jax.partition import (
+    METHODS,
+    Plan,
+    best_policy_plan,
+    plan_for_layout,
+    search_plan,
+)
 from holmes_jax.placement import Calibration, stage_blocks
 from holmes_jax.topology import Topology, load_topology, single_host_topology
 
@@ -58,7 +65,7 @@ def specs_from_config(cfg: Any) -> tuple[ModelSpec, RunSpec]:
         param,
         grad,
         opt,
-        remat=m.remat,
+        remat=m.remat if m.remat != "auto" else "none",  # auto: the planner searches
     )
     return model, run
 
@@ -85,21 +92,33 @@ def make_plan(
     """
     model, run = specs_from_config(cfg)
     par = cfg.parallel
-    if not keep_degrees:
+    if not keep_degrees:  # everything open: degrees, micro-batches, activation policy
         return search_plan(
-            topology, model, run, method=method, schedule=par.schedule, calibration=calibration
+            topology,
+            model,
+            run,
+            method=method,
+            schedule=par.schedule,
+            calibration=calibration,
+            remats=REMAT_POLICIES,
         )
     per = par.stages * par.tensor
     data = par.data or topology.num_devices // per
     layout = Layout(par.stages, data, par.tensor, par.microbatches, par.schedule)
+    if cfg.model.remat == "auto":
+        return best_policy_plan(topology, model, run, layout, method, calibration)
     return plan_for_layout(topology, model, run, layout, method, calibration)
 
 
-def resolve_auto_layers(cfg: Any, shape: Any, topology: Topology | None) -> Any:
-    """``parallel.layers_per_stage: auto`` (or unset) → a concrete split for the trainer.
+def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
+    """Resolve what the config leaves to the planner, for the trainer.
 
-    ``auto`` asks the planner for the optimal split under the config's degrees on the
-    topology (one simulated host when none is named); unset means an even split.
+    - ``model.remat: auto``: the fastest activation policy that fits under the config's
+      degrees and micro-batches (:func:`holmes_jax.partition.best_policy_plan`).
+    - ``parallel.layers_per_stage: auto``: the optimal split under those degrees; unset
+      means an even split.
+
+    Both on the topology (one simulated host when none is named).
 
     Args:
       cfg: a :class:`holmes_jax.config.Config`.
@@ -107,31 +126,37 @@ def resolve_auto_layers(cfg: Any, shape: Any, topology: Topology | None) -> Any:
       topology: the cluster, or None.
 
     Returns:
-      ``cfg`` with ``parallel.layers_per_stage`` a tuple (unchanged if it was one).
+      ``cfg`` with a concrete ``model.remat`` and ``parallel.layers_per_stage`` tuple.
+
+    Raises:
+      ConfigError: nothing fits in memory (see :func:`holmes_jax.partition.plan_for_layout`).
     """
     par = cfg.parallel
-    if isinstance(par.layers_per_stage, tuple):
-        return cfg
+    lps, remat = par.layers_per_stage, cfg.model.remat
     L, S = cfg.model.num_layers, shape.stages
-    if par.layers_per_stage == "auto" and S > 1:
-        model, run = specs_from_config(cfg)
-        topo = topology or single_host_topology(shape.num_devices)
-        split = split_layers(
-            topo,
-            model,
-            run,
-            S,
-            shape.data,
-            shape.tensor,
-            par.microbatches,
-            par.schedule,
-            replica=shape.replica,
-        )
-    else:
+    if isinstance(lps, tuple):
+        method = list(lps)
+    elif lps == "auto" and S > 1:
+        method = "optimal"
+    else:  # unset (or one stage): an even split
         base, extra = divmod(L, S)
-        split = [base + (s < extra) for s in range(S)]
+        method = [base + (s < extra) for s in range(S)]
+    if remat != "auto" and not isinstance(method, str):  # nothing left to plan
+        return dataclasses.replace(
+            cfg, parallel=dataclasses.replace(par, layers_per_stage=tuple(method))
+        )
+    model, run = specs_from_config(cfg)
+    topo = topology or single_host_topology(shape.num_devices)
+    layout = Layout(S, shape.data, shape.tensor, par.microbatches, par.schedule, shape.replica)
+    if remat == "auto":
+        plan = best_policy_plan(topo, model, run, layout, method, None)
+        remat = plan.remat
+    else:
+        plan = plan_for_layout(topo, model, run, layout, method, None)
     return dataclasses.replace(
-        cfg, parallel=dataclasses.replace(par, layers_per_stage=tuple(split))
+        cfg,
+        model=dataclasses.replace(cfg.model, remat=remat),
+        parallel=dataclasses.replace(par, layers_per_stage=tuple(plan.layers_per_stage)),
     )
 
 
@@ -273,7 +298,7 @@ def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cf
     lines.append(
         f"plan ({plan.method}): replica {lay.replica} x stage {lay.stages} x data {lay.data} "
         f"x tensor {lay.tensor}; {lay.microbatches} micro-batches of {plan.microbatch_size}, "
-        f"{lay.schedule}"
+        f"{lay.schedule}, remat {plan.remat}"
     )
     per_island = " ".join(
         f"{isl.name}={n}" for isl, n in zip(topology.islands, plan.stages_per_island, strict=True)

@@ -33,7 +33,7 @@ from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape
 from holmes_jax.metrics import MetricsLogger
 from holmes_jax.model import attention_kernel, flops_per_token, param_count
 from holmes_jax.pipeline import layout_from_config
-from holmes_jax.plan import resolve_auto_layers
+from holmes_jax.plan import resolve_auto
 from holmes_jax.program import Program
 
 
@@ -86,7 +86,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     devices = jax.devices()
     topology = load_mesh_topology(cfg)
     shape = resolve_shape(cfg, len(devices), topology)
-    cfg = resolve_auto_layers(cfg, shape, topology)
+    asked_remat = cfg.model.remat
+    cfg = resolve_auto(cfg, shape, topology)
     mesh = build_mesh(shape, devices)
     check_memory(cfg, shape, topology, devices)
     is_main = jax.process_index() == 0
@@ -132,6 +133,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
             + (f", topology {topology.name}" if topology else "")
         )
+    if asked_remat == "auto":
+        logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
     if resumed:
         logger.message(f"resumed from {ckpt.directory} at step {start}")
 

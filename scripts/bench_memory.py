@@ -37,7 +37,7 @@ from holmes_jax.config import MeshShape, load_config  # noqa: E402
 from holmes_jax.memory import device_memory, inputs_from_config  # noqa: E402
 from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape  # noqa: E402
 from holmes_jax.model import attention_kernel  # noqa: E402
-from holmes_jax.plan import resolve_auto_layers  # noqa: E402
+from holmes_jax.plan import resolve_auto  # noqa: E402
 from holmes_jax.program import Program  # noqa: E402
 
 SHIPPED = [
@@ -149,7 +149,7 @@ def shipped_row(config: str, mesh: str) -> dict:
     cfg = load_config(config, [f"parallel.mesh={mesh}"])
     topology = load_mesh_topology(cfg)
     real = resolve_shape(cfg, topology.num_devices, topology)
-    cfg = resolve_auto_layers(cfg, real, topology)
+    cfg = resolve_auto(cfg, real, topology)
     data = real.data
     while real.replica * real.stages * data * real.tensor > MAX_DEVICES:
         data //= 2  # shrink only the data degree, keeping sequences per microbatch

@@ -128,3 +128,33 @@ def test_trainer_refuses_a_plan_that_does_not_fit(tmp_path):
     with pytest.raises(ConfigError, match=r"stage 0: predicted .* GB per device > the device"):
         run(cfg)
     assert jax.device_count() == 8
+
+
+def test_remat_auto_resolves_to_a_policy_that_fits(tmp_path):
+    """model.remat=auto: the fastest policy whose predicted peak fits the topology."""
+    import yaml
+
+    from holmes_jax.plan import resolve_auto
+
+    raw = yaml.safe_load(open(os.path.join(ROOT, "meshes", "cpu8-one-island.yaml")))
+    cfg = load_config(None, SMALL + ["model.remat=auto", "parallel.data=8"])
+    shape = MeshShape(1, 8, 1)
+    peaks = {
+        r: device_memory(inputs_from_config(cfg.replace(model=_remat(cfg, r)), 8), 4).peak
+        for r in ("none", "selective", "full")
+    }
+    for island in raw["islands"]:  # usable (0.9) between full's and selective's peaks
+        island["memory_gb"] = (peaks["full"] + peaks["selective"]) / 2 / 0.9 / 1e9
+    from holmes_jax.topology import topology_from_dict
+
+    resolved = resolve_auto(cfg, shape, topology_from_dict(raw))
+    assert resolved.model.remat == "full" and resolved.parallel.layers_per_stage == (4,)
+    for island in raw["islands"]:
+        island["memory_gb"] = 1000
+    assert resolve_auto(cfg, shape, topology_from_dict(raw)).model.remat == "none"
+
+
+def _remat(cfg, remat):
+    import dataclasses
+
+    return dataclasses.replace(cfg.model, remat=remat)

@@ -11,6 +11,7 @@ import yaml
 from holmes_jax.cost import Layout, ModelSpec, RunSpec, predict, stage_costs
 from holmes_jax.errors import ConfigError
 from holmes_jax.partition import (
+    best_policy_plan,
     bottleneck_split,
     candidate_layouts,
     layer_cube,
@@ -285,3 +286,30 @@ def test_search_respects_pins_and_rules():
         "breakdown",
     ):
         assert key in d
+
+
+def test_policy_search_picks_the_fastest_policy_that_fits():
+    """Roomy devices: no recompute (fastest). Tight devices: the planner trades recompute
+    for memory instead of failing, and every policy it could have picked is priced."""
+    model, run = ModelSpec(32, 4096, 32, 2048, 50304), RunSpec(256)
+    raw = yaml.safe_load(open(os.path.join(ROOT, "meshes", "paper-ib-roce-8x8.yaml")))
+    layout = Layout(2, 4, 8, 32)
+    by_policy = {}
+    for remat in ("none", "selective", "full"):
+        one = RunSpec(256, remat=remat)
+        by_policy[remat] = plan_for_layout(topology_from_dict(raw), model, one, layout, [16, 16])
+    steps = {k: p.predicted_step_s for k, p in by_policy.items()}
+    peaks = {k: max(p.memory_per_stage_gb) for k, p in by_policy.items()}
+    assert steps["none"] < steps["selective"] < steps["full"], steps
+    assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
+    roomy = best_policy_plan(topology_from_dict(raw), model, run, layout)
+    assert roomy.remat == "none" and roomy.to_dict()["remat"] == "none"
+    for island in raw["islands"]:  # usable memory between selective's and none's peaks
+        island["memory_gb"] = (peaks["selective"] + peaks["none"]) / 2 / 0.9
+    tight = best_policy_plan(topology_from_dict(raw), model, run, layout)
+    assert tight.remat == "selective" and tight.prediction.fits
+    searched = search_plan(
+        topology_from_dict(raw), model, run, remats=("none", "selective", "full")
+    )
+    assert searched.prediction.fits and searched.remat in ("none", "selective", "full")
+    assert searched.predicted_step_s <= tight.predicted_step_s

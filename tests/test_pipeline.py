@@ -280,7 +280,7 @@ def test_show_mesh_and_placement_errors(capsys):
 
 
 def test_auto_split_comes_from_the_planner():
-    from holmes_jax.plan import resolve_auto_layers
+    from holmes_jax.plan import resolve_auto
 
     two = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
     cfg = load_config(
@@ -289,11 +289,13 @@ def test_auto_split_comes_from_the_planner():
     )
     topology = load_mesh_topology(cfg)
     shape = resolve_shape(cfg, 8, topology)
-    split = resolve_auto_layers(cfg, shape, topology).parallel.layers_per_stage
+    split = resolve_auto(cfg, shape, topology).parallel.layers_per_stage
     assert isinstance(split, tuple) and len(split) == 4
     assert sum(split) == 8 and min(split) >= 1
     # Unset means an even split; an explicit split is kept.
     even = load_config(None, ["model.num_layers=7", "parallel.stages=3", "parallel.devices=6"])
-    assert resolve_auto_layers(
-        even, resolve_shape(even, 8, None), None
-    ).parallel.layers_per_stage == (3, 2, 2)
+    assert resolve_auto(even, resolve_shape(even, 8, None), None).parallel.layers_per_stage == (
+        3,
+        2,
+        2,
+    )
