@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from holmes_jax.config import REMAT_POLICIES
+from holmes_jax.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -183,44 +184,11 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
     )
 
 
-def inputs_from_config(cfg, data: int, attention: str = "xla") -> MemoryInputs:
-    """:class:`MemoryInputs` of a :class:`holmes_jax.config.Config` at data degree ``data``.
-
-    Args:
-      cfg: the run's config (its stages, tensor, microbatches, schedule, precision).
-      data: the data-parallel degree (inside one replica).
-      attention: the resolved attention kernel (``xla`` or ``cudnn``).
-    """
-    m, p = cfg.model, cfg.parallel
-    parts = data * p.replica * p.microbatches
-    bf16 = cfg.train.precision == "bf16"
-    return MemoryInputs(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_heads=m.num_heads,
-        mlp_size=m.mlp_size,
-        seq_len=m.seq_len,
-        vocab_size=m.vocab_size,
-        tied_embeddings=m.tied_embeddings,
-        stages=p.stages,
-        data=data,
-        tensor=p.tensor,
-        microbatches=p.microbatches,
-        schedule=p.schedule,
-        microbatch_size=max(1, cfg.train.global_batch_size // parts),
-        remat=m.remat,
-        attention=attention,
-        act_bytes=2 if bf16 else 4,
-        zero1=cfg.optimizer.zero1 and data > 1,
-        master=bf16,
-    )
-
-
 def check_fits(x: MemoryInputs, layers_per_stage, limit_bytes: float) -> list[float]:
     """Refuse a run whose predicted per-device peak exceeds the device memory.
 
     Args:
-      x: the run's memory inputs (:func:`inputs_from_config`).
+      x: the run's memory inputs (:func:`holmes_jax.plan.memory_inputs_from_config`).
       layers_per_stage: the split (every stage pads to its largest entry).
       limit_bytes: memory of one device.
 
@@ -231,8 +199,6 @@ def check_fits(x: MemoryInputs, layers_per_stage, limit_bytes: float) -> list[fl
       ConfigError: one line naming the first stage that does not fit, its predicted GB,
         the limit and the switches that lower it.
     """
-    from holmes_jax.errors import ConfigError
-
     slots, stages = max(layers_per_stage), len(layers_per_stage)
     peaks = [float(device_memory(x, slots, last_stage=s == stages - 1).peak) for s in range(stages)]
     for s, peak in enumerate(peaks):

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from holmes_jax.config import REMAT_POLICIES
-from holmes_jax.cost import Layout, ModelSpec, RunSpec
+from holmes_jax.cost import Layout, ModelSpec, RunSpec, memory_inputs
 from holmes_jax.errors import ConfigError, run_cli
+from holmes_jax.memory import MemoryInputs
 from holmes_jax.partition import (
     METHODS,
     Plan,
@@ -41,12 +42,14 @@ from holmes_jax.topology import Topology, load_topology, single_host_topology
 _BYTES = {"fp32": (4, 4, 4, 8), "bf16": (2, 2, 4, 12)}  # act, param, grad, optimizer
 
 
-def specs_from_config(cfg: Any) -> tuple[ModelSpec, RunSpec]:
+def specs_from_config(cfg: Any, attention: str = "xla") -> tuple[ModelSpec, RunSpec]:
     """The cost model's view of a :class:`holmes_jax.config.Config`.
 
     Precision sets the byte sizes (fp32: 4-byte everything, Adam m and v; bf16: 2-byte
-    weights and activations, fp32 gradients, fp32 master + Adam); ``model.remat`` is full
-    recomputation; the optimizer state is sharded over ``data`` (ZeRO-1).
+    weights and activations, fp32 gradients, fp32 master + Adam); ``model.remat`` is the
+    activation policy (``auto``: priced as none, the planner searches);
+    ``optimizer.zero1`` shards the optimizer state over ``data``. ``attention`` is the
+    resolved kernel (:func:`holmes_jax.model.attention_kernel`).
     """
     m = cfg.model
     model = ModelSpec(
@@ -66,8 +69,22 @@ def specs_from_config(cfg: Any) -> tuple[ModelSpec, RunSpec]:
         grad,
         opt,
         remat=m.remat if m.remat != "auto" else "none",  # auto: the planner searches
+        attention=attention,
+        zero1=cfg.optimizer.zero1,
     )
     return model, run
+
+
+def memory_inputs_from_config(cfg: Any, data: int, attention: str = "xla") -> MemoryInputs:
+    """The memory model's inputs for ``cfg`` at data-parallel degree ``data``.
+
+    Raises:
+      ConfigError: a global batch that does not split into the micro-batches.
+    """
+    model, run = specs_from_config(cfg, attention)
+    p = cfg.parallel
+    layout = Layout(p.stages, data, p.tensor, p.microbatches, p.schedule, p.replica)
+    return memory_inputs(model, run, layout, layout.microbatch_size(run.global_batch_size))
 
 
 def make_plan(

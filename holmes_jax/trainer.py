@@ -28,12 +28,12 @@ from holmes_jax.checkpoint import Checkpointer
 from holmes_jax.config import Config
 from holmes_jax.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.distributed import any_process
-from holmes_jax.memory import check_fits, inputs_from_config
+from holmes_jax.memory import check_fits
 from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape
 from holmes_jax.metrics import MetricsLogger
 from holmes_jax.model import attention_kernel, flops_per_token, param_count
 from holmes_jax.pipeline import layout_from_config
-from holmes_jax.plan import resolve_auto
+from holmes_jax.plan import memory_inputs_from_config, resolve_auto
 from holmes_jax.program import Program
 
 
@@ -226,7 +226,7 @@ def check_memory(cfg: Config, shape, topology, devices) -> None:
     if limit is None:
         return
     dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
-    x = inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
+    x = memory_inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
     lps = cfg.parallel.layers_per_stage
     split = (
         lps

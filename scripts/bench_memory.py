@@ -34,10 +34,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from holmes_jax.config import MeshShape, load_config  # noqa: E402
-from holmes_jax.memory import device_memory, inputs_from_config  # noqa: E402
+from holmes_jax.memory import device_memory  # noqa: E402
 from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape  # noqa: E402
 from holmes_jax.model import attention_kernel  # noqa: E402
-from holmes_jax.plan import resolve_auto  # noqa: E402
+from holmes_jax.plan import memory_inputs_from_config, resolve_auto  # noqa: E402
 from holmes_jax.program import Program  # noqa: E402
 
 SHIPPED = [
@@ -137,7 +137,7 @@ def measure(cfg, shape: MeshShape, split) -> tuple[float, float, dict]:
     program = Program(cfg, build_mesh(shape, jax.devices()[: shape.num_devices]))
     measured = program.compiled_memory()["peak"]
     dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
-    x = inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
+    x = memory_inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
     stages = len(split)
     peaks = [device_memory(x, max(split), last_stage=s == stages - 1) for s in range(stages)]
     worst = max(peaks, key=lambda b: b.peak)
@@ -170,7 +170,7 @@ def shipped_row(config: str, mesh: str) -> dict:
     )
     split = small.parallel.layers_per_stage
     measured, predicted, parts = measure(small, shape, split)
-    at_real = device_memory(inputs_from_config(cfg, real.data), max(split)).peak
+    at_real = device_memory(memory_inputs_from_config(cfg, real.data), max(split)).peak
     return {
         "config": os.path.basename(config),
         "mesh": os.path.basename(mesh),

@@ -9,8 +9,9 @@ import pytest
 import holmes_jax.pipeline as pipeline
 from holmes_jax.config import MeshShape, load_config
 from holmes_jax.errors import ConfigError
-from holmes_jax.memory import check_fits, device_memory, inputs_from_config, layer_residual_bytes
+from holmes_jax.memory import check_fits, device_memory, layer_residual_bytes
 from holmes_jax.mesh import build_mesh
+from holmes_jax.plan import memory_inputs_from_config
 from holmes_jax.program import Program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,13 +99,13 @@ def test_remat_lowers_pipeline_temporaries(pipeline_temps):
 
 def test_model_within_15_percent_of_compiled(pipeline_temps):
     for remat, (cfg, measured) in pipeline_temps.items():
-        predicted = device_memory(inputs_from_config(cfg, 2), 3).peak
+        predicted = device_memory(memory_inputs_from_config(cfg, 2), 3).peak
         assert abs(predicted / measured["peak"] - 1) < 0.15, (remat, predicted, measured)
 
 
 def test_check_fits_names_stage_prediction_and_limit():
     cfg = load_config(None, TINY + ["parallel.stages=2", "parallel.microbatches=2"])
-    x = inputs_from_config(cfg, 1)
+    x = memory_inputs_from_config(cfg, 1)
     peaks = check_fits(x, (1, 3), 1e12)
     assert len(peaks) == 2 and peaks[1] >= peaks[0] > 0
     with pytest.raises(ConfigError) as err:
@@ -140,7 +141,7 @@ def test_remat_auto_resolves_to_a_policy_that_fits(tmp_path):
     cfg = load_config(None, SMALL + ["model.remat=auto", "parallel.data=8"])
     shape = MeshShape(1, 8, 1)
     peaks = {
-        r: device_memory(inputs_from_config(cfg.replace(model=_remat(cfg, r)), 8), 4).peak
+        r: device_memory(memory_inputs_from_config(cfg.replace(model=_remat(cfg, r)), 8), 4).peak
         for r in ("none", "selective", "full")
     }
     for island in raw["islands"]:  # usable (0.9) between full's and selective's peaks
