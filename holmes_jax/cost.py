@@ -204,16 +204,19 @@ def head_fwd_flops(model: ModelSpec, b: int) -> float:
     return 2 * b * model.seq_len * model.hidden_size * model.vocab_size
 
 
-def iteration_flops(model: ModelSpec, batch: int, recompute: bool) -> float:
-    """FLOPs of one iteration: 3 passes per unit, plus a forward per layer if recomputed.
+def iteration_flops(model: ModelSpec, batch: int, recompute: bool | str) -> float:
+    """FLOPs of one iteration: 3 passes per unit, plus what the remat policy reruns.
 
-    With ``recompute`` this is the hardware count Megatron-LM and Holmes report; without,
-    the model FLOPs. Equals :func:`megatron_flops` for mlp_ratio 4.
+    ``recompute``: a policy (``none``, ``selective``: the attention scores q·kᵀ,
+    ``2·b·s²·h`` per layer; ``full``: a whole forward per layer) or a bool (True = full).
+    Full is the hardware count Megatron-LM and Holmes report and equals
+    :func:`megatron_flops` for mlp_ratio 4; none is the model FLOPs.
     """
-    passes = 4 if recompute else 3
-    return passes * model.num_layers * layer_fwd_flops(model, batch) + 3 * head_fwd_flops(
-        model, batch
-    )
+    policy = {True: "full", False: "none"}.get(recompute, recompute)
+    L, s, h = model.num_layers, model.seq_len, model.hidden_size
+    extra = {"full": L * layer_fwd_flops(model, batch), "selective": L * 2 * batch * s * s * h}
+    base = 3 * L * layer_fwd_flops(model, batch) + 3 * head_fwd_flops(model, batch)
+    return base + extra.get(policy, 0.0)
 
 
 def megatron_flops(model: ModelSpec, batch: int, recompute: bool = True) -> float:
@@ -600,7 +603,7 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
     }
     n_dev = costs.layout.num_devices
     batch = costs.run.global_batch_size
-    hw_flops = iteration_flops(costs.model, batch, costs.run.recompute)
+    hw_flops = iteration_flops(costs.model, batch, costs.run.remat)
     model_flops = iteration_flops(costs.model, batch, False)
     return Prediction(
         layers_per_stage=tuple(split),

@@ -301,3 +301,21 @@ def test_fidelity_is_sensitive():
     rows = fidelity.fidelity_table(DEFAULT_EFFICIENCY * 0.8)
     assert max(abs(r["error"]) for r in rows) > 0.10
     assert np.isfinite([r["predicted_tflops"] for r in rows]).all()
+
+
+def test_hardware_flops_follow_the_remat_policy():
+    """none = model FLOPs < selective (+ q·kᵀ per layer) < full (+ a forward per layer);
+    the trainer's per-token count (holmes_jax.model) agrees with the planner's."""
+    from holmes_jax.config import ModelConfig
+    from holmes_jax.model import flops_per_token
+
+    m = ModelSpec(4, 256, 4, 512, 1024)
+    none, sel, full = (iteration_flops(m, 2, r) for r in ("none", "selective", "full"))
+    assert none == iteration_flops(m, 2, False) and full == iteration_flops(m, 2, True)
+    assert sel - none == pytest.approx(4 * 2 * 2 * 512 * 512 * 256)
+    assert none < sel < full
+    for remat, total in (("none", none), ("selective", sel), ("full", full)):
+        cfg = ModelConfig(256 * 4, 512, 4, 4, 256, remat=remat)
+        per_token = flops_per_token(cfg).hardware
+        # the model's count uses the full (not causal-halved) attention in both passes
+        assert per_token * 2 * 512 == pytest.approx(total, rel=0.02), remat
