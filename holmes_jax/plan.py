@@ -180,8 +180,10 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
 def alternatives(
     cfg: Any, topology: Topology, plan: Plan, calibration: Calibration | None = None
 ) -> dict[str, Plan | None]:
-    """The uniform, holmes and optimal splits of the plan's placement (None: no fit)."""
+    """The uniform, holmes and optimal splits of the plan's placement and activation
+    policy (None: no fit)."""
     model, run = specs_from_config(cfg)
+    run = dataclasses.replace(run, remat=plan.remat)
     out: dict[str, Plan | None] = {}
     for method in METHODS:
         try:
