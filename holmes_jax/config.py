@@ -1,11 +1,12 @@
 """Frozen dataclass configs, loaded strictly from YAML, with dotted ``--set`` overrides.
 
-A run is described by one :class:`Config` holding seven sections (model, data, parallel,
-optimizer, train, checkpoint, logging). YAML is loaded strictly: an unknown key, a wrong
-type or an impossible value raises :class:`~holmes_jax.errors.ConfigError` whose one-line
-message names the key, the value and the rule. Derived values are properties, never
-stored twice. Checks that need the device count (``parallel.devices``, the data-parallel
-size) live in :func:`check_devices`, which the trainer calls once devices are known.
+A run is described by one :class:`Config` holding eight sections (model, data, parallel,
+optimizer, train, checkpoint, logging, distributed). YAML is loaded strictly: an unknown
+key, a wrong type or an impossible value raises :class:`~holmes_jax.errors.ConfigError`
+whose one-line message names the key, the value and the rule. Derived values are
+properties, never stored twice. Checks that need the device count (``parallel.devices``,
+the data-parallel size) live in :func:`check_devices`, which the trainer calls once devices
+are known.
 
 Example::
 

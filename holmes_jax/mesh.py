@@ -1,13 +1,15 @@
-"""Build the jax ``Mesh`` with axes (stage, data, tensor) from the degrees and a topology.
+"""Build the jax ``Mesh`` with axes (replica, stage, data, tensor) from the degrees and a
+topology.
 
 Devices are laid out island → host → device (the topology's order; on one CPU process the
-topology assigns simulated devices to "hosts" in index order) and reshaped to
-``[stage, data, tensor]``: tensor groups are runs of adjacent devices inside one host,
-data groups the next level out inside one island, and every stage a contiguous block
-inside one island, so a bigger island simply holds more stages and only ``stage`` crosses
-island boundaries. An impossible request (a data group spanning two islands) is a
-:class:`~holmes_jax.errors.ConfigError`, never a silent fallback; the rules themselves live
-in :func:`holmes_jax.placement.stage_blocks`, shared with the planner.
+topology assigns simulated devices to "hosts" in index order) and reshaped to ``[replica,
+stage, data, tensor]`` (``replica``: one pipeline copy per island or group of islands, data
+parallel across them with hierarchical reduction): tensor groups are runs of adjacent
+devices inside one host, data groups the next level out inside one island, and every stage
+a contiguous block inside one island, so a bigger island simply holds more stages and only
+``stage`` crosses island boundaries. An impossible request (a data group spanning two
+islands) is a :class:`~holmes_jax.errors.ConfigError`, never a silent fallback; the rules
+themselves live in :func:`holmes_jax.placement.stage_blocks`, shared with the planner.
 
 Axis types are passed explicitly (``jax.make_mesh`` would default to Explicit); all are
 Auto so GSPMD propagates the shardings that the logical rules put on parameters.

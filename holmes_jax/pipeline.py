@@ -10,24 +10,34 @@ Parameter layout (``PipelineLayout``). The logical parameters ``{'embed', 'block
 Unused copies and padded slots receive exactly zero gradient; checkpoints always hold the
 logical layout (``to_logical`` / ``from_logical``), so a run can resume under another split.
 
-The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``stage``
-and ``data`` (``tensor`` stays automatic, so GSPMD does tensor parallelism inside a stage):
+The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``replica``,
+``stage`` and ``data`` (``tensor`` stays automatic: GSPMD does tensor parallelism in a stage):
 
 1. Split the local batch ``[B/d, T+1]`` into M microbatches ``[M, B/(dM), T+1]``.
 2. Tick loop (``lax.scan`` over the tables of :mod:`holmes_jax.schedule`); per tick each
-   stage runs one op, chosen by ``lax.switch``:
+   stage runs the op its table names, each guarded by ``_when`` (a 0-or-1-trip while loop,
+   which XLA updates in place where ``lax.cond`` / ``lax.switch`` copied every buffer):
    - FWD: embed (stage 0) or take the activation from the inbox; run the stage's layers
      with a ``fori_loop`` whose trip count is this stage's layer count (padded slots are
-     never executed), keeping each layer's ``jax.vjp`` residuals in the buffer slot; on the
-     last stage also the head: loss and its gradient right away.
-   - BWD: walk the layers backwards from the stored residuals (explicit vjp, no
-     recompute), accumulating parameter gradients; embedding backward on stage 0.
+     never executed), keeping each layer's ``jax.vjp`` residuals in the buffer slot —
+     exactly what the ``model.remat`` policy saves; on the last stage also the head: loss
+     and its gradient right away.
+   - BWD: walk the layers backwards from the stored residuals (explicit vjp, recomputing
+     only what the policy did not save), accumulating fp32 parameter gradients; in the
+     last microbatch's backward each layer's gradient is reduced over ``data`` as soon as
+     it is complete (ZeRO-1 reduce-scatter, :mod:`holmes_jax.zero` phase 1); embedding
+     backward on stage 0.
    - IDLE: nothing. Bubble ticks cost no compute and never touch real data.
    Then ``ppermute`` the forward output to s+1 and the input gradient to s−1.
-3. Average gradients over ``data`` (all-reduce inside an island).
+3. Embedding and head gradients reduced over ``data`` (and ``replica``), inside an island
+   (:mod:`holmes_jax.zero` phases 2–3).
 4. Sums across stages (loss, squared gradient norm, tied-embedding gradient) go through
    ``chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
    traffic between neighbouring stages ever crosses an island boundary.
+
+16-bit buffers (residuals, inbox, head cotangents) are stored as uint16 bit patterns
+(``_to_bits``): free on GPU, and it keeps XLA:CPU from holding f32 copies of them, so the
+compiled memory analysis the memory model is checked against matches a GPU's.
 
 Gradient clipping needs the global norm, which only exists after step 4: the engine
 returns it beside the (unclipped) gradients and the program clips with it
