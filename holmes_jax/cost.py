@@ -204,6 +204,12 @@ def head_fwd_flops(model: ModelSpec, b: int) -> float:
     return 2 * b * model.seq_len * model.hidden_size * model.vocab_size
 
 
+def scores_fwd_flops(model: ModelSpec, b: int) -> float:
+    """Forward FLOPs of one layer's attention scores q·kᵀ on ``b`` sequences (what
+    selective remat reruns in the backward)."""
+    return 2 * b * model.seq_len * model.seq_len * model.hidden_size
+
+
 def iteration_flops(model: ModelSpec, batch: int, recompute: bool | str) -> float:
     """FLOPs of one iteration: 3 passes per unit, plus what the remat policy reruns.
 
@@ -213,8 +219,11 @@ def iteration_flops(model: ModelSpec, batch: int, recompute: bool | str) -> floa
     :func:`megatron_flops` for mlp_ratio 4; none is the model FLOPs.
     """
     policy = {True: "full", False: "none"}.get(recompute, recompute)
-    L, s, h = model.num_layers, model.seq_len, model.hidden_size
-    extra = {"full": L * layer_fwd_flops(model, batch), "selective": L * 2 * batch * s * s * h}
+    L = model.num_layers
+    extra = {
+        "full": L * layer_fwd_flops(model, batch),
+        "selective": L * scores_fwd_flops(model, batch),
+    }
     base = 3 * L * layer_fwd_flops(model, batch) + 3 * head_fwd_flops(model, batch)
     return base + extra.get(policy, 0.0)
 
@@ -392,7 +401,7 @@ def stage_costs(
     recompute = 1.0 if run.recompute else 0.0
     # Selective remat reruns the attention scores (q·kᵀ) and the element-wise ops.
     selective = 1.0 if run.remat == "selective" else 0.0
-    scores_f = 2 * b * s * s * h / t
+    scores_f = scores_fwd_flops(model, b) / t
     # Element-wise work (norms, softmax, dropout, GELU, residuals) is memory bound: each
     # activation byte a layer stores is written in the forward, read and its gradient
     # written in the backward, and written again by a recomputed forward.
@@ -526,6 +535,7 @@ def memory_inputs(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> Mem
         seq_len=model.seq_len,
         vocab_size=model.vocab_size,
         tied_embeddings=model.tied_embeddings,
+        layer_params=model.layer_params,
         stages=layout.stages,
         data=layout.data,
         tensor=layout.tensor,

@@ -114,6 +114,7 @@ class MemoryInputs:
     seq_len: int
     vocab_size: int
     tied_embeddings: bool
+    layer_params: int  # parameters of one layer (holmes_jax.cost.ModelSpec.layer_params)
     stages: int
     data: int
     tensor: int
@@ -125,11 +126,6 @@ class MemoryInputs:
     act_bytes: int = 2  # β: compute dtype
     zero1: bool = True
     master: bool = True  # fp32 master copy (bf16 runs)
-
-
-def layer_params(h: int, f: int) -> int:
-    """Parameters of one GPT-2 layer: QKV, attention out, MLP, their biases, 2 LayerNorms."""
-    return 4 * h * h + 2 * h * f + 3 * h + h + f + h + 4 * h
 
 
 def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBreakdown:
@@ -148,7 +144,7 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
 
     # Parameters per device: tensor splits matmuls, the vocabulary and (approximately) all
     # else; the pipeline layout keeps an embedding and a head copy on every stage.
-    blocks = slots * layer_params(h, f) / t
+    blocks = slots * x.layer_params / t
     embed = (V / t + s) * h
     head = 2 * h + (0 if x.tied_embeddings else V * h / t)
     P = blocks + embed + head
@@ -166,7 +162,7 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
     # gradient of its weights, its weights in fp32) or, on the last stage, the head.
     recompute = layer_residual_bytes("none", b, s, h, f, t, beta) if x.remat != "none" else 0.0
     scores = 3 * b * (x.num_heads / t) * s * s * 4 if x.attention == "xla" else 0.0
-    layer_grad = 2 * 4 * layer_params(h, f) / t
+    layer_grad = 2 * 4 * x.layer_params / t
     working = recompute + scores + layer_grad
     if last_stage:
         logits = 3 * b * s * V / t * 4  # fp32 logits, softmax, their gradient

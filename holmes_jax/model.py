@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from holmes_jax.axes import BATCH_AXES, TENSOR
-from holmes_jax.config import ModelConfig
+from holmes_jax.config import REMAT_CHOICES, ModelConfig
 from holmes_jax.errors import ConfigError
 
 # Logical axis name -> mesh axis. The only place parameters meet the mesh.
@@ -127,7 +127,7 @@ def remat_policy(name: str):
             "model.remat='auto': the planner resolves it before the model is built "
             "(holmes_jax.plan.resolve_auto; the trainer calls it)"
         )
-    raise ConfigError(f"model.remat='{name}': must be one of none, full, selective, auto")
+    raise ConfigError(f"model.remat='{name}': must be one of {', '.join(REMAT_CHOICES)}")
 
 
 def remat_block(cfg: ModelConfig):

@@ -60,7 +60,7 @@ class Program:
         self.cfg = cfg
         self.mesh = mesh
         m, par = cfg.model, cfg.parallel
-        self.dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
+        self.dtype = compute_dtype(cfg.train.precision)
         self.data_size = mesh.shape[DATA]
         self.zero1 = cfg.optimizer.zero1 and self.data_size > 1
         self.pipelined = (
@@ -369,6 +369,11 @@ class Program:
         if self.pipelined:  # gathers the stages' layers: fine for periodic eval
             params = self.layout.map_parts(self.layout.leaf_to_logical, params)
         return self.model.apply({"params": params}, batch[:, :-1], batch[:, 1:])
+
+
+def compute_dtype(precision: str):
+    """The dtype parameters and activations are computed in for ``train.precision``."""
+    return jnp.bfloat16 if precision == "bf16" else jnp.float32
 
 
 def _cast(tree, dtype):

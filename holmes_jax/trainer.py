@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from holmes_jax.checkpoint import Checkpointer
@@ -32,9 +31,8 @@ from holmes_jax.memory import check_fits
 from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape
 from holmes_jax.metrics import MetricsLogger
 from holmes_jax.model import attention_kernel, flops_per_token, param_count
-from holmes_jax.pipeline import layout_from_config
 from holmes_jax.plan import memory_inputs_from_config, resolve_auto
-from holmes_jax.program import Program
+from holmes_jax.program import Program, compute_dtype
 
 
 class StopRequest:
@@ -220,20 +218,15 @@ def device_limit_bytes(topology, devices) -> float | None:
 
 
 def check_memory(cfg: Config, shape, topology, devices) -> None:
-    """Refuse, before compiling, a plan the memory model says will not fit
-    (:func:`holmes_jax.memory.check_fits`; a one-line ConfigError)."""
+    """Before compiling: resolve the attention kernel (a forced ``cudnn`` that cannot run is
+    a one-line ConfigError) and refuse a plan the memory model says will not fit
+    (:func:`holmes_jax.memory.check_fits`). ``cfg`` comes from :func:`resolve_auto`, so
+    its split is concrete."""
+    kernel = attention_kernel(cfg.model, compute_dtype(cfg.train.precision))
     limit = device_limit_bytes(topology, devices)
-    if limit is None:
-        return
-    dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
-    x = memory_inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
-    lps = cfg.parallel.layers_per_stage
-    split = (
-        lps
-        if isinstance(lps, tuple)
-        else layout_from_config(None, shape.stages, cfg.model.num_layers).layers_per_stage
-    )
-    check_fits(x, split, limit)
+    if limit is not None:
+        x = memory_inputs_from_config(cfg, shape.data, kernel)
+        check_fits(x, cfg.parallel.layers_per_stage, limit)
 
 
 def _evaluate(program: Program, params, eval_set: list[jax.Array]) -> float:

@@ -31,14 +31,14 @@ sys.path.insert(0, ROOT)
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_DEVICES}"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from holmes_jax.config import MeshShape, load_config  # noqa: E402
 from holmes_jax.memory import device_memory  # noqa: E402
 from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape  # noqa: E402
 from holmes_jax.model import attention_kernel  # noqa: E402
+from holmes_jax.pipeline import layout_from_config  # noqa: E402
 from holmes_jax.plan import memory_inputs_from_config, resolve_auto  # noqa: E402
-from holmes_jax.program import Program  # noqa: E402
+from holmes_jax.program import Program, compute_dtype  # noqa: E402
 
 SHIPPED = [
     ("configs/gpt-124m.yaml", "meshes/paper-ib-8x8.yaml"),
@@ -136,7 +136,7 @@ def measure(cfg, shape: MeshShape, split) -> tuple[float, float, dict]:
     """(measured peak bytes, predicted peak bytes, predicted breakdown in GB)."""
     program = Program(cfg, build_mesh(shape, jax.devices()[: shape.num_devices]))
     measured = program.compiled_memory()["peak"]
-    dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
+    dtype = compute_dtype(cfg.train.precision)
     x = memory_inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
     stages = len(split)
     peaks = [device_memory(x, max(split), last_stage=s == stages - 1) for s in range(stages)]
@@ -193,8 +193,7 @@ def grid_row(config: str, overrides: str) -> dict:
     sets = GRID_BATCH.split() + overrides.split()
     cfg = load_config(config, sets + ["parallel.layers_per_stage=null"])
     p = cfg.parallel
-    base, extra = divmod(cfg.model.num_layers, p.stages)
-    split = [base + (s < extra) for s in range(p.stages)]
+    split = list(layout_from_config(None, p.stages, cfg.model.num_layers).layers_per_stage)
     cfg = load_config(
         config,
         sets

@@ -1,5 +1,6 @@
 """The sharded train step equals the single-device step; resume reproduces a run."""
 
+import dataclasses
 import json
 
 import jax
@@ -139,3 +140,15 @@ def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path):
     saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
     last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert saved == [last_logged] and last_logged >= 3
+
+
+def test_forced_cudnn_attention_is_refused_before_compiling(tiny_cfg, monkeypatch):
+    """model.attention=cudnn on CPU: one-line ConfigError from the trainer, no program built."""
+    import holmes_jax.trainer as trainer
+    from holmes_jax.errors import ConfigError
+
+    monkeypatch.setattr(trainer, "Program", None)  # any compile attempt would fail loudly
+    cfg = tiny_cfg.replace(model=dataclasses.replace(tiny_cfg.model, attention="cudnn"))
+    with pytest.raises(ConfigError, match=r"^model\.attention=cudnn: needs a CUDA GPU") as err:
+        trainer.run(cfg)
+    assert "\n" not in str(err.value)
