@@ -10,8 +10,8 @@ A bad setting prints one line naming the key, the value and the rule, and exits 
 This module imports jax lazily, so setting the flag here still works.
 
 One of several processes (explicit flags, or SLURM / Open MPI / Kubernetes detected; see
-:mod:`holmes_jax.distributed`): the entry point sets this host's NCCL profile from the
-topology (:mod:`holmes_jax.transport`; variables already set win), joins the job, and
+:mod:`holmes_jax.cluster.distributed`): the entry point sets this host's NCCL profile from the
+topology (:mod:`holmes_jax.cluster.transport`; variables already set win), joins the job, and
 runs. A lost peer ends the process with one line naming it (exit code 3); a step that
 raised for another reason exits with 1.
 """
@@ -19,32 +19,19 @@ raised for another reason exits with 1.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
-from holmes_jax import distributed, xla_flags
-from holmes_jax.config import Config, load_config
-from holmes_jax.errors import ConfigError
-
-CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+from holmes_jax.cluster import distributed, xla_flags
+from holmes_jax.core.config import Config, load_config
+from holmes_jax.core.errors import ConfigError
 
 
 def run(config: Config, **kwargs) -> list[dict[str, Any]]:
-    """Train; returns the per-logged-step history. See :func:`holmes_jax.trainer.run`."""
-    from holmes_jax.trainer import run as _run
+    """Train; returns the per-logged-step history. See :func:`holmes_jax.runtime.loop.run`."""
+    from holmes_jax.runtime.loop import run as _run
 
     return _run(config, **kwargs)
-
-
-def request_cpu_devices(count: int) -> None:
-    """Ask XLA for ``count`` host devices unless XLA_FLAGS already says how many.
-
-    Must run before jax is imported; only entry points call it (never library code).
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if CPU_DEVICES_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICES_FLAG}={count}".strip()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    request_cpu_devices(args.cpu_devices)
+    xla_flags.request_cpu_devices(args.cpu_devices)
     xla_flags.apply_gpu_flags()  # async collectives on GPUs, validated (no-op on CPU)
 
     def body() -> int:

@@ -19,7 +19,7 @@ where the gradient traffic flows decides the step time. Side by side, a few step
 Step times are medians over logging windows of 5 steps after the first step (which
 compiles), from the trainer's metrics.
 
-Predictions come from the cost model (holmes_jax.cost / placement) fed with a profile that
+Predictions come from the cost model (holmes_jax.planner.cost / placement) fed with a profile that
 holmes_jax.probe measures first *through the same emulated launch* (``launch --program
 probe``, one per topology): one layer on every device while the 4 processes share the 2
 cores, and the links as gloo sees them through the namespaces (all-reduce, ZeRO-1's
@@ -57,13 +57,14 @@ os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
     "device_count=8", "device_count=4"
 )
 
-from holmes_jax.config import load_config  # noqa: E402
-from holmes_jax.cost import Layout, predict, stage_costs  # noqa: E402
-from holmes_jax.errors import ConfigError  # noqa: E402
-from holmes_jax.launch import launch  # noqa: E402
-from holmes_jax.placement import StageHardware, stage_hardware  # noqa: E402
-from holmes_jax.plan import specs_from_config  # noqa: E402
-from holmes_jax.topology import load_topology  # noqa: E402
+from holmes_jax.cluster.launcher import launch  # noqa: E402
+from holmes_jax.core.config import load_config  # noqa: E402
+from holmes_jax.core.errors import ConfigError  # noqa: E402
+from holmes_jax.core.spec import Degrees  # noqa: E402
+from holmes_jax.planner.cost import predict, stage_costs  # noqa: E402
+from holmes_jax.planner.placement import StageHardware, stage_hardware  # noqa: E402
+from holmes_jax.planner.plans import specs_from_config  # noqa: E402
+from holmes_jax.planner.topology import load_topology  # noqa: E402
 
 SLOW = f"{benchlib.ROOT}/meshes/emu-4host-2island.yaml"
 FAST = f"{benchlib.ROOT}/meshes/emu-4host-2island-fast.yaml"
@@ -92,8 +93,9 @@ def config(steps: int, extra: list[str], mesh: str):
 
 def calibrate(cfg, topology):
     """Device speed from the probe in this process: one layer on every device at once."""
-    from holmes_jax.probe import measure, profile_dict
-    from holmes_jax.profile import profile_from_dict
+    from holmes_jax.planner.measurements import profile_dict
+    from holmes_jax.planner.profiles import profile_from_dict
+    from holmes_jax.runtime.measure import measure
 
     m = measure(cfg, topology, repeats=10, sizes=(4096, 65536))
     profile = profile_dict(m)
@@ -104,7 +106,7 @@ def calibrate(cfg, topology):
 def probe_launch(mesh: str, extra: list[str], folder: str, name: str):
     """Profile measured by ``launch --program probe --emulate``: the topology with its
     measured links, the calibration and the per-island layer times (ms)."""
-    from holmes_jax.profile import load_profile
+    from holmes_jax.planner.profiles import load_profile
 
     out = os.path.join(folder, f"profile-{name}.json")
     args = [a for o in MODEL + extra for a in ("--set", o)]
@@ -130,7 +132,7 @@ def predicted_step(cfg, topology, calibration) -> float:
     model, run = specs_from_config(cfg)
     run = dataclasses.replace(run, zero1=cfg.optimizer.zero1, sync_collectives=True)
     par = cfg.parallel
-    layout = Layout(par.stages, par.data, par.tensor, par.microbatches, par.schedule)
+    layout = par.layout(Degrees(par.stages, par.data, par.tensor))
     if par.enforce_islands:
         hardware = stage_hardware(topology, layout, calibration)
     else:
@@ -181,10 +183,10 @@ def naive_hardware(topology, calibration) -> StageHardware:
 def single_process(cfg, topology, calibration, steps: int) -> tuple[float, float]:
     """Diagnostic: (a)'s plan on 4 devices of this one process (in-process collectives, no
     network): measured and predicted (every link as fast as the intra-host one) step."""
-    from holmes_jax.config import MeshShape
+    from holmes_jax.core.spec import Degrees
 
     par = cfg.parallel
-    shape = MeshShape(par.stages, par.data, par.tensor)
+    shape = Degrees(par.stages, par.data, par.tensor)
     runner = benchlib.program_runner(cfg, shape)
     measured = benchlib.interleaved_medians({"single": runner}, steps, rounds=3)["single"]
     fast = topology.intra_host
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    from holmes_jax.netns import check_privileges
+    from holmes_jax.cluster.netns import check_privileges
 
     try:
         check_privileges()

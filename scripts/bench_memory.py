@@ -2,7 +2,7 @@
 
 For each shipped GPU config on the topology its header names, the train step is compiled
 at the real per-device shapes on simulated CPU devices (nothing is allocated) and XLA's
-memory analysis gives the per-device peak; the memory model (holmes_jax.memory) predicts
+memory analysis gives the per-device peak; the memory model (holmes_jax.planner.memory) predicts
 it beside. Topologies with more than MAX_DEVICES devices are compiled with the
 data-parallel degree shrunk (same microbatch size, so the same activations per device);
 the prediction is then given at both degrees. Then a validation grid (model sizes,
@@ -32,13 +32,14 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_DEVICES}
 
 import jax  # noqa: E402
 
-from holmes_jax.config import MeshShape, load_config  # noqa: E402
-from holmes_jax.memory import device_memory  # noqa: E402
-from holmes_jax.mesh import build_mesh, load_mesh_topology, resolve_shape  # noqa: E402
-from holmes_jax.model import attention_kernel  # noqa: E402
-from holmes_jax.pipeline import layout_from_config  # noqa: E402
-from holmes_jax.plan import memory_inputs_from_config, resolve_auto  # noqa: E402
-from holmes_jax.program import Program, compute_dtype  # noqa: E402
+from holmes_jax.core.config import load_config  # noqa: E402
+from holmes_jax.core.spec import Degrees  # noqa: E402
+from holmes_jax.planner.memory import device_memory  # noqa: E402
+from holmes_jax.planner.plans import memory_inputs_from_config, resolve_auto  # noqa: E402
+from holmes_jax.runtime.mesh import build_mesh, load_mesh_topology, resolve_shape  # noqa: E402
+from holmes_jax.runtime.model import attention_kernel  # noqa: E402
+from holmes_jax.runtime.pipeline import layout_from_config  # noqa: E402
+from holmes_jax.runtime.program import Program, compute_dtype  # noqa: E402
 
 SHIPPED = [
     ("configs/gpt-124m.yaml", "meshes/paper-ib-8x8.yaml"),
@@ -132,7 +133,7 @@ GRID = [
 GRID_BATCH = "train.global_batch_size=32 train.precision=bf16"
 
 
-def measure(cfg, shape: MeshShape, split) -> tuple[float, float, dict]:
+def measure(cfg, shape: Degrees, split) -> tuple[float, float, dict]:
     """(measured peak bytes, predicted peak bytes, predicted breakdown in GB)."""
     program = Program(cfg, build_mesh(shape, jax.devices()[: shape.num_devices]))
     measured = program.compiled_memory()["peak"]
@@ -154,7 +155,7 @@ def shipped_row(config: str, mesh: str) -> dict:
     while real.replica * real.stages * data * real.tensor > MAX_DEVICES:
         data //= 2  # shrink only the data degree, keeping sequences per microbatch
     mb = cfg.train.global_batch_size // (real.replica * real.data * cfg.parallel.microbatches)
-    shape = MeshShape(real.stages, data, real.tensor, real.replica)
+    shape = Degrees(real.stages, data, real.tensor, real.replica)
     small = cfg.replace(
         parallel=dataclasses.replace(
             cfg.parallel,
@@ -202,7 +203,7 @@ def grid_row(config: str, overrides: str) -> dict:
             f"parallel.devices={p.stages * p.data * p.tensor}",
         ],
     )
-    measured, predicted, _ = measure(cfg, MeshShape(p.stages, p.data, p.tensor), split)
+    measured, predicted, _ = measure(cfg, Degrees(p.stages, p.data, p.tensor), split)
     return {
         "config": os.path.basename(config),
         "overrides": overrides,

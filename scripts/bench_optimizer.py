@@ -22,11 +22,12 @@ import benchlib
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from holmes_jax.config import MeshShape, load_config  # noqa: E402
-from holmes_jax.mesh import build_mesh  # noqa: E402
-from holmes_jax.program import Program  # noqa: E402
+from holmes_jax.core.config import load_config  # noqa: E402
+from holmes_jax.core.spec import Degrees  # noqa: E402
+from holmes_jax.runtime.mesh import build_mesh  # noqa: E402
+from holmes_jax.runtime.program import Program  # noqa: E402
 
-SHAPE = MeshShape(stages=2, data=4, tensor=1)
+SHAPE = Degrees(stages=2, data=4, tensor=1)
 
 
 def compiled_program(config: str, zero1: bool) -> tuple[Program, object]:

@@ -22,7 +22,8 @@ import sys
 
 import benchlib  # noqa: F401  (sets the simulated device count before jax loads)
 
-from holmes_jax.config import MeshShape, load_config  # noqa: E402
+from holmes_jax.core.config import load_config  # noqa: E402
+from holmes_jax.core.spec import Degrees  # noqa: E402
 
 QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
 NO_IO = ["checkpoint.dir=null", "train.metrics_path=null", "logging.tensorboard_dir=null"]
@@ -45,7 +46,7 @@ def pipe(stages, split, microbatches, schedule="1f1b", batch=32, layers=None):
 
 
 def padded_slots(steps, rounds):
-    shape = MeshShape(2, 4, 1)
+    shape = Degrees(2, 4, 1)
     runners = {
         "split_1_3": benchlib.program_runner(pipe(2, (1, 3), 4, batch=64), shape),
         "split_3_3": benchlib.program_runner(pipe(2, (3, 3), 4, batch=64), shape),
@@ -61,11 +62,11 @@ def padded_slots(steps, rounds):
 
 
 def temp_memory():
-    from holmes_jax.mesh import build_mesh
-    from holmes_jax.program import Program
+    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.program import Program
 
     out = {}
-    shape = MeshShape(4, 2, 1)
+    shape = Degrees(4, 2, 1)
     for schedule in ("1f1b", "gpipe"):
         temp = {}
         for m in (4, 16):
@@ -84,10 +85,8 @@ def temp_memory():
 
 def pipeline_vs_data_parallel(steps, rounds):
     runners = {
-        "pipeline_1f1b_S4_M8": benchlib.program_runner(
-            pipe(4, (2, 2, 2, 2), 8), MeshShape(4, 2, 1)
-        ),
-        "data_parallel_8": benchlib.program_runner(cfg(), MeshShape(1, 8, 1)),
+        "pipeline_1f1b_S4_M8": benchlib.program_runner(pipe(4, (2, 2, 2, 2), 8), Degrees(4, 2, 1)),
+        "data_parallel_8": benchlib.program_runner(cfg(), Degrees(1, 8, 1)),
     }
     t = benchlib.interleaved_medians(runners, steps, rounds)
     return {

@@ -12,9 +12,10 @@ import json
 import os
 import time
 
-from holmes_jax.cost import ModelSpec, RunSpec
-from holmes_jax.partition import candidate_layouts, search_plan
-from holmes_jax.topology import load_topology
+from holmes_jax.core.spec import ModelSpec
+from holmes_jax.planner.cost import RunSpec
+from holmes_jax.planner.partition import candidate_layouts, search_plan
+from holmes_jax.planner.topology import load_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,12 +29,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from holmes_jax.config import MeshShape, load_config  # noqa: E402
-from holmes_jax.data import BatchSampler, load_corpus, make_batch  # noqa: E402
-from holmes_jax.mesh import build_mesh  # noqa: E402
-from holmes_jax.model import GPT, flops_per_token  # noqa: E402
-from holmes_jax.optim import make_optimizer  # noqa: E402
-from holmes_jax.program import Program  # noqa: E402
+from holmes_jax.core.config import load_config  # noqa: E402
+from holmes_jax.core.spec import (
+    Degrees,  # noqa: E402
+    flops_per_token,  # noqa: E402
+)
+from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch  # noqa: E402
+from holmes_jax.runtime.mesh import build_mesh  # noqa: E402
+from holmes_jax.runtime.model import GPT  # noqa: E402
+from holmes_jax.runtime.optim import make_optimizer  # noqa: E402
+from holmes_jax.runtime.program import Program  # noqa: E402
 
 ROOT = benchlib.ROOT
 
@@ -84,7 +88,7 @@ def plain_runner(cfg, sampler):
     return run
 
 
-def ours_runner(cfg, sampler, shape: MeshShape):
+def ours_runner(cfg, sampler, shape: Degrees):
     program = Program(cfg, build_mesh(shape))
     state = [program.init(0), 0]
 
@@ -112,22 +116,22 @@ def main(argv=None) -> int:
     p = cfg.parallel
     variants = {
         "plain_1dev": (plain_runner(cfg, sampler), 1),
-        "ours_1dev": (ours_runner(cfg, sampler, MeshShape(1, 1, 1)), 1),
-        "ours_8dev": (ours_runner(cfg, sampler, MeshShape(1, p.data or 4, p.tensor)), 8),
+        "ours_1dev": (ours_runner(cfg, sampler, Degrees(1, 1, 1)), 1),
+        "ours_8dev": (ours_runner(cfg, sampler, Degrees(1, p.data or 4, p.tensor)), 8),
     }
     medians = benchlib.interleaved_medians(
         {name: run for name, (run, _) in variants.items()}, args.steps, args.rounds, warmup=3
     )
 
     peak = matmul_peak_tflops()
-    flops = flops_per_token(cfg.model)
+    flops = flops_per_token(cfg.model.spec, cfg.model.remat)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     result: dict = {
         "bench": "step",
         "model_params": sum(
             x.size
             for x in jax.tree.leaves(
-                Program(cfg, build_mesh(MeshShape(1, 1, 1))).abstract_state.params
+                Program(cfg, build_mesh(Degrees(1, 1, 1))).abstract_state.params
             )
         ),
         "tokens_per_step": tokens,

@@ -40,8 +40,8 @@ def program_runner(cfg, shape, batch_rows: Callable[[int], object] | None = None
     import jax
     import numpy as np
 
-    from holmes_jax.mesh import build_mesh
-    from holmes_jax.program import Program
+    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.program import Program
 
     program = Program(cfg, build_mesh(shape))
     rows = (cfg.train.global_batch_size, cfg.model.seq_len + 1)

@@ -2,7 +2,7 @@
 
 Narayanan et al. 2021 (arXiv 2104.04473) Table 1, A100-80GB: configuration, published
 teraFLOP/s per GPU, prediction, error, source. Device efficiency is calibrated once over
-the table (holmes_jax.fidelity.calibrate) and shipped as cost.DEFAULT_EFFICIENCY.
+the table (holmes_jax.planner.fidelity.calibrate) and shipped as cost.DEFAULT_EFFICIENCY.
 
     python scripts/fidelity_megatron.py [--json] [--recalibrate]
 """
@@ -10,8 +10,8 @@ the table (holmes_jax.fidelity.calibrate) and shipped as cost.DEFAULT_EFFICIENCY
 import argparse
 import json
 
-from holmes_jax.cost import DEFAULT_EFFICIENCY
-from holmes_jax.fidelity import SOURCE, calibrate, fidelity_table
+from holmes_jax.planner.fidelity import SOURCE, calibrate, fidelity_table
+from holmes_jax.planner.placement import DEFAULT_EFFICIENCY
 
 
 def main() -> None:

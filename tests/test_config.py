@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from holmes_jax.config import Config, check_devices, config_from_dict, load_config
-from holmes_jax.errors import ConfigError
+from holmes_jax.core.config import Config, check_devices, config_from_dict, load_config
+from holmes_jax.core.errors import ConfigError
 from holmes_jax.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,31 +5,29 @@ import math
 import numpy as np
 import pytest
 
-from holmes_jax import fidelity
-from holmes_jax.cost import (
-    DEFAULT_EFFICIENCY,
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import (
     Layout,
     ModelSpec,
-    RunSpec,
-    all_gather_time,
-    exposed_tail,
     head_fwd_flops,
-    hierarchical_allreduce_time,
     iteration_flops,
     layer_fwd_flops,
     megatron_flops,
-    memory_inputs,
+)
+from holmes_jax.planner import fidelity
+from holmes_jax.planner.cost import RunSpec, memory_inputs, predict, stage_costs
+from holmes_jax.planner.draw import simulate_schedule
+from holmes_jax.planner.formulas import (
+    all_gather_time,
+    exposed_tail,
+    hierarchical_allreduce_time,
     p2p_time,
     pipeline_time,
-    predict,
     reduce_scatter_time,
     ring_allreduce_time,
-    stage_costs,
 )
-from holmes_jax.errors import ConfigError
-from holmes_jax.memory import device_memory
-from holmes_jax.placement import StageHardware
-from holmes_jax.plan import simulate_schedule
+from holmes_jax.planner.memory import device_memory
+from holmes_jax.planner.placement import DEFAULT_EFFICIENCY, StageHardware
 
 GB = 1e9
 
@@ -126,9 +124,9 @@ def test_bad_specs_are_config_errors():
     with pytest.raises(ConfigError, match="num_heads=5"):
         ModelSpec(4, 128, 5, 128, 256)
     with pytest.raises(ConfigError, match="parallel.schedule='zigzag'"):
-        Layout(2, 1, 1, 4, "zigzag")
+        Layout(2, 1, 1, microbatches=4, schedule="zigzag")
     with pytest.raises(ConfigError, match="global_batch_size=30"):
-        Layout(2, 4, 1, 4).microbatch_size(30)
+        Layout(2, 4, 1, microbatches=4).microbatch_size(30)
 
 
 def _hardware(p, mem_bw=math.inf, memory=80e9):
@@ -155,11 +153,13 @@ MODEL = ModelSpec(
 
 def test_layer_time_is_flops_over_speed():
     run = RunSpec(global_batch_size=8)
-    costs = stage_costs(MODEL, run, Layout(2, 1, 1, 8), _hardware(2))
+    costs = stage_costs(MODEL, run, Layout(2, 1, 1, microbatches=8), _hardware(2))
     f = layer_fwd_flops(MODEL, 1) / 1e12
     # one more layer on stage 0 adds its forward and 2x backward
     assert costs.compute[0, 3] - costs.compute[0, 2] == pytest.approx(3 * f)
-    rec = stage_costs(MODEL, RunSpec(8, remat="full"), Layout(2, 1, 1, 8), _hardware(2))
+    rec = stage_costs(
+        MODEL, RunSpec(8, remat="full"), Layout(2, 1, 1, microbatches=8), _hardware(2)
+    )
     assert rec.compute[0, 3] - rec.compute[0, 2] == pytest.approx(4 * f)
 
 
@@ -167,8 +167,8 @@ def test_activation_memory_in_flight_1f1b_vs_gpipe():
     """Each layer slot costs K residual sets on every device: the engine's buffers are
     [K, slots, ...] with K = M for GPipe and min(S, M) for 1F1B, on every stage."""
     run, p, m = RunSpec(global_batch_size=8), 4, 8
-    one = stage_costs(MODEL, run, Layout(p, 1, 1, m, "1f1b"), _hardware(p))
-    gp = stage_costs(MODEL, run, Layout(p, 1, 1, m, "gpipe"), _hardware(p))
+    one = stage_costs(MODEL, run, Layout(p, 1, 1, microbatches=m, schedule="1f1b"), _hardware(p))
+    gp = stage_costs(MODEL, run, Layout(p, 1, 1, microbatches=m, schedule="gpipe"), _hardware(p))
     per_layer = [
         gp.memory[s, 2] - gp.memory[s, 1] - (one.memory[s, 2] - one.memory[s, 1]) for s in range(p)
     ]
@@ -180,7 +180,7 @@ def test_activation_memory_in_flight_1f1b_vs_gpipe():
 
 def test_zero1_shards_optimizer_state():
     d = 4
-    lay = Layout(1, d, 1, 2)
+    lay = Layout(1, d, 1, microbatches=2)
     n = MODEL.num_layers
     plain = device_memory(memory_inputs(MODEL, RunSpec(8, zero1=False), lay, 1), n)
     zero = device_memory(memory_inputs(MODEL, RunSpec(8, zero1=True), lay, 1), n)
@@ -192,8 +192,10 @@ def test_zero1_shards_optimizer_state():
 
 def test_memory_limit_is_checked():
     run = RunSpec(global_batch_size=8)
-    roomy = predict(stage_costs(MODEL, run, Layout(2, 1, 1, 8), _hardware(2)), [4, 4])
-    tight = predict(stage_costs(MODEL, run, Layout(2, 1, 1, 8), _hardware(2, memory=1e6)), [4, 4])
+    roomy = predict(stage_costs(MODEL, run, Layout(2, 1, 1, microbatches=8), _hardware(2)), [4, 4])
+    tight = predict(
+        stage_costs(MODEL, run, Layout(2, 1, 1, microbatches=8), _hardware(2, memory=1e6)), [4, 4]
+    )
     assert roomy.fits and not tight.fits
 
 
@@ -210,7 +212,7 @@ def test_exposed_tail_overlaps_with_backward_drain():
 
 def test_breakdown_sums_to_step_and_tflops_is_megatron():
     run = RunSpec(global_batch_size=16, remat="full")
-    lay = Layout(2, 2, 1, 4)
+    lay = Layout(2, 2, 1, microbatches=4)
     pred = predict(stage_costs(MODEL, run, lay, _hardware(2, mem_bw=1e11)), [3, 5])
     assert sum(pred.breakdown.values()) == pytest.approx(pred.step_s)
     assert set(pred.breakdown) == {
@@ -253,7 +255,7 @@ def _latency_only(p):
 
 
 def test_trainer_reduces_per_leaf_and_shifts_both_ways_every_tick():
-    layout = Layout(2, 2, 1, 4)
+    layout = Layout(2, 2, 1, microbatches=4)
     ours = stage_costs(MODEL, RunSpec(8), layout, _latency_only(2))
     mega_run = RunSpec(8, engine="megatron", zero1=False)
     mega = stage_costs(MODEL, mega_run, layout, _latency_only(2))
@@ -268,7 +270,7 @@ def test_trainer_reduces_per_leaf_and_shifts_both_ways_every_tick():
 
 
 def test_sync_collectives_add_the_stages_reductions():
-    layout, split = Layout(2, 2, 1, 4), [4, 4]
+    layout, split = Layout(2, 2, 1, microbatches=4), [4, 4]
     run = RunSpec(8, overlap_grad_sync=True)
     hw = _latency_only(2)
     overlapped = predict(stage_costs(MODEL, run, layout, hw), split)
@@ -305,9 +307,9 @@ def test_fidelity_is_sensitive():
 
 def test_hardware_flops_follow_the_remat_policy():
     """none = model FLOPs < selective (+ q·kᵀ per layer) < full (+ a forward per layer);
-    the trainer's per-token count (holmes_jax.model) agrees with the planner's."""
-    from holmes_jax.config import ModelConfig
-    from holmes_jax.model import flops_per_token
+    the trainer's per-token count (holmes_jax.runtime.model) agrees with the planner's."""
+    from holmes_jax.core.config import ModelConfig
+    from holmes_jax.core.spec import flops_per_token
 
     m = ModelSpec(4, 256, 4, 512, 1024)
     none, sel, full = (iteration_flops(m, 2, r) for r in ("none", "selective", "full"))
@@ -316,6 +318,6 @@ def test_hardware_flops_follow_the_remat_policy():
     assert none < sel < full
     for remat, total in (("none", none), ("selective", sel), ("full", full)):
         cfg = ModelConfig(256 * 4, 512, 4, 4, 256, remat=remat)
-        per_token = flops_per_token(cfg).hardware
+        per_token = flops_per_token(cfg.spec, cfg.remat).hardware
         # the model's count uses the full (not causal-halved) attention in both passes
         assert per_token * 2 * 512 == pytest.approx(total, rel=0.02), remat

@@ -1,4 +1,4 @@
-"""Tests for holmes_jax.data: tokenizer, corpora, deterministic sampling, sharded batches."""
+"""Tests for holmes_jax.runtime.data: tokenizer, corpora, deterministic sampling, batches."""
 
 import sysconfig
 import zlib
@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from holmes_jax import data
-from holmes_jax.errors import ConfigError
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.runtime import data
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from holmes_jax.config import load_config
-from holmes_jax.distributed import resolve
-from holmes_jax.errors import ConfigError
+from holmes_jax.cluster.distributed import resolve
+from holmes_jax.cluster.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
+from holmes_jax.core.config import load_config
+from holmes_jax.core.errors import ConfigError
 from holmes_jax.train import main
-from holmes_jax.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
 
 SLURM = {
     "SLURM_JOB_ID": "4242",

@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from holmes_jax import launch, netns, transport
-from holmes_jax.errors import ConfigError
-from holmes_jax.topology import load_topology, topology_from_dict
+from holmes_jax import launch
+from holmes_jax.cluster import launcher, netns, transport
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.topology import load_topology, topology_from_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = os.path.join(ROOT, "meshes")
@@ -168,7 +169,7 @@ def test_arguments_split_at_the_double_dash():
 def test_one_worker_per_host_with_its_devices_and_profile():
     topo = load_topology(os.path.join(MESHES, "cpu8-two-islands.yaml"))
     base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1", "KEEP": "1"}
-    workers = launch.plan_workers(
+    workers = launcher.plan_workers(
         topo, "m.yaml", ["--set", "train.steps=2"], "127.0.0.1:1234", base_env=base, python="py"
     )
     assert [w.host for w in workers] == ["ib-0", "ib-1", "roce-0", "roce-1"]
@@ -182,14 +183,14 @@ def test_one_worker_per_host_with_its_devices_and_profile():
     assert w.env["HOLMES_HOST"] == "roce-0" and w.env["HOLMES_ISLAND"] == "roce"
     assert w.env["NCCL_NET"] == "IB" and w.env["JAX_PLATFORMS"] == "cpu"
     assert w.env["KEEP"] == "1" and w.env["PYTHONUNBUFFERED"] == "1"
-    emulated = launch.plan_workers(
+    emulated = launcher.plan_workers(
         topo, "m.yaml", [], "10.77.0.2:29500", base_env={}, prefix=lambda h: ["ns", h]
     )
     assert emulated[3].command[:2] == ["ns", "roce-1"]
-    probes = launch.plan_workers(topo, "m.yaml", [], "h:1", base_env={}, program="probe")
+    probes = launcher.plan_workers(topo, "m.yaml", [], "h:1", base_env={}, program="probe")
     assert probes[0].command[1:3] == ["-m", "holmes_jax.probe"]
     with pytest.raises(ConfigError, match="--program=bench: must be one of train, probe"):
-        launch.plan_workers(topo, "m.yaml", [], "h:1", base_env={}, program="bench")
+        launcher.plan_workers(topo, "m.yaml", [], "h:1", base_env={}, program="bench")
 
 
 # The launcher forks (to arm PR_SET_PDEATHSIG); jax, loaded in this test process by other
@@ -202,11 +203,11 @@ def test_first_failure_stops_the_rest_and_sets_the_exit_code(tmp_path):
     sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
     failer = [sys.executable, "-c", "import sys; print('bad'); sys.exit(7)"]
     workers = [
-        launch.Worker("a", 0, sleeper, dict(os.environ)),
-        launch.Worker("bb", 1, failer, dict(os.environ)),
+        launcher.Worker("a", 0, sleeper, dict(os.environ)),
+        launcher.Worker("bb", 1, failer, dict(os.environ)),
     ]
     out = io.StringIO()
-    code = launch.Launch(workers, grace_s=0.5, out=out).run()
+    code = launcher.Launch(workers, grace_s=0.5, out=out).run()
     text = out.getvalue()
     assert code == 7
     assert "[bb] bad" in text and "[a ] up" in text

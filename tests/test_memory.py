@@ -6,13 +6,14 @@ import jax
 import numpy as np
 import pytest
 
-import holmes_jax.pipeline as pipeline
-from holmes_jax.config import MeshShape, load_config
-from holmes_jax.errors import ConfigError
-from holmes_jax.memory import check_fits, device_memory, layer_residual_bytes
-from holmes_jax.mesh import build_mesh
-from holmes_jax.plan import memory_inputs_from_config
-from holmes_jax.program import Program
+import holmes_jax.runtime.pipeline as pipeline
+from holmes_jax.core.config import load_config
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import Degrees
+from holmes_jax.planner.memory import check_fits, device_memory, layer_residual_bytes
+from holmes_jax.planner.plans import memory_inputs_from_config
+from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.program import Program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,7 @@ SMALL = [
 ]
 
 
-def _program(overrides, shape: MeshShape, base=TINY):
+def _program(overrides, shape: Degrees, base=TINY):
     n = shape.stages * shape.data * shape.tensor
     cfg = load_config(
         None,
@@ -66,7 +67,7 @@ def test_residual_formula_matches_traced_vjp(monkeypatch, remat, precision):
 
     monkeypatch.setattr(pipeline._Residuals, "__init__", spy)
     overrides = [f"model.remat={remat}", f"train.precision={precision}", "parallel.microbatches=2"]
-    cfg, program = _program(overrides, MeshShape(1, 1, 1))
+    cfg, program = _program(overrides, Degrees(1, 1, 1))
     program.lower_train_step()
     m, b = cfg.model, cfg.train.global_batch_size // 2
     beta = 2 if precision == "bf16" else 4
@@ -86,7 +87,7 @@ def pipeline_temps():
             "parallel.schedule=1f1b",
             "parallel.layers_per_stage=[1,3]",
         ]
-        cfg, program = _program(overrides, MeshShape(2, 2, 1), SMALL)
+        cfg, program = _program(overrides, Degrees(2, 2, 1), SMALL)
         out[remat] = (cfg, program.compiled_memory())
     return out
 
@@ -135,18 +136,18 @@ def test_remat_auto_resolves_to_a_policy_that_fits(tmp_path):
     """model.remat=auto: the fastest policy whose predicted peak fits the topology."""
     import yaml
 
-    from holmes_jax.plan import resolve_auto
+    from holmes_jax.planner.plans import resolve_auto
 
     raw = yaml.safe_load(open(os.path.join(ROOT, "meshes", "cpu8-one-island.yaml")))
     cfg = load_config(None, SMALL + ["model.remat=auto", "parallel.data=8"])
-    shape = MeshShape(1, 8, 1)
+    shape = Degrees(1, 8, 1)
     peaks = {
         r: device_memory(memory_inputs_from_config(cfg.replace(model=_remat(cfg, r)), 8), 4).peak
         for r in ("none", "selective", "full")
     }
     for island in raw["islands"]:  # usable (0.9) between full's and selective's peaks
         island["memory_gb"] = (peaks["full"] + peaks["selective"]) / 2 / 0.9 / 1e9
-    from holmes_jax.topology import topology_from_dict
+    from holmes_jax.planner.topology import topology_from_dict
 
     resolved = resolve_auto(cfg, shape, topology_from_dict(raw))
     assert resolved.model.remat == "full" and resolved.parallel.layers_per_stage == (4,)

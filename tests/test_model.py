@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from holmes_jax.config import config_from_dict, load_config
-from holmes_jax.errors import ConfigError
-from holmes_jax.model import GPT, attention, attention_kernel
+from holmes_jax.core.config import config_from_dict, load_config
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.runtime.model import GPT, attention, attention_kernel
 
 TINY = [
     "model.num_layers=2",

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from holmes_jax.config import load_config
-from holmes_jax.launch import free_port
+from holmes_jax.cluster.launcher import free_port
+from holmes_jax.core.config import load_config
 from holmes_jax.train import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,7 +208,7 @@ def test_two_processes_stop_lose_a_peer_and_resume(tmp_path, two_reference, env)
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_emulated_islands_match_one(tmp_path, env):
-    from holmes_jax.netns import list_namespaces
+    from holmes_jax.cluster.netns import list_namespaces
 
     metrics = tmp_path / "m.jsonl"
     before = set(list_namespaces())

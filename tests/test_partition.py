@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import yaml
 
-from holmes_jax.cost import Layout, ModelSpec, RunSpec, predict, stage_costs
-from holmes_jax.errors import ConfigError
-from holmes_jax.partition import (
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import Layout, ModelSpec
+from holmes_jax.planner.cost import RunSpec, predict, stage_costs
+from holmes_jax.planner.partition import (
     best_policy_plan,
     bottleneck_split,
     candidate_layouts,
@@ -23,8 +24,8 @@ from holmes_jax.partition import (
     split_layers,
     uniform_split,
 )
-from holmes_jax.placement import stage_blocks, stage_hardware, stages_per_island
-from holmes_jax.topology import load_topology, topology_from_dict
+from holmes_jax.planner.placement import stage_blocks, stage_hardware, stages_per_island
+from holmes_jax.planner.topology import load_topology, topology_from_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,22 +111,22 @@ def test_uniform_split():
 
 def test_placement_blocks_follow_island_order():
     two = mesh("cpu8-two-islands.yaml")
-    lay = Layout(4, 2, 1, 8)
+    lay = Layout(4, 2, 1, microbatches=8)
     assert stage_blocks(two, lay) == [[(0, 0), (0, 2), (1, 0), (1, 2)]]
     assert stages_per_island(two, lay) == (2, 2)
     uneven = mesh("cpu8-three-islands-uneven.yaml")
-    assert stages_per_island(uneven, Layout(4, 1, 2, 8)) == (2, 1, 1)
-    assert stages_per_island(uneven, Layout(8, 1, 1, 8)) == (4, 2, 2)
-    rep = stage_blocks(two, Layout(2, 2, 1, 4, replica=2))
+    assert stages_per_island(uneven, Layout(4, 1, 2, microbatches=8)) == (2, 1, 1)
+    assert stages_per_island(uneven, Layout(8, 1, 1, microbatches=8)) == (4, 2, 2)
+    rep = stage_blocks(two, Layout(2, 2, 1, microbatches=4, replica=2))
     assert rep == [[(0, 0), (0, 2)], [(1, 0), (1, 2)]]
 
 
 @pytest.mark.parametrize(
     "layout, match",
     [
-        (Layout(2, 1, 4, 4), "parallel.tensor=4: must divide devices_per_host=2"),
-        (Layout(1, 8, 1, 4), "data\\*tensor=8\\*1: must divide the 4 devices"),
-        (Layout(2, 2, 1, 4), "must equal the 8 devices"),
+        (Layout(2, 1, 4, microbatches=4), "parallel.tensor=4: must divide devices_per_host=2"),
+        (Layout(1, 8, 1, microbatches=4), "data\\*tensor=8\\*1: must divide the 4 devices"),
+        (Layout(2, 2, 1, microbatches=4), "must equal the 8 devices"),
     ],
 )
 def test_impossible_placements_are_one_line_errors(layout, match):
@@ -136,12 +137,14 @@ def test_impossible_placements_are_one_line_errors(layout, match):
 
 def test_replica_needs_equal_islands():
     with pytest.raises(ConfigError, match="replica=2: data parallel across islands"):
-        stage_blocks(mesh("cpu8-three-islands-uneven.yaml"), Layout(2, 1, 2, 1, replica=2))
+        stage_blocks(
+            mesh("cpu8-three-islands-uneven.yaml"), Layout(2, 1, 2, microbatches=1, replica=2)
+        )
 
 
 def test_links_seen_by_stages():
     two = mesh("cpu8-two-islands.yaml")
-    hw = stage_hardware(two, Layout(4, 2, 1, 8))
+    hw = stage_hardware(two, Layout(4, 2, 1, microbatches=8))
     ib, roce, eth = (two.islands[0].link, two.islands[1].link, two.inter_island_default)
     # a stage is one host: data ring on the intra-host link
     assert hw[0].data[0] == two.intra_host.bytes_per_s
@@ -157,13 +160,13 @@ def test_data_rings_share_the_host_nic():
     topo = mesh("paper-ib-roce-8x8.yaml")  # 8 GPUs per host, 4 hosts per island
     ib, roce = topo.islands[0].link.bytes_per_s, topo.islands[1].link.bytes_per_s
     # t = 8: each host holds one rank of each of the 8 data rings -> 1/8 of the NIC each
-    hw = stage_hardware(topo, Layout(2, 4, 8, 8))
+    hw = stage_hardware(topo, Layout(2, 4, 8, microbatches=8))
     assert hw[0].data[0] == pytest.approx(ib / 8)
     assert hw[1].data[0] == pytest.approx(roce / 8)
     # t = 1: one ring per host holds all 8 ranks there -> the whole NIC
-    assert stage_hardware(topo, Layout(2, 32, 1, 8))[0].data[0] == pytest.approx(ib)
+    assert stage_hardware(topo, Layout(2, 32, 1, microbatches=8))[0].data[0] == pytest.approx(ib)
     # replicas: the cross-island ring of each rank gets 1/8 of the host's Ethernet
-    rep = stage_hardware(topo, Layout(1, 32, 1, 1, replica=2))
+    rep = stage_hardware(topo, Layout(1, 32, 1, microbatches=1, replica=2))
     assert rep[0].cross[0] == pytest.approx(topo.inter_island_default.bytes_per_s / 8)
     assert rep[0].data[0] == pytest.approx(roce)  # the slower island's view
 
@@ -218,7 +221,7 @@ def _slow_nic_pair():
 def test_optimal_gives_fewer_layers_to_the_slow_nic_island():
     topo = _slow_nic_pair()
     model, run = ModelSpec(32, 4096, 32, 2048, 51200), RunSpec(512, remat="full")
-    layout = Layout(2, 16, 1, 32)
+    layout = Layout(2, 16, 1, microbatches=32)
     plans = {
         m: plan_for_layout(topo, model, run, layout, m) for m in ("uniform", "holmes", "optimal")
     }
@@ -236,7 +239,7 @@ def test_optimal_respects_memory():
     raw = yaml.safe_load(open(os.path.join(ROOT, "meshes", "paper-ib-roce-4x8.yaml")))
     raw["islands"][1]["peak_tflops"] = 100  # slow island: the time-optimal split is uneven
     model, run = ModelSpec(40, 5120, 40, 2048, 51200), RunSpec(128, remat="full")
-    layout = Layout(2, 16, 1, 8)
+    layout = Layout(2, 16, 1, microbatches=8)
     free = plan_for_layout(topology_from_dict(raw), model, run, layout, "optimal")
     assert max(free.layers_per_stage) > 24
     for island in raw["islands"]:
@@ -256,7 +259,7 @@ def test_optimal_respects_memory():
 def test_optimal_never_predicted_worse_than_baselines():
     topo = mesh("gpu1024-four-islands.yaml")
     model, run = ModelSpec(96, 12288, 96, 2048, 51200), RunSpec(1536, remat="full")
-    layout = Layout(16, 16, 4, 96)
+    layout = Layout(16, 16, 4, microbatches=96)
     opt = plan_for_layout(topo, model, run, layout, "optimal")
     for method in ("uniform", "holmes"):
         assert (
@@ -293,7 +296,7 @@ def test_policy_search_picks_the_fastest_policy_that_fits():
     for memory instead of failing, and every policy it could have picked is priced."""
     model, run = ModelSpec(32, 4096, 32, 2048, 50304), RunSpec(256)
     raw = yaml.safe_load(open(os.path.join(ROOT, "meshes", "paper-ib-roce-8x8.yaml")))
-    layout = Layout(2, 4, 8, 32)
+    layout = Layout(2, 4, 8, microbatches=32)
     by_policy = {}
     for remat in ("none", "selective", "full"):
         one = RunSpec(256, remat=remat)

@@ -7,10 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from holmes_jax.config import MeshShape, load_config
-from holmes_jax.mesh import build_mesh, device_islands, load_mesh_topology, resolve_shape
-from holmes_jax.program import Program
-from holmes_jax.schedule import make_schedule
+from holmes_jax.core.config import load_config
+from holmes_jax.core.spec import Degrees
+from holmes_jax.runtime.mesh import build_mesh, device_islands, load_mesh_topology, resolve_shape
+from holmes_jax.runtime.program import Program
+from holmes_jax.runtime.schedule import make_schedule
 from holmes_jax.train import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def reference():
     out = {}
     for tied in (True, False):
         cfg = load_config(None, MODEL + [f"model.tied_embeddings={str(tied).lower()}"])
-        prog = Program(cfg, build_mesh(MeshShape(1, 1, 1)))
+        prog = Program(cfg, build_mesh(Degrees(1, 1, 1)))
         state = prog.init(0)
         batch = jax.device_put(_batch(), prog.batch_sharding)
         loss, grads = prog.loss_and_grads(state.params, batch)
@@ -84,7 +85,7 @@ def test_pipeline_loss_and_grads_equal_unpipelined(
         ],
     )
     # nan_bubbles: bubble buffers hold NaN, so any leak would poison loss or gradients.
-    prog = Program(cfg, build_mesh(MeshShape(stages, data, tensor)), nan_bubbles=True)
+    prog = Program(cfg, build_mesh(Degrees(stages, data, tensor)), nan_bubbles=True)
     pstate = prog.from_logical(jax.device_put(state, prog.logical_state_sharding))
     loss, grads = prog.loss_and_grads(pstate.params, jax.device_put(_batch(), prog.batch_sharding))
     assert abs(float(loss) - ref_loss) <= 1e-5
@@ -117,7 +118,7 @@ def test_training_equals_single_device():
         "parallel.schedule=1f1b",
     ]
     results = []
-    for over, shape in ((base, MeshShape(1, 1, 1)), (piped, MeshShape(4, 2, 1))):
+    for over, shape in ((base, Degrees(1, 1, 1)), (piped, Degrees(4, 2, 1))):
         prog = Program(load_config(None, over), build_mesh(shape))
         state, losses = prog.init(0), []
         for step in range(3):
@@ -280,7 +281,7 @@ def test_show_mesh_and_placement_errors(capsys):
 
 
 def test_auto_split_comes_from_the_planner():
-    from holmes_jax.plan import resolve_auto
+    from holmes_jax.planner.plans import resolve_auto
 
     two = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
     cfg = load_config(

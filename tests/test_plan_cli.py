@@ -147,14 +147,14 @@ def test_png_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):
 
 def test_show_mesh_hook_calls_mesh_describe(capsys, monkeypatch):
     seen = {}
-    fake = types.ModuleType("holmes_jax.mesh")
+    fake = types.ModuleType("holmes_jax.runtime.mesh")
 
     def describe(cfg, topology):
         seen["args"] = (cfg, topology)
         return f"grid of {topology.num_devices} devices"
 
     fake.describe = describe
-    monkeypatch.setitem(sys.modules, "holmes_jax.mesh", fake)
+    monkeypatch.setitem(sys.modules, "holmes_jax.runtime.mesh", fake)
     code, out, _ = run(capsys, "--config", CONFIG, "--mesh", TWO, "--show-mesh")
     assert code == 0 and out.strip() == "grid of 8 devices"
     assert seen["args"][1].name == "cpu8-two-islands"
@@ -214,10 +214,11 @@ def test_profile_overrides_speed_and_links(capsys, tmp_path):
 
 
 def test_profile_reproduces_the_measured_layer():
-    from holmes_jax.cost import Layout, ModelSpec, RunSpec, stage_costs
-    from holmes_jax.placement import stage_hardware
-    from holmes_jax.profile import profile_from_dict
-    from holmes_jax.topology import load_topology
+    from holmes_jax.core.spec import Layout, ModelSpec
+    from holmes_jax.planner.cost import RunSpec, stage_costs
+    from holmes_jax.planner.placement import stage_hardware
+    from holmes_jax.planner.profiles import profile_from_dict
+    from holmes_jax.planner.topology import load_topology
 
     measured = {
         "hidden_size": 128,
@@ -234,7 +235,7 @@ def test_profile_reproduces_the_measured_layer():
     }
     topo, cal = profile_from_dict(raw, load_topology(TWO))
     model = ModelSpec(4, 128, 4, 128, 256)
-    layout = Layout(4, 2, 1, 4)  # 16 sequences / (2 data x 4 micro-batches) = 2 each
+    layout = Layout(4, 2, 1, microbatches=4)  # 16 sequences / (2 data x 4 micro-batches) = 2 each
     # the bare layer, as the probe timed it (engine "megatron": no per-layer weight slice or
     # gradient accumulation on top; tests/test_probe.py checks those)
     run = RunSpec(16, act_bytes=2, engine="megatron")

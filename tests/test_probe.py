@@ -18,21 +18,18 @@ import numpy as np
 import pytest
 
 from holmes_jax import probe as probe_cli
-from holmes_jax.config import load_config
-from holmes_jax.cost import (
-    Layout,
-    ModelSpec,
-    RunSpec,
+from holmes_jax.core.config import load_config
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import Layout, ModelSpec
+from holmes_jax.plan import main as plan_main
+from holmes_jax.planner.cost import RunSpec, stage_costs
+from holmes_jax.planner.formulas import (
     all_gather_time,
     p2p_time,
     reduce_scatter_time,
     ring_allreduce_time,
-    stage_costs,
 )
-from holmes_jax.errors import ConfigError
-from holmes_jax.placement import stage_hardware
-from holmes_jax.plan import main as plan_main
-from holmes_jax.probe import (
+from holmes_jax.planner.measurements import (
     ComputeTiming,
     LinkTiming,
     Measurement,
@@ -41,8 +38,10 @@ from holmes_jax.probe import (
     pair_shape,
     profile_dict,
 )
-from holmes_jax.profile import DATA_OPS, load_profile, profile_from_dict
-from holmes_jax.topology import load_topology
+from holmes_jax.planner.placement import stage_hardware
+from holmes_jax.planner.profiles import DATA_OPS, load_profile, profile_from_dict
+from holmes_jax.planner.topology import load_topology
+from holmes_jax.runtime import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
@@ -150,7 +149,7 @@ def test_profile_units_are_the_planners():
     assert raw["links"]["data:ib"]["bandwidth_gbps"] == pytest.approx(2 * 1.5e9 * 8 / 1e9)
     profiled, cal = profile_from_dict(raw, topo)
     # The probe's own layouts: island = one stage of data 2 x tensor 2; stage pair 0 -> 1.
-    hw = stage_hardware(profiled, Layout(2, 2, 2, 1), cal)
+    hw = stage_hardware(profiled, Layout(2, 2, 2, microbatches=1), cal)
     assert hw[0].data == pytest.approx(per_ring, rel=1e-5)
     assert hw[1].data == pytest.approx(per_ring, rel=1e-5)
     assert hw[0].tensor == pytest.approx((12.5e9, 5e-6), rel=1e-5)
@@ -178,11 +177,11 @@ def test_zero1_collectives_get_their_own_measured_paths():
     assert "data:roce:all-gather" in raw["links"]
     profiled, cal = profile_from_dict(raw, topo)
     assert set(cal.data_ops["ib"]) == {"reduce-scatter", "all-gather"}
-    hw = stage_hardware(profiled, Layout(2, 2, 2, 1), cal)
+    hw = stage_hardware(profiled, Layout(2, 2, 2, microbatches=1), cal)
     assert hw[0].data == pytest.approx(per_ring, rel=1e-5)
     assert hw[0].scatter == pytest.approx(rs, rel=1e-5)
     assert hw[1].gather == pytest.approx(ag, rel=1e-5)
-    model, layout = ModelSpec(4, 128, 4, 128, 256), Layout(2, 2, 2, 8)
+    model, layout = ModelSpec(4, 128, 4, 128, 256), Layout(2, 2, 2, microbatches=8)
     costs = stage_costs(model, RunSpec(16), layout, hw)
     plain = stage_costs(model, RunSpec(16), layout, stage_hardware(profiled, layout))
     assert np.all(costs.reduce[:, 1:] > plain.reduce[:, 1:])  # the slower measured paths
@@ -195,7 +194,7 @@ def test_profile_reproduces_the_measured_fp32_layer():
     assert raw["measured_with"]["act_bytes"] == 4
     profiled, cal = profile_from_dict(raw, topo)
     model = ModelSpec(4, 128, 4, 128, 256)
-    layout = Layout(4, 2, 1, 4)  # 16 / (2 data x 4 micro-batches) = 2 = measured size
+    layout = Layout(4, 2, 1, microbatches=4)  # 16 / (2 data x 4 micro-batches) = 2 = measured size
     run = RunSpec(16, act_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     hw = stage_hardware(profiled, layout, cal)
     costs = stage_costs(model, run, layout, hw)
@@ -220,13 +219,13 @@ def test_pair_layout_on_uneven_islands():
 def test_islands_sharing_a_process_are_timed_together():
     topo = load_topology(THREE)
     devs = lambda procs: [SimpleNamespace(process_index=p) for p in procs]  # noqa: E731
-    one = probe_cli._process_groups(topo, devs([0] * 8))
+    one = measure._process_groups(topo, devs([0] * 8))
     assert [g["islands"] for g in one] == [{0, 1, 2}]
     # one process per host: every island alone
-    split = probe_cli._process_groups(topo, devs([0, 0, 1, 1, 2, 2, 3, 3]))
+    split = measure._process_groups(topo, devs([0, 0, 1, 1, 2, 2, 3, 3]))
     assert sorted(min(g["islands"]) for g in split) == [0, 1, 2]
     # a process holding the last host of island 0 and island 1
-    joined = probe_cli._process_groups(topo, devs([0, 0, 1, 1, 1, 1, 2, 2]))
+    joined = measure._process_groups(topo, devs([0, 0, 1, 1, 1, 1, 2, 2]))
     assert sorted(sorted(g["islands"]) for g in joined) == [[0, 1], [2]]
 
 
@@ -243,7 +242,7 @@ def test_gather_merges_what_each_process_measured(monkeypatch):
         return np.stack([x, other])
 
     monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
-    compute, links = probe_cli._gather(compute, links)
+    compute, links = measure._gather(compute, links)
     assert (compute[0].fwd_s, compute[1].fwd_s, compute[1].alone_fwd_s) == (1.0, 2.0, 0.7)
     assert links[0].times_s == (1e-3, 2e-3)
 
@@ -296,7 +295,7 @@ def test_probe_function_on_one_island():
     cfg = load_config(CONFIG, TINY)
     topo = load_topology(os.path.join(ROOT, "meshes", "cpu8-one-island.yaml"))
     lines = []
-    raw = probe_cli.probe(cfg, topo, repeats=1, sizes=SIZES, log=lines.append)
+    raw = measure.probe(cfg, topo, repeats=1, sizes=SIZES, log=lines.append)
     island = topo.islands[0].name
     ops = {f"data:{island}:{op}" for op in DATA_OPS}
     assert set(raw["links"]) == {"tensor", f"data:{island}"} | ops

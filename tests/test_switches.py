@@ -23,9 +23,10 @@ import jax
 import numpy as np
 import pytest
 
-from holmes_jax.config import MeshShape, load_config
-from holmes_jax.mesh import build_mesh
-from holmes_jax.program import Program
+from holmes_jax.core.config import load_config
+from holmes_jax.core.spec import Degrees
+from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.program import Program
 
 # The switches and their values, in the order a row lists them.
 SWITCHES: dict[str, tuple] = {
@@ -135,7 +136,7 @@ def _batch() -> np.ndarray:
 
 
 @functools.cache
-def _two_steps(overrides: tuple[str, ...], shape: MeshShape) -> tuple[float, float]:
+def _two_steps(overrides: tuple[str, ...], shape: Degrees) -> tuple[float, float]:
     """Step-1 and step-2 losses of a fresh run (seed 0) trained twice on the same batch.
 
     Cached: the references compile once per tied/untied, and a row that is a reference
@@ -151,7 +152,7 @@ def _two_steps(overrides: tuple[str, ...], shape: MeshShape) -> tuple[float, flo
 
 
 def _losses(row: dict) -> tuple[float, float]:
-    return _two_steps(tuple(_overrides(row)), MeshShape(row["stages"], row["data"], row["tensor"]))
+    return _two_steps(tuple(_overrides(row)), Degrees(row["stages"], row["data"], row["tensor"]))
 
 
 def _reference(tied: bool) -> tuple[float, float]:

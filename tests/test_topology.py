@@ -7,8 +7,13 @@ import os
 import pytest
 import yaml
 
-from holmes_jax.errors import ConfigError
-from holmes_jax.topology import Link, load_topology, single_host_topology, topology_from_dict
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.topology import (
+    Link,
+    load_topology,
+    single_host_topology,
+    topology_from_dict,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = sorted(glob.glob(os.path.join(ROOT, "meshes", "*.yaml")))

@@ -7,11 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from holmes_jax.checkpoint import Checkpointer
-from holmes_jax.config import MeshShape, load_config
-from holmes_jax.data import BatchSampler, load_corpus, make_batch
-from holmes_jax.mesh import build_mesh
-from holmes_jax.program import Program
+from holmes_jax.core.config import load_config
+from holmes_jax.core.spec import Degrees
+from holmes_jax.runtime.checkpoint import Checkpointer
+from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch
+from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.program import Program
 from holmes_jax.train import run
 
 # A tiny model with every feature that changes the math: untied head, weight decay, clipping
@@ -37,7 +38,7 @@ def tiny_cfg():
     return load_config(None, TINY)
 
 
-def _train(cfg, shape: MeshShape, steps: int):
+def _train(cfg, shape: Degrees, steps: int):
     program = Program(cfg, build_mesh(shape))
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     sampler = BatchSampler(corpus.train, cfg.model.seq_len, cfg.train.global_batch_size, 0)
@@ -52,8 +53,8 @@ def _train(cfg, shape: MeshShape, steps: int):
 
 
 def test_sharded_step_equals_single_device(tiny_cfg):
-    ref_losses, ref_params, _ = _train(tiny_cfg, MeshShape(1, 1, 1), 3)
-    losses, params, state = _train(tiny_cfg, MeshShape(1, 4, 2), 3)
+    ref_losses, ref_params, _ = _train(tiny_cfg, Degrees(1, 1, 1), 3)
+    losses, params, state = _train(tiny_cfg, Degrees(1, 4, 2), 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert losses[2] < losses[0]  # it trains
     jax.tree.map(
@@ -66,7 +67,7 @@ def test_sharded_step_equals_single_device(tiny_cfg):
 
 
 def _read_final(cfg, directory):
-    program = Program(cfg, build_mesh(MeshShape(1, 1, 1)))
+    program = Program(cfg, build_mesh(Degrees(1, 1, 1)))
     state, meta = Checkpointer(cfg.checkpoint.__class__(dir=str(directory))).restore(
         program.abstract_state, cfg
     )
@@ -144,8 +145,8 @@ def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path):
 
 def test_forced_cudnn_attention_is_refused_before_compiling(tiny_cfg, monkeypatch):
     """model.attention=cudnn on CPU: one-line ConfigError from the trainer, no program built."""
-    import holmes_jax.trainer as trainer
-    from holmes_jax.errors import ConfigError
+    import holmes_jax.runtime.loop as trainer
+    from holmes_jax.core.errors import ConfigError
 
     monkeypatch.setattr(trainer, "Program", None)  # any compile attempt would fail loudly
     cfg = tiny_cfg.replace(model=dataclasses.replace(tiny_cfg.model, attention="cudnn"))

@@ -1,6 +1,6 @@
 """XLA flag validation: unknown flags abort XLA, so they are filtered out before use."""
 
-from holmes_jax import xla_flags
+from holmes_jax.cluster import xla_flags
 
 
 def test_unknown_flags_are_dropped_known_kept(tmp_path, monkeypatch):

@@ -8,11 +8,12 @@ import numpy as np
 import optax
 import pytest
 
-from holmes_jax.config import MeshShape, load_config
-from holmes_jax.mesh import build_mesh, device_islands, load_mesh_topology, resolve_shape
-from holmes_jax.model import GPT
-from holmes_jax.optim import make_optimizer
-from holmes_jax.program import Program
+from holmes_jax.core.config import load_config
+from holmes_jax.core.spec import Degrees
+from holmes_jax.runtime.mesh import build_mesh, device_islands, load_mesh_topology, resolve_shape
+from holmes_jax.runtime.model import GPT
+from holmes_jax.runtime.optim import make_optimizer
+from holmes_jax.runtime.program import Program
 from tests.test_pipeline import _attr, _groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +49,7 @@ def _train(program, steps):
 @pytest.fixture(scope="module")
 def zero_run():
     cfg = load_config(None, MODEL + ["optimizer.zero1=true", "parallel.stages=2"])
-    program = Program(cfg, build_mesh(MeshShape(stages=2, data=4, tensor=1)))
+    program = Program(cfg, build_mesh(Degrees(stages=2, data=4, tensor=1)))
     assert program.zero1
     return cfg, program, _train(program, 5)
 
@@ -81,7 +82,7 @@ def test_zero1_training_tracks_the_reference(zero_run):
     """End to end (its own gradients): losses within fp32 noise of one-device optax."""
     cfg, _, (_, losses, _) = zero_run
     ref_cfg = load_config(None, MODEL + ["optimizer.zero1=false"])
-    _, ref_losses, _ = _train(Program(ref_cfg, build_mesh(MeshShape(1, 1, 1))), 5)
+    _, ref_losses, _ = _train(Program(ref_cfg, build_mesh(Degrees(1, 1, 1))), 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
 
 
@@ -93,7 +94,7 @@ def _moment_bytes_per_device(state):
 def test_optimizer_state_is_one_over_d_per_device(zero_run):
     cfg, program, (state, _, _) = zero_run
     off_cfg = load_config(None, MODEL + ["optimizer.zero1=false", "parallel.stages=2"])
-    off = Program(off_cfg, build_mesh(MeshShape(stages=2, data=4, tensor=1)))
+    off = Program(off_cfg, build_mesh(Degrees(stages=2, data=4, tensor=1)))
     # Read from the arrays' own shardings: on stage 2 x data 4, each device holds its
     # stage's moments split 4 ways with ZeRO-1, whole without.
     assert _moment_bytes_per_device(state) * 4 == _moment_bytes_per_device(off.init(0))
@@ -104,7 +105,7 @@ def test_optimizer_state_is_one_over_d_per_device(zero_run):
 def test_zero1_on_and_off_train_alike(zero_run):
     _, _, (_, losses, params) = zero_run
     cfg = load_config(None, MODEL + ["optimizer.zero1=false", "parallel.stages=2"])
-    program = Program(cfg, build_mesh(MeshShape(stages=2, data=4, tensor=1)))
+    program = Program(cfg, build_mesh(Degrees(stages=2, data=4, tensor=1)))
     assert not program.zero1
     _, off_losses, off_params = _train(program, 5)
     np.testing.assert_allclose(losses, off_losses, rtol=0, atol=1e-5)
@@ -215,7 +216,7 @@ def test_replica_run_equals_single_device():
     assert (shape.replica, shape.stages, shape.data, shape.tensor) == (2, 2, 2, 1)
     _, losses, params = _train(Program(cfg, build_mesh(shape)), 3)
     ref_cfg = load_config(None, MODEL + ["optimizer.zero1=false"])
-    _, ref_losses, ref_params = _train(Program(ref_cfg, build_mesh(MeshShape(1, 1, 1))), 3)
+    _, ref_losses, ref_params = _train(Program(ref_cfg, build_mesh(Degrees(1, 1, 1))), 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), params[-1], ref_params[-1]

@@ -1,0 +1,466 @@
+"""Multi-process runs: join the job (``jax.distributed``), and never hang on a dead peer.
+
+Who joins, in this order (:func:`resolve`):
+
+1. **Explicit settings**: ``distributed.coordinator_address`` / ``num_processes`` /
+   ``process_id`` (CLI ``--coordinator``, ``--num-processes``, ``--process-id``;
+   ``JAX_COORDINATOR_ADDRESS`` counts as a coordinator). Missing pieces are auto-detected.
+2. **Auto-detection**, through ``jax.distributed.initialize``'s cluster detection:
+
+   - SLURM (``srun``): ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``,
+     ``SLURM_PROCID`` and ``SLURM_LOCALID`` all set. Id ``SLURM_PROCID``, count
+     ``SLURM_NTASKS``; coordinator: the step's first node, port derived from the job id.
+   - Open MPI (``mpirun``): ``OMPI_MCA_orte_hnp_uri`` set. Id ``OMPI_COMM_WORLD_RANK``,
+     count ``OMPI_COMM_WORLD_SIZE``; coordinator: the launcher's address.
+   - Kubernetes Indexed Job: ``KUBERNETES_SERVICE_HOST`` and ``JOB_COMPLETION_INDEX`` set
+     and the ``kubernetes`` package installed (``pip install 'jax[k8s]'``; the pod's
+     service account must read pods and jobs). Id ``JOB_COMPLETION_INDEX``, count the
+     Job's parallelism; coordinator: pod 0 behind the Job's headless service.
+
+   ``JAX_COORDINATOR_PORT`` overrides the derived port. With one task per node (holmes_jax's
+   model: one process per host, all its devices) every local device stays visible;
+   with one task per GPU jax gives each process its ``SLURM_LOCALID`` /
+   ``OMPI_COMM_WORLD_LOCAL_RANK`` device.
+3. Otherwise a single process: nothing is initialised.
+
+Processes are numbered in the topology's host order (island → host): process ``i`` holds
+host ``i``'s devices, which is the order the mesh builder expects.
+
+**Dead peers.** A :class:`~holmes_jax.cluster.watchdog.Watchdog` thread in every process writes a
+heartbeat counter to the coordination service's key-value store each ``interval`` and
+reads everyone's. A peer whose counter has not moved for
+``distributed.heartbeat_timeout_s`` (and that did not finish) is lost: every remaining
+process prints one line naming it, e.g. ``error: lost peer process 1 (host ib-1): no
+heartbeat for 30 s``, and exits with code 3. A collective whose peer vanished raises at
+once: that process says it is failing, keeps beating and waits up to one timeout for the
+verdict, so a crash that cascades through the collectives is blamed on the process that
+went silent, not on its victims; only with no peer lost does it publish the error as its
+own (the others then exit naming it). If the coordinator (process 0, which holds the
+store) stops answering, it is the lost peer; if it is killed outright, jax's client aborts
+the others at once with its own message. jax's own heartbeat timeout is
+:func:`backstop_timeout` (3x + 10 s), behind the watchdog.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from holmes_jax.cluster.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
+from holmes_jax.core.errors import ConfigError, one_line
+
+__all__ = [
+    "FAILED_EXIT",
+    "add_flags",
+    "apply_flags",
+    "PEER_LOST_EXIT",
+    "JoinError",
+    "Settings",
+    "Watchdog",
+    "any_process",
+    "backstop_timeout",
+    "check_layout",
+    "detect_cluster",
+    "initialize",
+    "resolve",
+    "run_joined",
+    "start",
+]
+
+
+# --------------------------------------------------------------------------- who joins
+
+
+def add_flags(parser: Any) -> None:
+    """Add ``--coordinator``, ``--num-processes`` and ``--process-id`` to an argparse parser
+    (every entry point that can run as one of several processes has them)."""
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's address; sets distributed.coordinator_address",
+    )
+    parser.add_argument(
+        "--num-processes", type=int, help="processes in the job; sets distributed.num_processes"
+    )
+    parser.add_argument(
+        "--process-id", type=int, help="this process, 0-based; sets distributed.process_id"
+    )
+
+
+def apply_flags(cfg: Any, args: Any) -> Any:
+    """The config with :func:`add_flags`' values over ``distributed.*`` (unset: unchanged).
+
+    Set directly rather than through ``--set`` so an address is never read as YAML.
+
+    Raises:
+      ConfigError: an impossible combination (e.g. a process id >= the process count).
+    """
+    flags = {
+        "coordinator_address": args.coordinator,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
+    flags = {key: value for key, value in flags.items() if value is not None}
+    if not flags:
+        return cfg
+    cfg = cfg.replace(distributed=replace(cfg.distributed, **flags))
+    cfg.distributed.validate()
+    return cfg
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to pass to ``jax.distributed.initialize`` (None = let jax detect it)."""
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    source: str  # "explicit" | "slurm" | "ompi" | "k8s"
+    local_device_ids: list[int] | None = None  # [] = every local device visible
+    detect: bool = True  # run jax's cluster detection for the unset values
+
+
+def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
+    """The cluster manager that launched this process: slurm, ompi, k8s or None.
+
+    Uses the same environment markers as jax's own detection (see the module table).
+    """
+    env = os.environ if environ is None else environ
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+    if all(k in env for k in slurm + ("SLURM_LOCALID",)):
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env:
+        return "ompi"
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
+        try:
+            import kubernetes  # noqa: F401  (jax's detection needs it)
+        except ImportError:
+            return None
+        return "k8s"
+    return None
+
+
+def _one_task_per_node(cluster: str, env: Mapping[str, str]) -> bool:
+    if cluster == "slurm":
+        # e.g. "1(x4)" or "1,1,1": every node runs one task
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
+        counts = re.findall(r"(\d+)(?:\(x\d+\))?", per_node)
+        return bool(counts) and all(c == "1" for c in counts)
+    if cluster == "ompi":
+        return env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
+    return False
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ConfigError(f"{key}={env[key]!r}: expected an integer") from None
+
+
+def resolve(cfg: Any, environ: Mapping[str, str] | None = None) -> Settings | None:
+    """Decide whether this process is one of several, and how it joins.
+
+    Args:
+      cfg: a :class:`holmes_jax.core.config.Config`.
+      environ: the environment (default ``os.environ``).
+
+    Returns:
+      :class:`Settings`, or None for a single-process run.
+
+    Raises:
+      ConfigError: explicit settings that are incomplete with no cluster to fill them in.
+    """
+    env = os.environ if environ is None else environ
+    d = cfg.distributed
+    if d.num_processes == 1:
+        return None
+    cluster = detect_cluster(env)
+    coordinator = d.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+    count = d.num_processes or None
+    pid = d.process_id if d.process_id >= 0 else None
+    if cluster == "slurm":
+        count = count or _env_int(env, "SLURM_NTASKS")
+        pid = _env_int(env, "SLURM_PROCID") if pid is None else pid
+    elif cluster == "ompi":
+        count = count or _env_int(env, "OMPI_COMM_WORLD_SIZE")
+        pid = _env_int(env, "OMPI_COMM_WORLD_RANK") if pid is None else pid
+    elif cluster == "k8s":
+        pid = _env_int(env, "JOB_COMPLETION_INDEX") if pid is None else pid
+
+    explicit = bool(d.coordinator_address or d.num_processes or d.process_id >= 0)
+    if explicit or (coordinator and cluster is None):
+        missing = [
+            key
+            for key, value in (
+                ("distributed.coordinator_address (--coordinator)", coordinator),
+                ("distributed.num_processes (--num-processes)", count),
+                ("distributed.process_id (--process-id)", pid),
+            )
+            if value is None
+        ]
+        if missing and cluster is None:
+            raise ConfigError(
+                f"{missing[0]}=None: needed for a multi-process run when no cluster "
+                f"(SLURM, Open MPI, Kubernetes) is detected"
+            )
+        if count == 1:
+            return None
+        if count is not None and pid is not None and not 0 <= pid < count:
+            raise ConfigError(
+                f"distributed.process_id={pid}: must be in [0, num_processes={count})"
+            )
+        complete = not missing
+        return Settings(
+            coordinator,
+            count,
+            pid,
+            "explicit",
+            local_device_ids=[] if cluster and _one_task_per_node(cluster, env) else None,
+            detect=not complete,
+        )
+    if cluster is None or count == 1:
+        return None
+    local = [] if _one_task_per_node(cluster, env) else None
+    return Settings(coordinator, count, pid, cluster, local_device_ids=local)
+
+
+# --------------------------------------------------------------------------- joining
+
+
+class JoinError(RuntimeError):
+    """The job could not be joined (no coordinator, or peers missing) in time."""
+
+
+def start(cfg: Any, environ: MutableMapping[str, str] | None = None):
+    """Everything an entry point does before jax starts, when one of several processes.
+
+    1. :func:`resolve` who joins (None: a single process, nothing happens);
+    2. set this host's NCCL profile from the topology (:mod:`holmes_jax.cluster.transport`) for
+       the variables the environment does not already set;
+    3. :func:`initialize` (join, start the watchdog) and :func:`check_layout`.
+
+    Args:
+      cfg: a :class:`holmes_jax.core.config.Config`.
+      environ: the environment to read and extend (default ``os.environ``).
+
+    Returns:
+      The running :class:`Watchdog`, or None.
+
+    Raises:
+      ConfigError: incomplete settings or a process layout that contradicts the topology.
+      JoinError: the job could not be joined.
+    """
+    from holmes_jax.cluster import transport
+    from holmes_jax.planner.topology import load_topology
+
+    env = os.environ if environ is None else environ
+    settings = resolve(cfg, env)
+    if settings is None:
+        return None
+    topology = load_topology(cfg.parallel.mesh) if cfg.parallel.mesh else None
+    if topology is not None and settings.process_id is not None and settings.num_processes:
+        host = env.get(transport.HOST_VAR) or transport.host_of_process(
+            topology, settings.process_id, settings.num_processes
+        )
+        if host is not None:
+            transport.apply(transport.host_environment(topology, host), env)
+    watchdog = initialize(cfg, topology, settings=settings)
+    try:
+        check_layout(topology)
+    except ConfigError as e:
+        watchdog.abort(f"ConfigError: {e}")
+        raise
+    return watchdog
+
+
+def run_joined(cfg: Any, body: Callable[[], int], environ=None) -> int:
+    """:func:`start`, then ``body()``, mapping failures to the entry points' exit codes.
+
+    A :class:`ConfigError` prints one line and returns 2 (peers are told, so they name
+    this process instead of waiting on it); a failed join returns 1; any other error of
+    one of several processes goes to :meth:`Watchdog.fail` (a lost peer is named and the
+    process exits 3; its own error returns 1). A single process re-raises it.
+
+    Returns:
+      ``body()``'s exit code, or the failure's.
+    """
+    watchdog = None
+    try:
+        watchdog = start(cfg, environ)
+        code = body()
+    except ConfigError as e:
+        if watchdog is not None:
+            watchdog.abort(f"ConfigError: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except JoinError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return FAILED_EXIT
+    except Exception as e:
+        if watchdog is None:
+            raise
+        return watchdog.fail(e)
+    if watchdog is not None:
+        watchdog.close()
+    return code
+
+
+def process_label(process_id: int, topology: Any = None, num_processes: int | None = None) -> str:
+    """How messages name a process: ``process 1 (host ib-1)``.
+
+    The host is ``HOLMES_HOST`` (set by the launcher), else the topology's host for this
+    process id (one process per host or per device), else the machine's hostname.
+    """
+    import socket
+
+    from holmes_jax.cluster.transport import HOST_VAR, host_of_process
+
+    host = os.environ.get(HOST_VAR)
+    if host is None and topology is not None and num_processes:
+        host = host_of_process(topology, process_id, num_processes)
+    return f"process {process_id} (host {host or socket.gethostname()})"
+
+
+def initialize(
+    cfg: Any,
+    topology: Any = None,
+    *,
+    settings: Settings | None = None,
+    log: Callable[[str], None] | None = None,
+):
+    """Join the job when launched as one of several processes; start the watchdog.
+
+    Must run before anything touches jax devices. Call once per process.
+
+    Args:
+      cfg: a :class:`holmes_jax.core.config.Config`.
+      topology: the run's topology, to name hosts in messages (optional).
+      settings: from :func:`resolve` (default: resolved here).
+      log: where the one-line start message goes (default: stderr, process 0 only).
+
+    Returns:
+      The running :class:`Watchdog`, or None for a single-process run.
+
+    Raises:
+      ConfigError: incomplete settings.
+      JoinError: the job could not be joined in ``distributed.initialization_timeout_s``
+        (the message names the coordinator).
+    """
+    settings = settings or resolve(cfg)
+    if settings is None:
+        return None
+    import jax
+
+    d = cfg.distributed
+    kwargs: dict[str, Any] = dict(
+        coordinator_address=settings.coordinator_address,
+        num_processes=settings.num_processes,
+        process_id=settings.process_id,
+        initialization_timeout=d.initialization_timeout_s,
+        # A backstop well behind the watchdog: the service may count a dead peer's silence
+        # from up to half its timeout before the watchdog saw the peer's last beat.
+        heartbeat_timeout_seconds=backstop_timeout(d.heartbeat_timeout_s),
+        shutdown_timeout_seconds=max(30, 2 * d.heartbeat_timeout_s),
+    )
+    if settings.local_device_ids is not None:
+        kwargs["local_device_ids"] = settings.local_device_ids
+    if not settings.detect:
+        kwargs["cluster_detection_method"] = "deactivate"
+    # A peer that never comes makes jax abort after the timeout with its own long log;
+    # say first, in one line, what this process is waiting for.
+    where = settings.coordinator_address or f"the {settings.source} coordinator"
+    waiting = threading.Timer(
+        min(10.0, d.initialization_timeout_s / 2),
+        lambda: print(
+            f"distributed: process {settings.process_id} of {settings.num_processes} still "
+            f"waiting to join at {where} (gives up after distributed.initialization_timeout_s"
+            f"={d.initialization_timeout_s})",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    waiting.daemon = True
+    waiting.start()
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as e:  # jax raises several types; name the settings instead
+        raise JoinError(
+            f"could not join the job at {where} as process {settings.process_id} of "
+            f"{settings.num_processes} within distributed.initialization_timeout_s="
+            f"{d.initialization_timeout_s}: {one_line(e)}"
+        ) from None
+    finally:
+        waiting.cancel()
+    from jax._src import distributed as jax_distributed  # the client holds the KV store
+
+    pid, count = jax.process_index(), jax.process_count()
+    watchdog = Watchdog(
+        jax_distributed.global_state.client,
+        pid,
+        count,
+        timeout_s=d.heartbeat_timeout_s,
+        label=process_label(pid, topology, count),
+        coordinator=jax_distributed.global_state.coordinator_address or "?",
+    )
+    watchdog.start()
+    if pid == 0:
+        say = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        say(
+            f"distributed: {count} processes ({settings.source}), coordinator "
+            f"{watchdog.coordinator}, peer timeout {d.heartbeat_timeout_s} s"
+        )
+    return watchdog
+
+
+def check_layout(topology: Any) -> None:
+    """With one process per host, each must hold exactly its host's devices.
+
+    Raises:
+      ConfigError: a process with a different device count than its topology host, or a
+        launcher-given ``HOLMES_HOST`` that is not this process's host in topology order.
+    """
+    import jax
+
+    from holmes_jax.cluster.transport import HOST_VAR, host_of_process
+
+    count, pid = jax.process_count(), jax.process_index()
+    if topology is None or count == 1 or count != topology.num_hosts:
+        return
+    host = host_of_process(topology, pid, count)
+    given = os.environ.get(HOST_VAR)
+    if given is not None and given != host:
+        raise ConfigError(
+            f"{HOST_VAR}={given}: process {pid} runs topology host '{host}' (processes are "
+            f"numbered in the topology's host order)"
+        )
+    island = next(isl for isl in topology.islands if host in isl.hosts)
+    have = jax.local_device_count()
+    if have != island.devices_per_host:
+        raise ConfigError(
+            f"devices_per_host={island.devices_per_host} (island '{island.name}'): process "
+            f"{pid} (host {host}) has {have} local devices (--cpu-devices or visible GPUs)"
+        )
+
+
+def backstop_timeout(timeout_s: int) -> int:
+    """jax's own heartbeat timeout behind a watchdog timeout: 3x + 10 s."""
+    return 3 * timeout_s + 10
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any; every process must call it."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([int(bool(flag))], np.int32))
+    return bool(np.any(flags))

@@ -1,0 +1,397 @@
+"""Local multi-process launches: one training process per host of a topology.
+
+The library half of ``python -m holmes_jax.launch`` (:mod:`holmes_jax.launch` parses the
+command line and calls :func:`launch`).
+
+    python -m holmes_jax.launch --mesh meshes/cpu8-two-islands.yaml -- \\
+        --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20
+    python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate [--scale 1] -- ...
+    sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
+        --program probe -- --set train.global_batch_size=8 --out runs/probe/emu.json
+    python -m holmes_jax.launch --print-env --mesh meshes/paper-ib-roce-4x8.yaml --host roce-0
+    python -m holmes_jax.launch --cleanup
+
+Starts ``python -m holmes_jax.train <train arguments>`` once per host of the topology, in
+topology order (process ``i`` = host ``i``), each with that host's CPU device count
+(``--cpu-devices``; ``JAX_PLATFORMS=cpu``), its transport profile
+(:mod:`holmes_jax.cluster.transport`) and ``--coordinator/--num-processes/--process-id``. Every
+output line is prefixed with the host name. The first process to fail ends the launch:
+the others get ``--grace`` seconds to report (a survivor's watchdog names the lost peer)
+and are then killed; the launcher exits with the failed process's code. Ctrl-C or SIGTERM
+is forwarded as SIGTERM (the processes agree on a step, checkpoint and exit 0); a second
+Ctrl-C kills them. ``--program probe`` runs ``python -m holmes_jax.probe`` the same way, so
+the links are measured as training sees them (process 0 writes the profile).
+
+``--emulate`` runs every host in its own network namespace, a bridge per island, islands
+joined through a router namespace, every host's NIC shaped with ``tc htb`` at its island's
+rate and the inter-island rates, times ``--scale`` (:mod:`holmes_jax.cluster.netns`). Needs root.
+Namespaces, hosts files and processes are removed on exit, on Ctrl-C and on failure;
+``--cleanup`` removes what a killed launcher left behind. Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from holmes_jax.cluster.transport import host_environment
+from holmes_jax.cluster.xla_flags import CPU_DEVICES_FLAG
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.topology import Topology, load_topology
+
+OWNED_FLAGS = ("--mesh", "--coordinator", "--num-processes", "--process-id", "--cpu-devices")
+DEFAULT_GRACE_S = 10.0
+STOP_GRACE_S = 300.0  # after a forwarded stop: time to finish the step and checkpoint
+EMULATED_PORT = 29500  # free in a fresh namespace
+# What a launch can run: the trainer, or the probe (to measure the links as training sees them).
+PROGRAMS = {"train": "holmes_jax.train", "probe": "holmes_jax.probe"}
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One process to start: which host, the command and its environment."""
+
+    host: str
+    process_id: int
+    command: list[str]
+    env: dict[str, str] = field(repr=False)
+
+
+def worker_env(topology: Topology, host: str, base: dict[str, str]) -> dict[str, str]:
+    """``base`` plus the host's transport profile, CPU platform and unbuffered output.
+
+    An inherited device-count flag is dropped from ``XLA_FLAGS``: each process's count
+    comes from its ``--cpu-devices``.
+    """
+    env = dict(base)
+    for key, value in host_environment(topology, host).items():
+        env.setdefault(key, value)
+    flags = re.sub(rf"{CPU_DEVICES_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).split()
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def plan_workers(
+    topology: Topology,
+    mesh_path: str,
+    train_args: Sequence[str],
+    coordinator: str,
+    *,
+    base_env: dict[str, str] | None = None,
+    python: str = sys.executable,
+    prefix: Callable[[str], list[str]] | None = None,
+    program: str = "train",
+) -> list[Worker]:
+    """The command and environment of every host's process (pure: nothing starts).
+
+    Args:
+      topology: the cluster; one process per host, in topology order.
+      mesh_path: the topology file, passed on as ``--mesh``.
+      train_args: arguments for ``holmes_jax.train`` (not the ones the launcher sets).
+      coordinator: ``host:port`` of process 0.
+      base_env: environment to extend (default ``os.environ``).
+      python: interpreter.
+      prefix: host name -> command prefix (``ip netns exec <ns>`` when emulating).
+      program: a key of :data:`PROGRAMS` (``train`` or ``probe``).
+
+    Returns:
+      One :class:`Worker` per host.
+
+    Raises:
+      ConfigError: an unknown program, or an argument the launcher sets itself.
+    """
+    if program not in PROGRAMS:
+        raise ConfigError(f"--program={program}: must be one of {', '.join(PROGRAMS)}")
+    for arg in train_args:
+        name = arg.split("=", 1)[0]
+        if name in OWNED_FLAGS:
+            raise ConfigError(
+                f"train argument '{arg}': set by the launcher (put --mesh before '--')"
+            )
+    base = dict(os.environ if base_env is None else base_env)
+    hosts = [(h, isl) for isl in topology.islands for h in isl.hosts]
+    workers = []
+    for pid, (host, island) in enumerate(hosts):
+        command = [python, "-m", PROGRAMS[program], "--mesh", mesh_path] + [
+            "--coordinator",
+            coordinator,
+            "--num-processes",
+            str(len(hosts)),
+            "--process-id",
+            str(pid),
+            "--cpu-devices",
+            str(island.devices_per_host),
+            *train_args,
+        ]
+        if prefix is not None:
+            command = prefix(host) + command
+        workers.append(Worker(host, pid, command, worker_env(topology, host, base)))
+    return workers
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- running
+
+
+class _Stop(Exception):
+    """SIGTERM/SIGINT arrived before any process was started."""
+
+
+class Launch:
+    """Runs the workers: prefixed output, first-failure propagation, signal forwarding.
+
+    Args:
+      workers: from :func:`plan_workers`.
+      grace_s: how long the others may take to exit after the first failure.
+      out: where prefixed lines go (default stdout).
+    """
+
+    def __init__(self, workers: list[Worker], *, grace_s: float = DEFAULT_GRACE_S, out=None):
+        self.workers = workers
+        self.grace_s = grace_s
+        self.out: IO[str] = out or sys.stdout
+        self.procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._readers: list[threading.Thread] = []
+        self._signals = 0
+        self._width = max(len(w.host) for w in workers)
+
+    def say(self, line: str) -> None:
+        with self._lock:
+            print(f"launch: {line}", file=self.out, flush=True)
+
+    def _pump(self, worker: Worker, stream: IO[str]) -> None:
+        tag = f"[{worker.host:<{self._width}}] "
+        for line in stream:
+            with self._lock:
+                self.out.write(tag + line if line.endswith("\n") else tag + line + "\n")
+                self.out.flush()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals += 1
+        if not self.procs:
+            raise _Stop
+        if self._signals == 1:
+            self.say(f"{signal.Signals(signum).name}: asking every process to stop")
+            self._send(signal.SIGTERM)
+        else:
+            self.say("second signal: killing every process")
+            self._send(signal.SIGKILL)
+
+    def _send(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def run(self) -> int:
+        """Start every worker and wait; returns the launch's exit code.
+
+        0 when every process exited 0; else the first failure's code (128 + signal for a
+        process killed by a signal).
+        """
+        die_with_parent = _die_with_parent()
+        try:
+            for w in self.workers:
+                p = subprocess.Popen(
+                    w.command,
+                    env=w.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    bufsize=1,
+                    start_new_session=True,  # signals reach it only through the launcher
+                    preexec_fn=die_with_parent,
+                )
+                self.procs.append(p)
+                t = threading.Thread(target=self._pump, args=(w, p.stdout), daemon=True)
+                t.start()
+                self._readers.append(t)
+            return self._wait()
+        finally:
+            self._send(signal.SIGKILL)
+            for p in self.procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            for t in self._readers:
+                t.join(timeout=2)
+
+    def _wait(self) -> int:
+        failed: tuple[Worker, int] | None = None
+        deadline = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                break
+            if failed is None:
+                for w, c in zip(self.workers, codes, strict=True):
+                    if c not in (None, 0):
+                        failed = (w, c)
+                        self.say(
+                            f"{w.host} (process {w.process_id}) exited with {_describe(c)}; "
+                            f"stopping the others (in {self.grace_s:g} s at most)"
+                        )
+                        deadline = time.monotonic() + self.grace_s
+                        break
+            if self._signals == 1 and deadline is None:
+                deadline = time.monotonic() + STOP_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                self._send(signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.1)
+        if failed is None:
+            bad = [(w, c) for w, c in zip(self.workers, codes, strict=True) if c != 0]
+            failed = bad[0] if bad else None
+        if failed is None:
+            return 0
+        code = failed[1]
+        return 128 - code if code < 0 else code
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies (Linux).
+
+    libc is loaded here, in the parent: between fork and exec the child only makes one
+    foreign call (no imports, no locks). None where prctl is unavailable.
+    """
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def launch(
+    mesh_path: str,
+    train_args: Sequence[str],
+    *,
+    emulate: bool = False,
+    scale: float = 1.0,
+    grace_s: float = DEFAULT_GRACE_S,
+    out=None,
+    env: dict[str, str] | None = None,
+    program: str = "train",
+) -> int:
+    """Run one process per host of the topology on this machine (see the module doc).
+
+    Args:
+      mesh_path: topology file.
+      train_args: arguments for ``holmes_jax.train``.
+      emulate: run each host in its own shaped network namespace (root only).
+      scale: multiplies every emulated rate.
+      grace_s: time the others get after the first failure.
+      out: where the prefixed output goes (default stdout).
+      env: base environment of the processes (default ``os.environ``).
+      program: ``train`` (default) or ``probe`` (:data:`PROGRAMS`).
+
+    Returns:
+      The exit code (see :meth:`Launch.run`); 130 when stopped before anything started.
+
+    Raises:
+      ConfigError: bad topology, arguments, or ``--emulate`` without root.
+    """
+    topology = load_topology(mesh_path)
+    handlers = {}
+    launcher: Launch | None = None
+
+    def on_signal(signum, frame):
+        if launcher is None:
+            raise _Stop
+        launcher._on_signal(signum, frame)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, on_signal)
+    try:
+        if not emulate:
+            coordinator = f"127.0.0.1:{free_port()}"
+            workers = plan_workers(
+                topology, mesh_path, train_args, coordinator, base_env=env, program=program
+            )
+            launcher = Launch(workers, grace_s=grace_s, out=out)
+            return launcher.run()
+        from holmes_jax.cluster import netns
+
+        netns.check_privileges()
+        netns.remove_stale()
+        plan = netns.plan_network(topology, tag=str(os.getpid()), scale=scale)
+        with netns.EmulatedNetwork(plan) as network:
+            coordinator = f"{plan.hosts[0].address}:{EMULATED_PORT}"
+            workers = plan_workers(
+                topology,
+                mesh_path,
+                train_args,
+                coordinator,
+                base_env=env,
+                prefix=network.exec_prefix,
+                program=program,
+            )
+            launcher = Launch(workers, grace_s=grace_s, out=out)
+            launcher.say(
+                f"emulating '{topology.name}': {len(plan.hosts)} namespaces, "
+                + ", ".join(
+                    f"{isl.name} {isl.link.bandwidth_gbps * 1e3 * scale:g} Mbit/s"
+                    for isl in topology.islands
+                )
+                + (
+                    f", between islands {_inter_rates(topology, scale)}"
+                    if len(topology.islands) > 1
+                    else ""
+                )
+            )
+            return launcher.run()
+    except _Stop:
+        return 130
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _inter_rates(topology: Topology, scale: float) -> str:
+    rates = sorted(
+        {
+            topology.inter_island(a.name, b.name).bandwidth_gbps * 1e3 * scale
+            for i, a in enumerate(topology.islands)
+            for b in topology.islands[i + 1 :]
+        }
+    )
+    return "/".join(f"{r:g}" for r in rates) + " Mbit/s"
+
+
+# --------------------------------------------------------------------------- CLI

@@ -1,0 +1,456 @@
+"""Frozen dataclass configs, loaded strictly from YAML, with dotted ``--set`` overrides.
+
+A run is described by one :class:`Config` holding eight sections (model, data, parallel,
+optimizer, train, checkpoint, logging, distributed). YAML is loaded strictly: an unknown
+key, a wrong type or an impossible value raises :class:`~holmes_jax.core.errors.ConfigError`
+whose one-line message names the key, the value and the rule. Derived values are
+properties, never stored twice. Checks that need the device count (``parallel.devices``,
+the data-parallel size) live in :func:`check_devices`, which the trainer calls once devices
+are known.
+
+Example::
+
+    cfg = load_config("configs/quickstart.yaml", ["train.steps=100", "parallel.tensor=2"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import (
+    ATTENTION_KERNELS,
+    PRECISIONS,
+    REMAT_CHOICES,
+    SCHEDULES,
+    Degrees,
+    Layout,
+    ModelSpec,
+    check_choice,
+)
+from holmes_jax.core.yamlio import build_dataclass, plain, read_yaml
+
+DATA_SOURCES = ("stdlib", "text", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+PROGRESS_MODES = ("auto", "bar", "plain", "none")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT-2 shaped decoder: learned positions, pre-LayerNorm, GELU MLP."""
+
+    vocab_size: int = 256
+    seq_len: int = 128  # tokens per sequence (also the number of learned positions)
+    num_layers: int = 4
+    num_heads: int = 4
+    hidden_size: int = 128
+    mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden_size
+    dropout: float = 0.0
+    tied_embeddings: bool = True  # LM head reuses the token embedding
+    # What a layer keeps for its backward: none (everything), full (only its input; the
+    # forward is recomputed) or selective (matmul and attention outputs; norms, GELU and
+    # softmax are recomputed); auto lets the planner pick the fastest that fits. YAML
+    # true / false are read as full / none.
+    remat: str | bool = "none"
+    attention: str = "auto"  # auto (cuDNN on a CUDA device where it can run) | xla | cudnn
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool):  # the old boolean switch
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model's shape (:class:`~holmes_jax.core.spec.ModelSpec`): the one home of
+        its parameter and FLOP counts, shared with the planner."""
+        return ModelSpec(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            mlp_ratio=self.mlp_ratio,
+            tied_embeddings=self.tied_embeddings,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_size(self) -> int:
+        return self.mlp_ratio * self.hidden_size
+
+    def validate(self) -> None:
+        _positive(self, "model", ("vocab_size", "seq_len", "num_layers", "num_heads"))
+        _positive(self, "model", ("hidden_size", "mlp_ratio"))
+        _ = self.spec  # the shape's own rules (heads divide the hidden size)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
+        check_choice(self.remat, "model.remat", REMAT_CHOICES)
+        check_choice(self.attention, "model.attention", ATTENTION_KERNELS)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. ``stdlib`` is the embedded offline corpus."""
+
+    source: str = "stdlib"  # stdlib | text | tokens
+    path: str | None = None  # text file/dir, or raw token file (memmap)
+    token_dtype: str = "uint16"  # dtype of a raw token file
+    eval_fraction: float = 0.05
+    max_bytes: int = 16_000_000  # cap on the text read (stdlib/text); 0 = no cap
+
+    def validate(self) -> None:
+        check_choice(self.source, "data.source", DATA_SOURCES)
+        check_choice(self.token_dtype, "data.token_dtype", TOKEN_DTYPES)
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction}: must be in (0, 1)")
+        if self.max_bytes < 0:
+            raise ConfigError(f"data.max_bytes={self.max_bytes}: must be >= 0 (0 = no cap)")
+        if self.source in ("text", "tokens"):
+            # Existence is checked when the corpus is loaded (holmes_jax.runtime.data), so configs
+            # for clusters validate on machines that do not hold their data.
+            if not self.path:
+                raise ConfigError(f"data.path=None: required when data.source='{self.source}'")
+        elif self.path:
+            raise ConfigError(
+                f"data.path='{self.path}': only used with data.source=text or tokens "
+                f"(data.source='{self.source}')"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh degrees and the pipeline. ``data: 0`` means "all remaining devices"."""
+
+    mesh: str | None = None  # topology file (meshes/*.yaml); None = one host, one island
+    devices: int = 0  # devices to use; 0 = all visible devices
+    data: int = 0  # data-parallel degree; 0 = devices / (stages * tensor)
+    tensor: int = 1  # tensor-parallel degree (inside one host)
+    stages: int = 1  # pipeline stages
+    layers_per_stage: tuple[int, ...] | str | None = None  # e.g. [1, 3] or "auto"
+    microbatches: int = 1
+    schedule: str = "gpipe"  # gpipe | 1f1b
+    replica: int = 1  # data-parallel copies across islands (hierarchical reduction)
+    enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
+
+    def layout(self, degrees: Degrees) -> Layout:
+        """The resolved degrees with this config's micro-batches and schedule."""
+        return Layout(
+            degrees.stages,
+            degrees.data,
+            degrees.tensor,
+            replica=degrees.replica,
+            microbatches=self.microbatches,
+            schedule=self.schedule,
+        )
+
+    def validate(self, model: ModelConfig) -> None:
+        if self.devices < 0:
+            raise ConfigError(f"parallel.devices={self.devices}: must be >= 0 (0 = all)")
+        if self.data < 0:
+            raise ConfigError(f"parallel.data={self.data}: must be >= 0 (0 = auto)")
+        _positive(self, "parallel", ("tensor", "stages", "microbatches", "replica"))
+        check_choice(self.schedule, "parallel.schedule", SCHEDULES)
+        lps = self.layers_per_stage
+        if isinstance(lps, str) and lps != "auto":
+            raise ConfigError(
+                f"parallel.layers_per_stage='{lps}': must be a list of ints or 'auto'"
+            )
+        if isinstance(lps, tuple):
+            if len(lps) != self.stages:
+                raise ConfigError(
+                    f"parallel.layers_per_stage={list(lps)}: needs one entry per stage "
+                    f"(parallel.stages={self.stages})"
+                )
+            if min(lps) < 1:
+                raise ConfigError(
+                    f"parallel.layers_per_stage={list(lps)}: every stage needs >= 1 layer"
+                )
+            if sum(lps) != model.num_layers:
+                raise ConfigError(
+                    f"parallel.layers_per_stage={list(lps)}: must sum to "
+                    f"model.num_layers={model.num_layers}"
+                )
+        elif self.stages > model.num_layers:
+            raise ConfigError(
+                f"parallel.stages={self.stages}: more stages than "
+                f"model.num_layers={model.num_layers}"
+            )
+        if model.num_heads % self.tensor or model.mlp_size % self.tensor:
+            raise ConfigError(
+                f"parallel.tensor={self.tensor}: must divide model.num_heads="
+                f"{model.num_heads} and the MLP width {model.mlp_size}"
+            )
+        if model.vocab_size % self.tensor:
+            raise ConfigError(
+                f"parallel.tensor={self.tensor}: must divide model.vocab_size={model.vocab_size}"
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay, global-norm clipping, masked weight decay."""
+
+    learning_rate: float = 1e-3  # peak
+    min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matmul kernels and embeddings only
+    grad_clip: float = 1.0  # global-norm clip; 0 = off
+    zero1: bool = True  # shard optimizer state over data; reduce-scatter gradients
+
+    def validate(self) -> None:
+        if self.learning_rate <= 0:
+            raise ConfigError(f"optimizer.learning_rate={self.learning_rate}: must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optimizer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps={self.warmup_steps}: must be >= 0")
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ConfigError(f"optimizer.{name}={value}: must be in [0, 1)")
+        for name in ("eps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"optimizer.{name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop length, batch, evaluation and where metrics go."""
+
+    steps: int = 1000
+    global_batch_size: int = 32  # sequences per optimizer step, over all devices
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | bf16 (bf16 params and compute, fp32 master and reduction)
+    eval_every: int = 100  # 0 = only at the end
+    eval_batches: int = 8
+    metrics_path: str | None = None  # JSON lines, one object per logged step
+
+    def validate(self) -> None:
+        _positive(self, "train", ("steps", "global_batch_size", "eval_batches"))
+        check_choice(self.precision, "train.precision", PRECISIONS)
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = at end)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints; a run resumes from the newest one in ``dir``."""
+
+    dir: str | None = None  # None = no checkpoints
+    every: int = 0  # steps between saves; 0 = only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # keep the newest N
+    async_save: bool = True
+    resume: bool = True
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every={self.every}: must be >= 0 (0 = at end)")
+        _positive(self, "checkpoint", ("keep",))
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Terminal output, TensorBoard, and the peak used for MFU."""
+
+    log_every: int = 10
+    progress: str = "auto"  # auto (bar on a terminal) | bar | plain | none
+    tensorboard_dir: str | None = None
+    peak_tflops: float | None = None  # per device; MFU is reported when set
+
+    def validate(self) -> None:
+        _positive(self, "logging", ("log_every",))
+        check_choice(self.progress, "logging.progress", PROGRESS_MODES)
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"logging.peak_tflops={self.peak_tflops}: must be > 0")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process (multi-host) launch; all unset = a single process or auto-detection."""
+
+    coordinator_address: str | None = None  # host:port of process 0; None = auto-detect
+    num_processes: int = 0  # 0 = auto-detect (SLURM / Open MPI / Kubernetes) or 1
+    process_id: int = -1  # -1 = auto-detect
+    heartbeat_timeout_s: int = 30  # a silent peer is declared dead after this long
+    initialization_timeout_s: int = 300  # waiting for all processes to join
+
+    def validate(self) -> None:
+        if self.num_processes < 0:
+            raise ConfigError(f"distributed.num_processes={self.num_processes}: must be >= 0")
+        if self.process_id < -1:
+            raise ConfigError(f"distributed.process_id={self.process_id}: must be >= -1")
+        if self.num_processes and self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"distributed.process_id={self.process_id}: must be < "
+                f"distributed.num_processes={self.num_processes}"
+            )
+        _positive(self, "distributed", ("heartbeat_timeout_s", "initialization_timeout_s"))
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate(self) -> None:
+        """Checks that need no devices. Raises ConfigError."""
+        self.model.validate()
+        self.data.validate()
+        self.parallel.validate(self.model)
+        self.optimizer.validate()
+        self.train.validate()
+        self.checkpoint.validate()
+        self.logging.validate()
+        self.distributed.validate()
+        if self.data.source != "tokens" and self.model.vocab_size < 256:
+            raise ConfigError(
+                f"model.vocab_size={self.model.vocab_size}: the byte tokenizer of "
+                f"data.source='{self.data.source}' needs >= 256"
+            )
+        if self.parallel.data:
+            _check_batch(self, self.parallel.data * self.parallel.replica)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (lists for tuples), the inverse of :func:`config_from_dict`."""
+        return plain(dataclasses.asdict(self))
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def check_devices(cfg: Config, available: int) -> Degrees:
+    """Resolve ``parallel.devices`` and ``parallel.data`` against the visible devices.
+
+    Args:
+      cfg: a validated config.
+      available: number of devices visible to the job (all processes).
+
+    Returns:
+      The mesh degrees (stages, data, tensor).
+
+    Raises:
+      ConfigError: more devices asked for than exist, degrees that do not multiply to the
+        device count, or a global batch the data-parallel size does not divide.
+    """
+    p = cfg.parallel
+    devices = p.devices or available
+    if devices > available:
+        raise ConfigError(
+            f"parallel.devices={devices}: more devices asked for than exist ({available})"
+        )
+    fixed = p.replica * p.stages * p.tensor
+    if p.data:
+        if p.data * fixed != devices:
+            raise ConfigError(
+                f"parallel.data={p.data}: replica*stages*data*tensor = {p.replica}*{p.stages}*"
+                f"{p.data}*{p.tensor} = {p.data * fixed} must equal the {devices} devices used "
+                f"(set parallel.devices or parallel.data: 0 for auto)"
+            )
+        data = p.data
+    else:
+        if devices % fixed:
+            raise ConfigError(
+                f"parallel.replica*stages*tensor={fixed}: must divide the {devices} devices used"
+            )
+        data = devices // fixed
+    _check_batch(cfg, data * p.replica)
+    return Degrees(stages=p.stages, data=data, tensor=p.tensor, replica=p.replica)
+
+
+def _check_batch(cfg: Config, data: int) -> None:
+    batch = cfg.train.global_batch_size
+    if batch % data:
+        raise ConfigError(
+            f"train.global_batch_size={batch}: must be divisible by the data-parallel size {data}"
+        )
+    if batch % (data * cfg.parallel.microbatches):
+        raise ConfigError(
+            f"train.global_batch_size={batch}: must be divisible by data-parallel size * "
+            f"parallel.microbatches = {data}*{cfg.parallel.microbatches}"
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a YAML config strictly and apply dotted ``key=value`` overrides.
+
+    Args:
+      path: YAML file, or None for the built-in defaults.
+      overrides: strings like ``"train.steps=100"`` or ``"parallel.layers_per_stage=[1,3]"``;
+        values are parsed as YAML and then type-checked like file values.
+
+    Returns:
+      A validated :class:`Config`.
+
+    Raises:
+      ConfigError: unreadable file, unknown key, wrong type or impossible value.
+    """
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        loaded = read_yaml(path, f"--config '{path}': file")
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raw = loaded
+    for item in overrides:
+        _apply_override(raw, item)
+    return config_from_dict(raw, source)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    """Build and validate a Config from nested plain data (YAML or checkpoint metadata)."""
+    try:
+        cfg = build_dataclass(Config, raw, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    cfg.validate()
+    return cfg
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set '{item}': must look like section.key=value")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set '{item}': key must be section.key (e.g. train.steps)")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text  # fall back to the raw string; the type check decides
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"--set '{item}': section '{parts[0]}' is not a mapping")
+    section[parts[1]] = value
+
+
+def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ConfigError(f"{section}.{name}={value}: must be > 0")

@@ -1,0 +1,32 @@
+"""The one error type for bad user input (config, topology, data paths).
+
+Entry points catch :class:`ConfigError`, print its one-line message and exit with code 2;
+library callers (notebooks) get an ordinary ``ValueError`` subclass. Messages name the key,
+the value and the rule, e.g. ``model.num_heads=5: must divide model.hidden_size=128``.
+"""
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+USAGE_EXIT = 2  # the exit code of every bad setting
+
+
+class ConfigError(ValueError):
+    """A user-supplied setting is unknown, mistyped or impossible."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message with its white space (newlines included) folded."""
+    return " ".join(str(e).split())
+
+
+def run_cli(run: Callable[[T], int], args: T) -> int:
+    """``run(args)``, turning a :class:`ConfigError` into one stderr line and exit code 2."""
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE_EXIT

@@ -1,0 +1,248 @@
+"""The shape of a model and of a run's parallelism: one home for each fact.
+
+Everything that more than one layer needs to agree on is defined here once:
+
+- the names a config may choose from (:data:`SCHEDULES`, :data:`REMAT_POLICIES`, ...);
+- :class:`ModelSpec`, the model's shape, with its parameter counts (per layer, embedding,
+  head, total) and the number of parameter leaves the trainer reduces one by one;
+- the FLOP counts (notation of ``docs/design.md``: L layers, hidden h, seq s, vocab V,
+  mlp width f = r·h, b sequences):
+
+  - one layer forward ``2(4 + 2r)·b·s·h² + 4·b·s²·h`` (QKV, projection, MLP; q·kᵀ and A·V
+    over the full, not causal-halved, square);
+  - LM head forward ``2·b·s·h·V``; backward = 2x forward;
+  - remat ``full`` reruns a forward per layer, ``selective`` the scores q·kᵀ
+    (``2·b·s²·h`` per layer);
+
+  used by the planner (:mod:`holmes_jax.planner.cost`), the trainer's throughput and MFU
+  (:func:`flops_per_token`) and the fidelity check (:func:`megatron_flops`);
+- :class:`Degrees` (replica x stages x data x tensor), the one parallel-degrees type, and
+  :class:`Layout`, degrees plus the pipeline's micro-batches and schedule.
+
+Plain Python; no jax import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+
+from holmes_jax.core.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (holmes_jax.runtime.schedule)
+REMAT_POLICIES = ("none", "full", "selective")  # what the model runs
+REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fits
+ATTENTION_KERNELS = ("auto", "xla", "cudnn")
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_positive(key: str, value) -> None:
+    """Raise a one-line :class:`ConfigError` unless ``value`` is an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}={value!r}: must be an integer >= 1")
+
+
+def check_choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
+    """Raise a one-line :class:`ConfigError` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{key}='{value}': must be one of {', '.join(allowed)}")
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a GPT model (learned positions, pre-LayerNorm, biases, GELU MLP)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int
+    mlp_ratio: int = 4
+    tied_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size"):
+            check_positive(f"model.{name}", getattr(self, name))
+        check_positive("model.mlp_ratio", self.mlp_ratio)
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads}: must divide model.hidden_size="
+                f"{self.hidden_size}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_size(self) -> int:
+        """MLP width f = mlp_ratio x hidden."""
+        return self.mlp_ratio * self.hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """QKV + output projection + MLP weights and biases + two LayerNorms."""
+        h, r = self.hidden_size, self.mlp_ratio
+        return (4 + 2 * r) * h * h + (9 + r) * h
+
+    @property
+    def embedding_params(self) -> int:
+        """Token and learned position embeddings."""
+        return (self.vocab_size + self.seq_len) * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """Final LayerNorm, plus the LM head matrix when it is not tied."""
+        head = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        return 2 * self.hidden_size + head
+
+    @property
+    def num_params(self) -> int:
+        """All parameters, a tied embedding counted once."""
+        return self.num_layers * self.layer_params + self.embedding_params + self.head_params
+
+    # Parameter leaves (one collective call each in the trainer's gradient reduction and
+    # parameter all-gather): LayerNorm scale+bias x2, QKV, attention output, MLP in and out
+    # kernels+biases; token + position embeddings; final LayerNorm (+ untied head).
+    layer_leaves = 12
+    embedding_leaves = 2
+
+    @property
+    def head_leaves(self) -> int:
+        return 2 + (0 if self.tied_embeddings else 1)
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def layer_fwd_flops(model: ModelSpec, b: int) -> float:
+    """Forward FLOPs of one transformer layer on ``b`` sequences (whole layer, all t)."""
+    h, s, r = model.hidden_size, model.seq_len, model.mlp_ratio
+    return 2 * (4 + 2 * r) * b * s * h * h + 4 * b * s * s * h
+
+
+def head_fwd_flops(model: ModelSpec, b: int) -> float:
+    """Forward FLOPs of the LM head (logits) on ``b`` sequences."""
+    return 2 * b * model.seq_len * model.hidden_size * model.vocab_size
+
+
+def scores_fwd_flops(model: ModelSpec, b: int) -> float:
+    """Forward FLOPs of one layer's attention scores q·kᵀ on ``b`` sequences (what
+    selective remat reruns in the backward)."""
+    return 2 * b * model.seq_len * model.seq_len * model.hidden_size
+
+
+def iteration_flops(model: ModelSpec, batch: int, recompute: bool | str) -> float:
+    """FLOPs of one iteration: 3 passes per unit, plus what the remat policy reruns.
+
+    ``recompute``: a policy (``none``, ``selective``: the attention scores q·kᵀ,
+    ``2·b·s²·h`` per layer; ``full``: a whole forward per layer) or a bool (True = full).
+    Full is the hardware count Megatron-LM and Holmes report and equals
+    :func:`megatron_flops` for mlp_ratio 4; none is the model FLOPs.
+    """
+    policy = {True: "full", False: "none"}.get(recompute, recompute)
+    L = model.num_layers
+    extra = {
+        "full": L * layer_fwd_flops(model, batch),
+        "selective": L * scores_fwd_flops(model, batch),
+    }
+    base = 3 * L * layer_fwd_flops(model, batch) + 3 * head_fwd_flops(model, batch)
+    return base + extra.get(policy, 0.0)
+
+
+def megatron_flops(model: ModelSpec, batch: int, recompute: bool = True) -> float:
+    """Narayanan et al. 2021, eq. 3: ``96·B·s·L·h²·(1 + s/6h + V/16Lh)`` (recompute).
+
+    Without recompute: ``72·B·s·L·h²·(1 + s/6h + V/12Lh)``. Assumes mlp_ratio 4.
+    """
+    L, h, s, V = model.num_layers, model.hidden_size, model.seq_len, model.vocab_size
+    if recompute:
+        return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return 72 * batch * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs per token of one optimizer step (forward + backward)."""
+
+    model: float  # 6N + attention, no recompute (what MFU counts)
+    hardware: float  # what runs: model + what the remat policy reruns
+    megatron: float  # Megatron's 96·L·h²·(1 + s/6h + V/16Lh) (full recompute), per token
+
+
+def flops_per_token(model: ModelSpec, remat: str) -> FlopsPerToken:
+    """Model, hardware (under ``remat``) and Megatron FLOPs per trained token: the
+    per-sequence counts of :func:`iteration_flops` and :func:`megatron_flops` over s."""
+    s = model.seq_len
+    return FlopsPerToken(
+        model=iteration_flops(model, 1, "none") / s,
+        hardware=iteration_flops(model, 1, remat) / s,
+        megatron=megatron_flops(model, 1) / s,
+    )
+
+
+# --------------------------------------------------------------------------- degrees
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """Parallel degrees: r replicas x p stages x d data x t tensor, outermost first.
+
+    ``replica`` is data parallelism across islands (one pipeline per island), ``stage``
+    the pipeline, ``data`` data parallelism (ZeRO-1) inside an island, ``tensor`` tensor
+    parallelism inside a host.
+    """
+
+    stages: int
+    data: int
+    tensor: int
+    replica: int = 1
+
+    def __post_init__(self):
+        for name in ("stages", "data", "tensor", "replica"):
+            check_positive(f"parallel.{name}", getattr(self, name))
+
+    @property
+    def num_devices(self) -> int:
+        return self.replica * self.stages * self.data * self.tensor
+
+
+@dataclass(frozen=True)
+class Layout(Degrees):
+    """Degrees plus the pipeline: micro-batches per step and the schedule.
+
+    The pipeline fields are keyword-only: ``Layout(4, 2, 1, microbatches=8)``.
+    """
+
+    _: KW_ONLY
+    microbatches: int
+    schedule: str = "1f1b"
+    # Interleaved 1F1B (Narayanan et al. 2021): v model chunks per device shrink the bubble
+    # v-fold and multiply p2p traffic by v. Modelled for fidelity; the planner uses 1.
+    virtual_stages: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("microbatches", "virtual_stages"):
+            check_positive(f"parallel.{name}", getattr(self, name))
+        check_choice(self.schedule, "parallel.schedule", SCHEDULES)
+        if self.virtual_stages > 1 and (self.schedule != "1f1b" or self.stages < 2):
+            raise ConfigError(
+                f"virtual_stages={self.virtual_stages}: needs schedule 1f1b and >= 2 stages"
+            )
+
+    def microbatch_size(self, global_batch_size: int) -> int:
+        """Sequences per micro-batch per data-parallel rank.
+
+        Raises:
+          ConfigError: the global batch does not split evenly.
+        """
+        parts = self.replica * self.data * self.microbatches
+        if global_batch_size % parts:
+            raise ConfigError(
+                f"train.global_batch_size={global_batch_size}: must be divisible by "
+                f"replica*data*microbatches = {self.replica}*{self.data}*{self.microbatches}"
+            )
+        return global_batch_size // parts

@@ -1,0 +1,155 @@
+"""A plan drawn: the pipeline schedule as a timeline per stage, and the topology.
+
+:func:`simulate_schedule` runs a GPipe or 1F1B pipeline event by event on the predicted
+per-stage times; :func:`draw_plan` draws it with the islands, hosts and links (what
+``python -m holmes_jax.plan --png`` writes; needs matplotlib). No jax import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.partition import (
+    Plan,
+)
+from holmes_jax.planner.placement import stage_blocks
+from holmes_jax.planner.topology import Topology
+
+
+def simulate_schedule(
+    fwd: Sequence[float], bwd: Sequence[float], microbatches: int, schedule: str = "1f1b"
+) -> list[tuple[int, str, int, float, float]]:
+    """Event-driven run of a GPipe or 1F1B pipeline.
+
+    Args:
+      fwd, bwd: per-stage time of one micro-batch's forward and backward.
+      microbatches: m.
+      schedule: ``gpipe`` (all forwards, then backwards in reverse) or ``1f1b`` (stage s
+        runs p−s−1 warm-up forwards, then alternates one forward and one backward).
+
+    Returns:
+      Events ``(stage, "F" | "B", microbatch, start, end)``; the last end is the makespan
+      (``Σ τ + (m−1)·max τ`` for equal stages).
+    """
+    p, m = len(fwd), microbatches
+    orders = []
+    for s in range(p):
+        if schedule == "gpipe":
+            ops = [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+        else:
+            warm = min(p - s - 1, m)
+            ops = [("F", i) for i in range(warm)]
+            for i in range(m - warm):
+                ops += [("F", warm + i), ("B", i)]
+            ops += [("B", i) for i in range(m - warm, m)]
+        orders.append(ops)
+    done: dict[tuple[int, str, int], float] = {}
+    free, nxt, events = [0.0] * p, [0] * p, []
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, i = orders[s][nxt[s]]
+                dep = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
+                if kind == "B" and s == p - 1:
+                    dep = (s, "F", i)
+                if (kind == "F" and s == 0) or dep in done:
+                    start = max(free[s], done.get(dep, 0.0))
+                    end = start + (fwd[s] if kind == "F" else bwd[s])
+                    done[(s, kind, i)] = free[s] = end
+                    events.append((s, kind, i, start, end))
+                    nxt[s] += 1
+                    progress = True
+                else:
+                    break
+    return events
+
+
+def draw_plan(plan: Plan, topology: Topology, path: str) -> None:
+    """Draw the pipeline timeline per stage and the topology to a PNG file.
+
+    Raises:
+      ConfigError: matplotlib is not installed.
+    """
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Rectangle
+    except ImportError:
+        raise ConfigError(
+            f"--png {path}: needs matplotlib (pip install 'holmes_jax[plot]')"
+        ) from None
+    pr, lay = plan.prediction, plan.layout
+    fig = Figure(figsize=(12, 4 + 0.35 * lay.stages))
+    ax, topo_ax = fig.subplots(2, 1, height_ratios=[max(2, lay.stages), 3])
+    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    events = simulate_schedule(pr.stage_fwd_s, pr.stage_bwd_s, lay.microbatches, lay.schedule)
+    end = max(e[4] for e in events)
+    for s, kind, _, start, stop in events:
+        ax.broken_barh(
+            [(start, stop - start)], (s - 0.4, 0.8), color=colors[kind], lw=0.3, edgecolor="white"
+        )
+    tail = pr.breakdown["grad_sync"] + pr.breakdown["optimizer"]
+    ax.broken_barh([(end, tail)], (-0.5, lay.stages), color="#BBBBBB")
+    ax.set_yticks(range(lay.stages))
+    ax.set_yticklabels(
+        [f"{s}: {plan.stage_islands[s]} ({n}L)" for s, n in enumerate(plan.layers_per_stage)]
+    )
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (blue forward, orange backward, grey gradient sync + optimizer)")
+    ax.set_title(
+        f"{plan.method} plan: replica {lay.replica} x stage {lay.stages} x data "
+        f"{lay.data} x tensor {lay.tensor}, {lay.microbatches} micro-batches, "
+        f"{lay.schedule}; predicted step {pr.step_s:.3g} s"
+    )
+    nic_color = {"infiniband": "#55A868", "roce": "#8172B2", "ethernet": "#C44E52"}
+    width = 1.0 / len(topology.islands)
+    hosts: dict[tuple[int, int], list[int]] = {}  # (island, host) -> stages (replica 0)
+    k = lay.data * lay.tensor
+    for s, (i, off) in enumerate(stage_blocks(topology, lay)[0]):
+        per_host = topology.islands[i].devices_per_host
+        for h in sorted({d // per_host for d in range(off, off + k)}):
+            hosts.setdefault((i, h), []).append(s)
+    for i, isl in enumerate(topology.islands):
+        x0 = i * width + 0.02
+        topo_ax.add_patch(
+            Rectangle((x0, 0.1), width - 0.04, 0.75, fill=False, lw=2, edgecolor=nic_color[isl.nic])
+        )
+        topo_ax.text(
+            x0 + 0.01,
+            0.78,
+            f"{isl.name} ({isl.nic}, "
+            f"{isl.link.bandwidth_gbps:g} Gbit/s/host), stages: "
+            f"{plan.stages_per_island[i]}",
+            fontsize=8,
+            va="top",
+        )
+        hw = (width - 0.06) / max(isl.num_hosts, 1)
+        for h in range(isl.num_hosts):
+            topo_ax.add_patch(
+                Rectangle(
+                    (x0 + 0.01 + h * hw, 0.2), hw * 0.85, 0.35, color=nic_color[isl.nic], alpha=0.3
+                )
+            )
+            if isl.num_hosts <= 8:
+                label = isl.hosts[h] + "".join(f"\nstage {s}" for s in hosts.get((i, h), []))
+                topo_ax.text(
+                    x0 + 0.01 + (h + 0.42) * hw, 0.37, label, ha="center", va="center", fontsize=7
+                )
+        if i + 1 < len(topology.islands):
+            link = topology.inter_island(isl.name, topology.islands[i + 1].name)
+            xe = (i + 1) * width
+            topo_ax.annotate(
+                "",
+                (xe + 0.02, 0.45),
+                (xe - 0.02, 0.45),
+                arrowprops={"arrowstyle": "<->", "lw": 1.5},
+            )
+            topo_ax.text(xe, 0.05, f"{link.bandwidth_gbps:g} Gbit/s", ha="center", fontsize=8)
+    topo_ax.set_xlim(0, 1)
+    topo_ax.set_ylim(0, 0.9)
+    topo_ax.axis("off")
+    topo_ax.set_title(f"topology {topology.name}: hosts per island (shaded), links", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

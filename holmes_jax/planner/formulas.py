@@ -1,0 +1,111 @@
+"""Closed-form times: point-to-point, ring collectives, the pipeline, the exposed tail.
+
+Notation (``docs/design.md``): n ranks, S bytes, bandwidth B (bytes/s), latency α (s), c
+calls (one collective per parameter leaf, as the trainer issues them).
+
+- point-to-point ``S/B + α``;
+- ring all-reduce ``2(n−1)/n·S/B + c·2(n−1)·α``; reduce-scatter and all-gather each half;
+  hierarchical: reduce-scatter inside, all-reduce the 1/n_inner shards across, all-gather;
+- pipeline (GPipe, 1F1B) ``Σ τ_s + (m−1)·max τ_s``; interleaved with v chunks per device
+  ``m·max τ_s + (Σ τ_s − max τ_s)/v``;
+- the iteration's tail past the pipeline (:func:`exposed_tail`);
+- a layer's stored activations (Korthikanti et al. 2022, :func:`layer_activation_bytes`).
+
+Pure Python + NumPy; no jax import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from holmes_jax.core.spec import ModelSpec
+
+
+def layer_activation_bytes(model: ModelSpec, b: int, t: int, act_bytes: int = 2) -> float:
+    """Activation bytes one layer stores per device for its backward, without recompute:
+    ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` at 2 bytes per element (Korthikanti et al. 2022,
+    tensor parallel without sequence parallelism; the 1-byte dropout masks included),
+    scaled to ``act_bytes``."""
+    h, s, a = model.hidden_size, model.seq_len, model.num_heads
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * act_bytes / 2
+
+
+def p2p_time(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) -> float:
+    """One point-to-point transfer."""
+    return nbytes / bytes_per_s + latency_s if nbytes > 0 else 0.0
+
+
+def ring_allreduce_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0, calls=1) -> float:
+    """Ring all-reduce of ``nbytes`` in total, split over ``calls`` collectives:
+    ``2(n−1)/n·S/B + calls·2(n−1)·α``."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bytes_per_s + calls * 2 * (n - 1) * latency_s
+
+
+def reduce_scatter_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0, calls=1) -> float:
+    """Ring reduce-scatter of ``nbytes`` (the full buffer): half an all-reduce."""
+    return 0.5 * ring_allreduce_time(nbytes, n, bytes_per_s, latency_s, calls)
+
+
+def all_gather_time(nbytes: float, n: int, bytes_per_s: float, latency_s=0.0, calls=1) -> float:
+    """Ring all-gather producing ``nbytes`` per rank: half an all-reduce."""
+    return 0.5 * ring_allreduce_time(nbytes, n, bytes_per_s, latency_s, calls)
+
+
+def hierarchical_allreduce_time(
+    nbytes: float, inner: tuple[int, float, float], outer: tuple[int, float, float]
+) -> float:
+    """Reduce-scatter inside, all-reduce the 1/n_inner shards across, all-gather inside.
+
+    Args:
+      nbytes: buffer size per rank.
+      inner, outer: (ranks, bytes/s, latency s) of the inner and outer level.
+    """
+    n_in, bw_in, lat_in = inner
+    n_out, bw_out, lat_out = outer
+    return (
+        reduce_scatter_time(nbytes, n_in, bw_in, lat_in)
+        + ring_allreduce_time(nbytes / n_in, n_out, bw_out, lat_out)
+        + all_gather_time(nbytes, n_in, bw_in, lat_in)
+    )
+
+
+def pipeline_time(
+    stage_times: Sequence[float], microbatches: int, virtual_stages: int = 1
+) -> float:
+    """GPipe / 1F1B makespan ``Σ τ_s + (m−1)·max τ_s``; interleaved with v chunks per
+    device, the fill and drain shrink v-fold: ``m·max τ_s + (Σ τ_s − max τ_s)/v``."""
+    peak = max(stage_times)
+    return float(microbatches * peak + (sum(stage_times) - peak) / virtual_stages)
+
+
+def exposed_tail(
+    reduce_s: Sequence[float],
+    after_s: Sequence[float],
+    bwd_s: Sequence[float],
+    overlap: bool,
+    sync: bool = False,
+) -> tuple[float, int]:
+    """Time the iteration runs past the pipeline, and the stage that sets it.
+
+    Stage s finishes its last backward ``Σ_{k<s} bwd_k`` before the pipeline ends, and its
+    reduction can start layer by layer during that last backward, so with ``overlap`` it
+    hides behind ``slack_s = Σ_{k<=s} bwd_k``; then ``after_s`` (optimizer step +
+    parameter all-gather) follows. With ``sync`` (collectives that block the device) each
+    stage reduces inside its own lockstep tick, so the reductions add up:
+    ``Σ_s reduce_s + max_s after_s``.
+    """
+    if sync:
+        arg = int(np.argmax(after_s))
+        return float(np.sum(reduce_s) + after_s[arg]), arg
+    slack, best, arg = 0.0, -math.inf, 0
+    for s, (red, after) in enumerate(zip(reduce_s, after_s, strict=True)):
+        slack += bwd_s[s]
+        tail = max(0.0, red - (slack if overlap else 0.0)) + after
+        if tail > best:
+            best, arg = tail, s
+    return best, arg

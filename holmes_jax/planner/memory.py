@@ -1,0 +1,209 @@
+"""Per-device peak memory of one training step, priced the way the engine allocates it.
+
+Pure Python (no jax): the planner uses it to pick a remat policy and microbatch size that
+fit, and the trainer to refuse a plan that will not fit before anything compiles. It is
+checked against XLA's compiled memory analysis (``scripts/bench_memory.py``,
+``tests/test_memory.py``).
+
+Notation: b sequences per microbatch, s sequence length, h hidden, f MLP width, a heads,
+V vocabulary, t tensor degree, d data degree, n layer slots per device, K residual sets
+the schedule keeps (1F1B: min(S, M), GPipe: M), β bytes of the compute dtype.
+
+Every device of a pipeline holds the same arrays (:mod:`holmes_jax.runtime.pipeline`): its stage's
+``n = max(layers_per_stage)`` layer slots (padded), a copy of the embedding and of the
+head. Per device:
+
+- **state** (arguments, donated into the outputs): parameters ``P·β``; AdamW moments
+  ``8·P/d`` (ZeRO-1 shards them over data); the fp32 master copy ``4·P/d`` under bf16.
+- **tick loop** (temporaries, alive through the whole pipeline):
+  fp32 gradient accumulators ``4·P``; the reduced block gradients ``4·P_blocks/d``;
+  residual buffers ``K·n·R`` with R a layer's residual bytes under the remat policy
+  (:func:`layer_residual_bytes`); activation buffers ``(6 + K)·b·s·h·β`` (inbox, sends,
+  receives, head cotangents).
+- **working set** of the largest single op on top of the loop: a layer's backward
+  (what it recomputes, its fp32 weight gradient, and with XLA attention the
+  ``[b, a/t, s, s]`` fp32 scores, probabilities and their gradients) or the head (fp32
+  logits over ``V/t`` and their gradient).
+- **update** (after the loop): gradients, clipped gradients and AdamW updates on the
+  1/d shards, beside the state.
+
+Peak = state + max(tick loop + working set, update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import REMAT_POLICIES
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device; ``peak`` is what must fit."""
+
+    params: float
+    optimizer: float  # AdamW moments (+ fp32 master), 1/d with ZeRO-1
+    grads: float  # fp32 gradient accumulators + reduced shards (tick loop)
+    residuals: float  # K x n x per-layer residuals
+    buffers: float  # activation inbox / sends / receives / head cotangents
+    working: float  # largest single op's temporaries
+    update: float  # optimizer-step temporaries after the loop
+
+    @property
+    def state(self) -> float:
+        return self.params + self.optimizer
+
+    @property
+    def loop(self) -> float:
+        return self.grads + self.residuals + self.buffers + self.working
+
+    @property
+    def peak(self) -> float:
+        return self.state + np.maximum(self.loop, self.update)
+
+    def as_gb(self) -> dict[str, float]:
+        names = ("params", "optimizer", "grads", "residuals", "buffers", "working", "update")
+        out = {k: float(getattr(self, k)) / 1e9 for k in names}
+        out["peak"] = float(self.peak) / 1e9
+        return out
+
+
+def buffer_depth(schedule: str, stages: int, microbatches: int) -> int:
+    """Residual sets a device keeps (:attr:`holmes_jax.runtime.schedule.Schedule.buffer_slots`)."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(stages, microbatches)
+
+
+def layer_residual_bytes(
+    remat: str, b: int, s: int, h: int, f: int, t: int, act_bytes: int
+) -> float:
+    """Bytes one layer keeps per device for its backward, per microbatch.
+
+    What ``jax.vjp`` of :class:`holmes_jax.runtime.model.Block` keeps (the engine buffers exactly
+    these; ``tests/test_memory.py`` compares this formula with the traced residuals):
+
+    - ``full``: the layer input ``[b, s, h]``.
+    - ``selective``: the input, qkv ``3·[b, s, h/t]``, the attention output ``[b, s, h/t]``,
+      the attention projection ``[b, s, h]`` and the MLP input projection ``[b, s, f/t]``.
+    - ``none``: six fp32 ``[b, s, h]`` LayerNorm values, two normalised inputs
+      ``[b, s, h]``, q, k, v and the attention output, and six ``[b, s, f/t]`` MLP values
+      (the tanh-GELU's intermediates).
+    """
+    bs, beta = b * s, act_bytes
+    if remat == "full":
+        return bs * h * beta
+    if remat == "selective":
+        return bs * beta * (2 * h + 4 * h / t + f / t)
+    if remat == "none":
+        return bs * (h * (6 * 4 + 2 * beta) + 4 * h / t * beta + 6 * f / t * beta)
+    raise ValueError(f"remat='{remat}': must be one of {', '.join(REMAT_POLICIES)}")
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything the memory model needs, in plain numbers."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    mlp_size: int
+    seq_len: int
+    vocab_size: int
+    tied_embeddings: bool
+    layer_params: int  # parameters of one layer (holmes_jax.planner.cost.ModelSpec.layer_params)
+    stages: int
+    data: int
+    tensor: int
+    microbatches: int
+    schedule: str
+    microbatch_size: int  # sequences per microbatch per data rank (b)
+    remat: str = "none"
+    attention: str = "xla"  # xla keeps fp32 [b, a/t, s, s] transients; cudnn does not
+    act_bytes: int = 2  # β: compute dtype
+    zero1: bool = True
+    master: bool = True  # fp32 master copy (bf16 runs)
+
+
+def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBreakdown:
+    """Per-device peak of a pipeline device holding ``slots`` layer slots.
+
+    Args:
+      x: model, layout and numerics.
+      slots: layer slots per device (``max(layers_per_stage)``: every stage pads to it);
+        an int or a NumPy array of them (every field then is an array).
+      last_stage: whether the head's working set applies (the head runs on the last stage;
+        its parameters are on every stage).
+    """
+    h, f, s, V, t, d = x.hidden_size, x.mlp_size, x.seq_len, x.vocab_size, x.tensor, x.data
+    b, beta = x.microbatch_size, x.act_bytes
+    zd = d if x.zero1 else 1  # ZeRO-1 shards the optimizer state and reduced gradients
+
+    # Parameters per device: tensor splits matmuls, the vocabulary and (approximately) all
+    # else; the pipeline layout keeps an embedding and a head copy on every stage.
+    blocks = slots * x.layer_params / t
+    embed = (V / t + s) * h
+    head = 2 * h + (0 if x.tied_embeddings else V * h / t)
+    P = blocks + embed + head
+    params = P * beta
+    optimizer = P / zd * (8 + (4 if x.master else 0))
+
+    grads = 4 * P + 4 * blocks / zd
+    K = buffer_depth(x.schedule, x.stages, x.microbatches)
+    R = layer_residual_bytes(x.remat, b, s, h, f, t, beta)
+    residuals = K * slots * R
+    act = b * s * h * beta
+    buffers = (6 + K) * act
+
+    # Working set: one layer's backward (recomputed activations when remat, the fp32
+    # gradient of its weights, its weights in fp32) or, on the last stage, the head.
+    recompute = layer_residual_bytes("none", b, s, h, f, t, beta) if x.remat != "none" else 0.0
+    scores = 3 * b * (x.num_heads / t) * s * s * 4 if x.attention == "xla" else 0.0
+    layer_grad = 2 * 4 * x.layer_params / t
+    working = recompute + scores + layer_grad
+    if last_stage:
+        logits = 3 * b * s * V / t * 4  # fp32 logits, softmax, their gradient
+        working = np.maximum(working, logits)
+
+    update = 3 * 4 * P / zd  # reduced grads, clipped grads, AdamW updates (fp32 shards)
+    return MemoryBreakdown(
+        params=params,
+        optimizer=optimizer,
+        grads=grads,
+        residuals=residuals,
+        buffers=buffers,
+        working=working,
+        update=update,
+    )
+
+
+def check_fits(x: MemoryInputs, layers_per_stage, limit_bytes: float) -> list[float]:
+    """Refuse a run whose predicted per-device peak exceeds the device memory.
+
+    Args:
+      x: the run's memory inputs (:func:`holmes_jax.planner.plans.memory_inputs_from_config`).
+      layers_per_stage: the split (every stage pads to its largest entry).
+      limit_bytes: memory of one device.
+
+    Returns:
+      The predicted peak bytes of a device of each stage.
+
+    Raises:
+      ConfigError: one line naming the first stage that does not fit, its predicted GB,
+        the limit and the switches that lower it.
+    """
+    slots, stages = max(layers_per_stage), len(layers_per_stage)
+    peaks = [float(device_memory(x, slots, last_stage=s == stages - 1).peak) for s in range(stages)]
+    for s, peak in enumerate(peaks):
+        if peak > limit_bytes:
+            raise ConfigError(
+                f"stage {s}: predicted {peak / 1e9:.1f} GB per device > the device limit "
+                f"{limit_bytes / 1e9:.1f} GB (model.remat={x.remat}, {x.microbatch_size} "
+                f"sequences per microbatch, {slots} layers per device); lower it with "
+                f"model.remat=selective or full, more parallel.microbatches, a larger "
+                f"parallel.tensor or more parallel.stages (python -m holmes_jax.plan)"
+            )
+    return peaks

@@ -1,0 +1,175 @@
+"""The planner's front door: a run config in, the cost model's specs and a plan out.
+
+One home for turning a :class:`holmes_jax.core.config.Config` into what the cost model
+prices (:func:`specs_from_config`, :func:`memory_inputs_from_config`), for planning it on a
+topology (:func:`make_plan`, with the alternative splits: :func:`alternatives`) and for
+resolving what the config leaves to the planner before the trainer compiles
+(:func:`resolve_auto`: ``model.remat: auto``, ``parallel.layers_per_stage: auto``).
+Pure Python; no jax import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import REMAT_POLICIES, Degrees, ModelSpec
+from holmes_jax.planner.cost import RunSpec, memory_inputs
+from holmes_jax.planner.memory import MemoryInputs
+from holmes_jax.planner.partition import (
+    METHODS,
+    Plan,
+    best_policy_plan,
+    plan_for_layout,
+    search_plan,
+)
+from holmes_jax.planner.placement import Calibration
+from holmes_jax.planner.topology import Topology, single_host_topology
+
+_BYTES = {"fp32": (4, 4, 4, 8), "bf16": (2, 2, 4, 12)}  # act, param, grad, optimizer
+
+
+def specs_from_config(cfg: Any, attention: str = "xla") -> tuple[ModelSpec, RunSpec]:
+    """The cost model's view of a :class:`holmes_jax.core.config.Config`.
+
+    Precision sets the byte sizes (fp32: 4-byte everything, Adam m and v; bf16: 2-byte
+    weights and activations, fp32 gradients, fp32 master + Adam); ``model.remat`` is the
+    activation policy (``auto``: priced as none, the planner searches);
+    ``optimizer.zero1`` shards the optimizer state over ``data``. ``attention`` is the
+    resolved kernel (:func:`holmes_jax.runtime.model.attention_kernel`).
+    """
+    m = cfg.model
+    model = m.spec
+    act, param, grad, opt = _BYTES.get(getattr(cfg.train, "precision", "fp32"), _BYTES["fp32"])
+    run = RunSpec(
+        cfg.train.global_batch_size,
+        act,
+        param,
+        grad,
+        opt,
+        remat=m.remat if m.remat != "auto" else "none",  # auto: the planner searches
+        attention=attention,
+        zero1=cfg.optimizer.zero1,
+    )
+    return model, run
+
+
+def memory_inputs_from_config(cfg: Any, data: int, attention: str = "xla") -> MemoryInputs:
+    """The memory model's inputs for ``cfg`` at data-parallel degree ``data``.
+
+    Raises:
+      ConfigError: a global batch that does not split into the micro-batches.
+    """
+    model, run = specs_from_config(cfg, attention)
+    layout = cfg.parallel.layout(
+        Degrees(cfg.parallel.stages, data, cfg.parallel.tensor, cfg.parallel.replica)
+    )
+    return memory_inputs(model, run, layout, layout.microbatch_size(run.global_batch_size))
+
+
+def make_plan(
+    cfg: Any,
+    topology: Topology,
+    method: str = "optimal",
+    calibration: Calibration | None = None,
+    keep_degrees: bool = False,
+) -> Plan:
+    """Plan a config on a topology: search everything, or keep the config's degrees.
+
+    Args:
+      cfg: a :class:`holmes_jax.core.config.Config`.
+      topology: the cluster.
+      method: ``uniform`` | ``holmes`` | ``optimal`` split.
+      calibration: device speed (e.g. from a profile).
+      keep_degrees: use ``parallel.stages/data/tensor/microbatches`` (``data: 0`` = the
+        remaining devices) and only choose the split.
+
+    Raises:
+      ConfigError: impossible degrees for the topology or nothing fits in memory.
+    """
+    model, run = specs_from_config(cfg)
+    par = cfg.parallel
+    if not keep_degrees:  # everything open: degrees, micro-batches, activation policy
+        return search_plan(
+            topology,
+            model,
+            run,
+            method=method,
+            schedule=par.schedule,
+            calibration=calibration,
+            remats=REMAT_POLICIES,
+        )
+    per = par.stages * par.tensor
+    data = par.data or topology.num_devices // per
+    layout = par.layout(Degrees(par.stages, data, par.tensor))
+    if cfg.model.remat == "auto":
+        return best_policy_plan(topology, model, run, layout, method, calibration)
+    return plan_for_layout(topology, model, run, layout, method, calibration)
+
+
+def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
+    """Resolve what the config leaves to the planner, for the trainer.
+
+    - ``model.remat: auto``: the fastest activation policy that fits under the config's
+      degrees and micro-batches (:func:`holmes_jax.planner.partition.best_policy_plan`).
+    - ``parallel.layers_per_stage: auto``: the optimal split under those degrees; unset
+      means an even split.
+
+    Both on the topology (one simulated host when none is named).
+
+    Args:
+      cfg: a :class:`holmes_jax.core.config.Config`.
+      shape: the resolved :class:`holmes_jax.core.config.Degrees`.
+      topology: the cluster, or None.
+
+    Returns:
+      ``cfg`` with a concrete ``model.remat`` and ``parallel.layers_per_stage`` tuple.
+
+    Raises:
+      ConfigError: nothing fits in memory
+        (see :func:`holmes_jax.planner.partition.plan_for_layout`).
+    """
+    par = cfg.parallel
+    lps, remat = par.layers_per_stage, cfg.model.remat
+    L, S = cfg.model.num_layers, shape.stages
+    if isinstance(lps, tuple):
+        method = list(lps)
+    elif lps == "auto" and S > 1:
+        method = "optimal"
+    else:  # unset (or one stage): an even split
+        base, extra = divmod(L, S)
+        method = [base + (s < extra) for s in range(S)]
+    if remat != "auto" and not isinstance(method, str):  # nothing left to plan
+        return dataclasses.replace(
+            cfg, parallel=dataclasses.replace(par, layers_per_stage=tuple(method))
+        )
+    model, run = specs_from_config(cfg)
+    topo = topology or single_host_topology(shape.num_devices)
+    layout = par.layout(shape)
+    if remat == "auto":
+        plan = best_policy_plan(topo, model, run, layout, method, None)
+        remat = plan.remat
+    else:
+        plan = plan_for_layout(topo, model, run, layout, method, None)
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, remat=remat),
+        parallel=dataclasses.replace(par, layers_per_stage=tuple(plan.layers_per_stage)),
+    )
+
+
+def alternatives(
+    cfg: Any, topology: Topology, plan: Plan, calibration: Calibration | None = None
+) -> dict[str, Plan | None]:
+    """The uniform, holmes and optimal splits of the plan's placement and activation
+    policy (None: no fit)."""
+    model, run = specs_from_config(cfg)
+    run = dataclasses.replace(run, remat=plan.remat)
+    out: dict[str, Plan | None] = {}
+    for method in METHODS:
+        try:
+            out[method] = plan_for_layout(topology, model, run, plan.layout, method, calibration)
+        except ConfigError:
+            out[method] = None
+    return out

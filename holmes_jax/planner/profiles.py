@@ -1,0 +1,164 @@
+"""Measured profiles: device speed and link figures that override a topology's numbers.
+
+Analytic peak-FLOPs models are tens of percent off; a short measurement on the real
+devices lands within a few percent. ``python -m holmes_jax.probe --mesh M`` times one
+layer's forward and backward and the collectives along each mesh axis and writes a JSON
+profile; ``python -m holmes_jax.plan --profile P`` reads it. Schema (version 1; every key
+is checked, unknown keys are errors)::
+
+    {
+      "version": 1,
+      "topology": "cpu8-two-islands",          # optional: must match the --mesh name
+      "measured_with": {                        # the layer shape that was timed
+        "hidden_size": 128, "seq_len": 128, "num_heads": 4, "mlp_ratio": 4,
+        "microbatch_size": 1, "tensor": 1,
+        "act_bytes": 4                          # optional: bytes per activation (default 2)
+      },
+      "compute": {                              # optional, per island (any subset)
+        "<island>": {"layer_fwd_s": 0.004, "layer_bwd_s": 0.008}
+      },
+      "links": {                                # optional, same units as the topology
+        "tensor": {"bandwidth_gbps": 80, "latency_us": 8},      # -> intra_host (per device)
+        "data:<island>": {"bandwidth_gbps": 20, "latency_us": 15},  # -> island NIC (per host)
+        "data:<island>:reduce-scatter": {...},  # optional: ZeRO-1's own collectives, in
+        "data:<island>:all-gather": {...},      #   the cost model's ring terms
+        "stage": {"bandwidth_gbps": 0.9, "latency_us": 250},        # -> inter_island default
+        "stage:<a>:<b>": {"bandwidth_gbps": 2, "latency_us": 90}    # -> that pair
+      }
+    }
+
+Compute: the measured times become the island's achieved FLOP/s, net of the cost model's
+memory-bound element-wise term, so the model reproduces the measured layer exactly and
+scales to other shapes by FLOPs. Links: a probe measuring per-ring bus bandwidth on an
+axis multiplies by the number of rings that shared the host NIC (``tensor`` needs no
+conversion: it is per device). A runtime may not run a reduce-scatter or all-gather as
+half an all-reduce (gloo on CPUs takes nearly a whole one): the ``:reduce-scatter`` and
+``:all-gather`` links then price ZeRO-1's collectives. Pure Python; no jax import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from holmes_jax.core.axes import DATA, STAGE, TENSOR
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import ModelSpec, layer_fwd_flops
+from holmes_jax.planner.formulas import layer_activation_bytes
+from holmes_jax.planner.placement import Calibration
+from holmes_jax.planner.topology import Link, Topology, TopologyReader
+
+PROFILE_VERSION = 1
+DATA_OPS = ("reduce-scatter", "all-gather")  # collectives a profile may time on their own
+_SHAPE_KEYS = ("hidden_size", "seq_len", "num_heads", "mlp_ratio", "microbatch_size", "tensor")
+
+
+def load_profile(
+    path: str | os.PathLike, topology: Topology, efficiency: float | None = None
+) -> tuple[Topology, Calibration]:
+    """Read a profile and apply it to a topology.
+
+    Args:
+      path: JSON profile file.
+      topology: the topology named by ``--mesh``.
+      efficiency: fraction of peak for islands the profile does not time (default: the
+        cost model's calibrated one).
+
+    Returns:
+      (topology with measured links, calibration with measured island speeds).
+
+    Raises:
+      ConfigError: unreadable file, unknown key, wrong type, or an island/pair the
+        topology does not have.
+    """
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--profile '{path}': file does not exist")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+    return profile_from_dict(raw, topology, source=path, efficiency=efficiency)
+
+
+def profile_from_dict(
+    raw, topology: Topology, source: str = "<profile>", efficiency: float | None = None
+) -> tuple[Topology, Calibration]:
+    """:func:`load_profile` on already-parsed data."""
+    r = TopologyReader(source)
+    top = r.mapping(
+        raw, "", required=("version", "measured_with"), optional=("topology", "compute", "links")
+    )
+    if top["version"] != PROFILE_VERSION:
+        r.fail("version", top["version"], f"must be {PROFILE_VERSION}")
+    if "topology" in top and top["topology"] != topology.name:
+        r.fail(
+            "topology", top["topology"], f"profile is for another topology than '{topology.name}'"
+        )
+    shape = r.mapping(
+        top["measured_with"], "measured_with", required=_SHAPE_KEYS, optional=("act_bytes",)
+    )
+    dims = {k: r.integer(shape[k], f"measured_with.{k}", 1) for k in _SHAPE_KEYS}
+    # The timed layer's element-wise traffic is subtracted at the precision it ran in
+    # (fp32: 4); the cost model adds it back at the planned run's precision.
+    act_bytes = r.integer(shape.get("act_bytes", 2), "measured_with.act_bytes", 1)
+    names = [isl.name for isl in topology.islands]
+
+    base = Calibration() if efficiency is None else Calibration(efficiency)
+    measured = ModelSpec(
+        1, dims["hidden_size"], dims["num_heads"], dims["seq_len"], 1, dims["mlp_ratio"]
+    )
+    b, t = dims["microbatch_size"], dims["tensor"]
+    flops = layer_fwd_flops(measured, b) / t
+    traffic = layer_activation_bytes(measured, b, t, act_bytes)
+    speeds = {}
+    compute = top.get("compute", {})
+    r.mapping(compute, "compute", optional=tuple(names))
+    for name, item in compute.items():
+        key = f"compute.{name}"
+        m = r.mapping(item, key, required=("layer_fwd_s", "layer_bwd_s"))
+        fwd_s = r.number(m["layer_fwd_s"], f"{key}.layer_fwd_s")
+        bwd_s = r.number(m["layer_bwd_s"], f"{key}.layer_bwd_s")
+        mem_bw = topology.islands[names.index(name)].memory_bytes_per_s
+        # Net of the element-wise term the cost model adds (1x forward, 2x backward).
+        fwd_net = max(fwd_s - traffic / mem_bw, 0.25 * fwd_s)
+        bwd_net = max(bwd_s - 2 * traffic / mem_bw, 0.25 * bwd_s)
+        speeds[name] = (flops / fwd_net, 2 * flops / bwd_net)
+
+    links = top.get("links", {})
+    allowed = (
+        (TENSOR, STAGE)
+        + tuple(f"{DATA}:{n}" for n in names)
+        + tuple(f"{DATA}:{n}:{op}" for n in names for op in DATA_OPS)
+        + tuple(f"{STAGE}:{a}:{c}" for a in names for c in names if a != c)
+    )
+    r.mapping(links, "links", optional=allowed)
+    new = {key: r.link(value, f"links.{key}") for key, value in links.items()}
+    islands = tuple(
+        dataclasses.replace(isl, link=new.get(f"{DATA}:{isl.name}", isl.link))
+        for isl in topology.islands
+    )
+    overrides = {(a, c): link for a, c, link in topology.inter_island_overrides}
+    data_ops: dict[str, dict[str, Link]] = {}
+    for key, link in new.items():
+        if key.startswith(f"{DATA}:") and key.count(":") == 2:
+            _, island, op = key.split(":")
+            data_ops.setdefault(island, {})[op] = link
+        if key.startswith(f"{STAGE}:"):
+            _, a, c = key.split(":")
+            overrides[tuple(sorted((a, c)))] = link
+    profiled = dataclasses.replace(
+        topology,
+        islands=islands,
+        intra_host=new.get(TENSOR, topology.intra_host),
+        inter_island_default=new.get(STAGE, topology.inter_island_default),
+        inter_island_overrides=tuple((a, c, link) for (a, c), link in sorted(overrides.items())),
+    )
+    return profiled, dataclasses.replace(base, island_flops=speeds, data_ops=data_ops)
+
+
+def link_dict(link: Link) -> dict[str, float]:
+    """A link as the profile (and topology) files write it."""
+    return {"bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us}

@@ -1,0 +1,383 @@
+"""Physical topology of a cluster: islands of hosts, their NICs and the links between them.
+
+An **island** is a group of hosts on one RDMA fabric (InfiniBand or RoCE) or, at worst,
+plain Ethernet. Inside a host devices talk over the intra-host link (NVLink, or shared
+memory for simulated CPU devices); between islands only the inter-island link exists
+(usually slow Ethernet/TCP). A topology is described by a YAML file in ``meshes/`` and
+loaded strictly by :func:`load_topology`: an unknown key, a wrong type or an impossible
+value raises :class:`~holmes_jax.core.errors.ConfigError` with a one-line message naming the
+file, the key, the value and the rule.
+
+Bandwidth conventions (what the cost model assumes):
+
+- ``intra_host``: per-device bandwidth to the other devices of its host.
+- ``islands[i].link``: per-host NIC bandwidth inside the island (all NICs of a host
+  together, e.g. 4 x 200 Gbit/s HDR = 800).
+- ``inter_island``: per-host bandwidth of the path between two islands.
+
+Devices are numbered island → host → device; :meth:`Topology.device_places` gives that
+order, which the mesh builder and the planner both follow. Plain Python: no jax import.
+
+Schema (every key is checked; optional keys marked)::
+
+    name: str
+    description: str                     # optional
+    intra_host: {bandwidth_gbps: float, latency_us: float}
+    inter_island:                        # required when there is more than one island
+      default: {bandwidth_gbps: float, latency_us: float}
+      overrides:                         # optional
+        - {between: [island_a, island_b], bandwidth_gbps: float, latency_us: float}
+    islands:
+      - name: str
+        nic: infiniband | roce | ethernet
+        link: {bandwidth_gbps: float, latency_us: float}
+        hosts: [str, ...] | int          # names, or a count (named <island>-<i>)
+        devices_per_host: int
+        device_kind: str
+        peak_tflops: float               # per device, dense 16-bit (or fp32 on CPU)
+        memory_gb: float                 # per device, 1e9 bytes
+        memory_bandwidth_gbs: float      # optional, per device GB/s (optimizer step)
+        hcas: [str, ...]                 # optional, infiniband/roce only (NCCL_IB_HCA)
+        gid_index: int                   # optional, roce only (NCCL_IB_GID_INDEX)
+        interface: str                   # optional (NCCL_SOCKET_IFNAME)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.yamlio import StrictReader, read_yaml
+
+NIC_TYPES = ("infiniband", "roce", "ethernet")
+# Machine balance used when an island gives no memory bandwidth: GB/s per TFLOP/s.
+DEFAULT_GBS_PER_TFLOPS = 5.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: bandwidth in Gbit/s and one-way latency in microseconds."""
+
+    bandwidth_gbps: float
+    latency_us: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bandwidth in bytes per second."""
+        return self.bandwidth_gbps * 1e9 / 8.0
+
+    @property
+    def latency_s(self) -> float:
+        """Latency in seconds."""
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class Island:
+    """Hosts on one network fabric, all with the same devices."""
+
+    name: str
+    nic: str  # infiniband | roce | ethernet
+    link: Link  # per-host NIC bandwidth and latency inside the island
+    hosts: tuple[str, ...]
+    devices_per_host: int
+    device_kind: str
+    peak_tflops: float  # per device
+    memory_gb: float  # per device, 1e9 bytes
+    memory_bandwidth_gbs: float | None = None  # per device, GB/s
+    hcas: tuple[str, ...] = ()  # RDMA devices for NCCL_IB_HCA
+    gid_index: int | None = None  # RoCE GID index for NCCL_IB_GID_INDEX
+    interface: str | None = None  # socket interface for NCCL_SOCKET_IFNAME
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """Device memory bandwidth in bytes/s (default: a machine balance rule)."""
+        gbs = self.memory_bandwidth_gbs
+        if gbs is None:
+            gbs = self.peak_tflops * DEFAULT_GBS_PER_TFLOPS
+        return gbs * 1e9
+
+
+@dataclass(frozen=True)
+class DevicePlace:
+    """Where one device sits: global index (island → host → device order) and names."""
+
+    index: int
+    island: int
+    island_name: str
+    host: int  # global host index
+    host_name: str
+    local: int  # index within the host
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Islands, the intra-host link and the inter-island links of a cluster."""
+
+    name: str
+    islands: tuple[Island, ...]
+    intra_host: Link
+    inter_island_default: Link | None = None
+    # ((island_a, island_b, link), ...) with island_a < island_b by name.
+    inter_island_overrides: tuple[tuple[str, str, Link], ...] = ()
+    description: str = ""
+
+    def inter_island(self, a_name: str, b_name: str) -> Link:
+        """The link between two islands: a per-pair override or the default.
+
+        Raises:
+          ConfigError: unknown island name, same island twice, or no inter-island link.
+        """
+        names = {island.name for island in self.islands}
+        for n in (a_name, b_name):
+            if n not in names:
+                raise ConfigError(f"topology {self.name}: island '{n}' does not exist")
+        if a_name == b_name:
+            raise ConfigError(
+                f"topology {self.name}: inter_island('{a_name}', '{b_name}'): needs two "
+                f"different islands (inside one island use its NIC link)"
+            )
+        key = tuple(sorted((a_name, b_name)))
+        for a, b, link in self.inter_island_overrides:
+            if (a, b) == key:
+                return link
+        if self.inter_island_default is None:
+            raise ConfigError(f"topology {self.name}: inter_island has no default link")
+        return self.inter_island_default
+
+    @property
+    def num_devices(self) -> int:
+        return sum(island.num_devices for island in self.islands)
+
+    @property
+    def num_hosts(self) -> int:
+        return sum(island.num_hosts for island in self.islands)
+
+    @property
+    def island_offsets(self) -> tuple[int, ...]:
+        """Global index of each island's first device."""
+        offsets, total = [], 0
+        for island in self.islands:
+            offsets.append(total)
+            total += island.num_devices
+        return tuple(offsets)
+
+    def device_places(self) -> list[DevicePlace]:
+        """Every device in global order: island → host → device."""
+        places, host_index = [], 0
+        for i, island in enumerate(self.islands):
+            for host_name in island.hosts:
+                for local in range(island.devices_per_host):
+                    places.append(
+                        DevicePlace(len(places), i, island.name, host_index, host_name, local)
+                    )
+                host_index += 1
+        return places
+
+
+def single_host_topology(
+    num_devices: int, peak_tflops: float = 0.0125, memory_gb: float = 2.0
+) -> Topology:
+    """One island holding one host of ``num_devices`` devices (no topology file named).
+
+    The defaults describe one simulated CPU device of an 8-way-shared 2-core machine.
+    """
+    return topology_from_dict(
+        {
+            "name": f"single-host-{num_devices}",
+            "intra_host": {"bandwidth_gbps": 100, "latency_us": 5},
+            "islands": [
+                {
+                    "name": "local",
+                    "nic": "ethernet",
+                    "link": {"bandwidth_gbps": 10, "latency_us": 50},
+                    "hosts": ["localhost"],
+                    "devices_per_host": num_devices,
+                    "device_kind": "cpu",
+                    "peak_tflops": peak_tflops,
+                    "memory_gb": memory_gb,
+                }
+            ],
+        },
+        source="<single host>",
+    )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_topology(path: str | os.PathLike) -> Topology:
+    """Load and validate a topology YAML file.
+
+    Args:
+      path: a ``meshes/*.yaml`` file.
+
+    Returns:
+      The validated :class:`Topology`.
+
+    Raises:
+      ConfigError: missing or unreadable file, bad YAML, unknown key, wrong type or
+        impossible value; the message names the file, the key, the value and the rule.
+    """
+    path = str(path)
+    raw = read_yaml(path, f"mesh '{path}': topology file")
+    return topology_from_dict(raw, source=path)
+
+
+def topology_from_dict(raw: Any, source: str = "<dict>") -> Topology:
+    """Build a :class:`Topology` from plain data (a parsed YAML file).
+
+    Args:
+      raw: the mapping described in this module's docstring.
+      source: file name used in error messages.
+
+    Returns:
+      The validated topology.
+
+    Raises:
+      ConfigError: as :func:`load_topology`.
+    """
+    r = TopologyReader(source)
+    top = r.mapping(
+        raw,
+        "",
+        required=("name", "intra_host", "islands"),
+        optional=("description", "inter_island"),
+    )
+    name = r.string(top["name"], "name")
+    islands_raw = top["islands"]
+    if not isinstance(islands_raw, list) or not islands_raw:
+        r.fail("islands", islands_raw, "must be a non-empty list of islands")
+    islands = tuple(r.island(item, f"islands[{i}]") for i, item in enumerate(islands_raw))
+    _check_unique(r, [isl.name for isl in islands], "islands[{}].name")
+    hosts = [h for isl in islands for h in isl.hosts]
+    _check_unique(r, hosts, "host name {}", by_value=True)
+    default, overrides = None, ()
+    if "inter_island" in top:
+        default, overrides = r.inter_island(top["inter_island"], {i.name for i in islands})
+    elif len(islands) > 1:
+        r.fail("inter_island", None, f"required with {len(islands)} islands")
+    return Topology(
+        name=name,
+        islands=islands,
+        intra_host=r.link(top["intra_host"], "intra_host"),
+        inter_island_default=default,
+        inter_island_overrides=overrides,
+        description=r.string(top.get("description", ""), "description", allow_empty=True),
+    )
+
+
+def _check_unique(r: TopologyReader, values: list[str], key: str, by_value: bool = False) -> None:
+    seen: set[str] = set()
+    for i, v in enumerate(values):
+        if v in seen:
+            r.fail(key.format(v if by_value else i), v, "must be unique")
+        seen.add(v)
+
+
+class TopologyReader(StrictReader):
+    """Strict readers for a topology's links and islands (on top of the generic nodes)."""
+
+    def link(self, raw: Any, key: str, extra: tuple[str, ...] = ()) -> Link:
+        m = self.mapping(raw, key, required=("bandwidth_gbps", "latency_us"), optional=extra)
+        return Link(
+            bandwidth_gbps=self.number(m["bandwidth_gbps"], f"{key}.bandwidth_gbps"),
+            latency_us=self.number(m["latency_us"], f"{key}.latency_us", strict=False),
+        )
+
+    def island(self, raw: Any, key: str) -> Island:
+        m = self.mapping(
+            raw,
+            key,
+            required=(
+                "name",
+                "nic",
+                "link",
+                "hosts",
+                "devices_per_host",
+                "device_kind",
+                "peak_tflops",
+                "memory_gb",
+            ),
+            optional=("memory_bandwidth_gbs", "hcas", "gid_index", "interface"),
+        )
+        name = self.string(m["name"], f"{key}.name")
+        if any(c in name for c in ": \t"):
+            self.fail(f"{key}.name", name, "must not contain ':' or whitespace")
+        nic = m["nic"]
+        if nic not in NIC_TYPES:
+            self.fail(f"{key}.nic", nic, f"must be one of {', '.join(NIC_TYPES)}")
+        hosts_raw = m["hosts"]
+        if isinstance(hosts_raw, int) and not isinstance(hosts_raw, bool):
+            hosts = tuple(f"{name}-{i}" for i in range(self.integer(hosts_raw, f"{key}.hosts", 1)))
+        elif isinstance(hosts_raw, list) and hosts_raw:
+            hosts = tuple(self.string(h, f"{key}.hosts[{i}]") for i, h in enumerate(hosts_raw))
+        else:
+            self.fail(f"{key}.hosts", hosts_raw, "must be a non-empty list of names or a count")
+        hcas: tuple[str, ...] = ()
+        if "hcas" in m:
+            if nic == "ethernet":
+                self.fail(f"{key}.hcas", m["hcas"], "only for nic infiniband or roce")
+            if not isinstance(m["hcas"], list) or not m["hcas"]:
+                self.fail(f"{key}.hcas", m["hcas"], "must be a non-empty list of names")
+            hcas = tuple(self.string(h, f"{key}.hcas[{i}]") for i, h in enumerate(m["hcas"]))
+        gid = None
+        if "gid_index" in m:
+            if nic != "roce":
+                self.fail(f"{key}.gid_index", m["gid_index"], "only for nic roce")
+            gid = self.integer(m["gid_index"], f"{key}.gid_index", 0)
+        mem_bw = None
+        if "memory_bandwidth_gbs" in m:
+            mem_bw = self.number(m["memory_bandwidth_gbs"], f"{key}.memory_bandwidth_gbs")
+        interface = None
+        if "interface" in m:
+            interface = self.string(m["interface"], f"{key}.interface")
+        return Island(
+            name=name,
+            nic=nic,
+            link=self.link(m["link"], f"{key}.link"),
+            hosts=hosts,
+            devices_per_host=self.integer(m["devices_per_host"], f"{key}.devices_per_host", 1),
+            device_kind=self.string(m["device_kind"], f"{key}.device_kind"),
+            peak_tflops=self.number(m["peak_tflops"], f"{key}.peak_tflops"),
+            memory_gb=self.number(m["memory_gb"], f"{key}.memory_gb"),
+            memory_bandwidth_gbs=mem_bw,
+            hcas=hcas,
+            gid_index=gid,
+            interface=interface,
+        )
+
+    def inter_island(self, raw: Any, names: set[str]):
+        m = self.mapping(raw, "inter_island", required=("default",), optional=("overrides",))
+        default = self.link(m["default"], "inter_island.default")
+        overrides, seen = [], set()
+        items = m.get("overrides", [])
+        if not isinstance(items, list):
+            self.fail("inter_island.overrides", items, "must be a list")
+        for i, item in enumerate(items):
+            key = f"inter_island.overrides[{i}]"
+            link = self.link(item, key, extra=("between",))
+            pair = item.get("between")
+            if not isinstance(pair, list) or len(pair) != 2:
+                self.fail(f"{key}.between", pair, "must be a list of two island names")
+            for n in pair:
+                if n not in names:
+                    self.fail(f"{key}.between", pair, f"island '{n}' is not defined")
+            if pair[0] == pair[1]:
+                self.fail(f"{key}.between", pair, "must name two different islands")
+            a, b = sorted(pair)
+            if (a, b) in seen:
+                self.fail(f"{key}.between", pair, "pair already has an override")
+            seen.add((a, b))
+            overrides.append((a, b, link))
+        return default, tuple(overrides)

@@ -1,0 +1,444 @@
+"""Training data: a byte tokenizer, corpora, and deterministic, per-process batches.
+
+Three sources, chosen by ``data.source``:
+
+- ``stdlib`` (the embedded default): the running interpreter's standard-library ``.py``
+  sources, read as raw bytes in sorted relative-path order, so every machine with Python
+  has the same offline corpus. ``site-packages`` / ``dist-packages`` are skipped.
+- ``text``: one text file (split by its tail) or a directory of text files (split by file).
+  Byte tokenizer, like ``stdlib``.
+- ``tokens``: a pre-tokenized raw ``uint16`` / ``uint32`` file, opened with ``np.memmap``
+  and never read whole into memory; eval is its last ``eval_fraction`` of tokens.
+
+Multi-file sources are split *by file*, so eval text is never seen in training: files are
+ranked by the CRC-32 of their relative path and the lowest-ranked go to eval until they
+hold ``eval_fraction`` of the bytes (at least one file, never all of them).
+
+Batches are a pure function of ``(seed, step)`` (:class:`BatchSampler`): a resumed run only
+needs the step to see exactly the batches an uninterrupted run sees. Each process gathers
+only the rows of the global batch that its devices hold (:func:`local_rows`) and
+:func:`make_batch` assembles the global ``jax.Array`` from them.
+
+Nothing happens at import time, and jax is imported only inside :func:`local_rows` and
+:func:`make_batch`.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from holmes_jax.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+
+SOURCES = ("stdlib", "text", "tokens")
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+BYTE_VOCAB_SIZE = 256
+# Directories under the stdlib that hold third-party packages, not the standard library.
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+# Elements per chunk when scanning a memmap for its largest token id (16 MiB of uint32).
+_SCAN_CHUNK = 1 << 22
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: ids 0..255, no special tokens."""
+
+    vocab_size = BYTE_VOCAB_SIZE
+
+    def encode(self, text: str) -> np.ndarray:
+        """Encodes text as its UTF-8 bytes.
+
+        Args:
+            text: any string.
+
+        Returns:
+            uint16 ids, shape [num_bytes].
+        """
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids: Any) -> str:
+        """Decodes ids back to text; invalid UTF-8 becomes U+FFFD.
+
+        Args:
+            ids: integer ids, any shape (flattened). Ids outside 0..255 (a model with a
+                padded vocabulary may sample them) decode to U+FFFD.
+
+        Returns:
+            The decoded string.
+        """
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        # 0xFF never occurs in valid UTF-8, so it decodes to U+FFFD under errors="replace".
+        ids = np.where((ids >= 0) & (ids < BYTE_VOCAB_SIZE), ids, 0xFF)
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    """A tokenized corpus split into train and eval.
+
+    Attributes:
+        train: 1-D token ids (np.ndarray or np.memmap), dtype uint8/uint16/uint32.
+        eval: 1-D token ids, disjoint text from ``train``.
+        description: one human-readable line (source, size of each split).
+    """
+
+    train: np.ndarray
+    eval: np.ndarray
+    description: str
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_corpus(cfg: Any, vocab_size: int) -> Corpus:
+    """Loads the corpus named by a data config.
+
+    Args:
+        cfg: a DataConfig with ``source`` ('stdlib' | 'text' | 'tokens'), ``path``,
+            ``token_dtype`` ('uint16' | 'uint32'), ``eval_fraction`` (0 < f < 1) and
+            ``max_bytes`` (cap on bytes read for the byte-level sources ``stdlib`` and
+            ``text``; 0 = no cap; a ``tokens`` memmap costs nothing to open and is not
+            capped).
+        vocab_size: the model's vocabulary size; every token id must be below it.
+
+    Returns:
+        The train and eval token arrays and a one-line description.
+
+    Raises:
+        ConfigError: a bad source, dtype, fraction, cap or path; a missing, empty or
+            misaligned file; a token id >= vocab_size; a byte corpus with vocab_size < 256.
+    """
+    source, path = cfg.source, cfg.path
+    if source not in SOURCES:
+        raise ConfigError(f"data.source={source!r}: must be one of {', '.join(SOURCES)}")
+    frac = cfg.eval_fraction
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac < 1:
+        raise ConfigError(f"data.eval_fraction={frac!r}: must be a number with 0 < f < 1")
+    max_bytes = cfg.max_bytes
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ConfigError(f"data.max_bytes={max_bytes!r}: must be an integer >= 0 (0 = no cap)")
+
+    if source == "tokens":
+        if cfg.token_dtype not in TOKEN_DTYPES:
+            raise ConfigError(
+                f"data.token_dtype={cfg.token_dtype!r}: must be one of {', '.join(TOKEN_DTYPES)}"
+            )
+        return _load_tokens(_existing_path(path, source), cfg.token_dtype, frac, vocab_size)
+
+    if vocab_size < BYTE_VOCAB_SIZE:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size}: must be >= {BYTE_VOCAB_SIZE} for the byte "
+            f"tokenizer of data.source={source!r}"
+        )
+    if source == "stdlib":
+        if path is not None:
+            raise ConfigError(
+                f"data.path={path!r}: must be unset for data.source='stdlib' "
+                "(the corpus is the interpreter's standard library)"
+            )
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = _list_files(root, suffix=".py", skip_dirs=_STDLIB_SKIP_DIRS)
+        return _load_byte_files(root, files, frac, max_bytes, label="stdlib")
+
+    p = _existing_path(path, source)
+    if p.is_file():
+        return _load_text_file(p, frac, max_bytes)
+    files = _list_files(p, suffix="", skip_dirs=frozenset())
+    if not files:
+        raise ConfigError(f"data.path={path!r}: directory holds no (non-hidden) files")
+    if len(files) == 1:
+        return _load_text_file(p / files[0], frac, max_bytes)
+    return _load_byte_files(p, files, frac, max_bytes, label="text")
+
+
+def _existing_path(path: str | None, source: str) -> Path:
+    """The path of a file-backed source, checked to exist."""
+    if not path:
+        raise ConfigError(f"data.path={path!r}: must be set for data.source={source!r}")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"data.path={path!r}: file does not exist")
+    if source == "tokens" and not p.is_file():
+        raise ConfigError(f"data.path={path!r}: must be a file for data.source='tokens'")
+    return p
+
+
+def _list_files(root: Path, suffix: str, skip_dirs: frozenset[str]) -> list[str]:
+    """Regular files under root as sorted relative POSIX paths (hidden entries skipped)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place so os.walk never descends into skipped or hidden directories.
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
+        rel = Path(dirpath).relative_to(root)
+        for name in filenames:
+            if name.endswith(suffix) and not name.startswith("."):
+                if os.path.isfile(os.path.join(dirpath, name)):
+                    out.append((rel / name).as_posix())
+    return sorted(out)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _load_byte_files(
+    root: Path, files: list[str], frac: float, max_bytes: int, label: str
+) -> Corpus:
+    """Reads files in order up to max_bytes (the last one truncated) and splits by file."""
+    chunks: list[bytes] = []
+    total = 0
+    for rel in files:
+        if max_bytes and total >= max_bytes:
+            break
+        data = (root / rel).read_bytes()
+        if max_bytes:
+            data = data[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+    names = files[: len(chunks)]
+    if len(chunks) < 2:
+        raise ConfigError(
+            f"data.max_bytes={max_bytes}: reads only {len(chunks)} file(s) of {root}; "
+            "need at least 2 to split train and eval by file"
+        )
+
+    # Eval = the files with the lowest CRC-32 of their path, until they hold frac of the
+    # bytes; at least one file, never all. Deterministic and independent of the OS.
+    order = sorted(range(len(names)), key=lambda i: (zlib.crc32(names[i].encode()), names[i]))
+    is_eval = [False] * len(names)
+    eval_bytes = 0
+    for i in order[:-1]:
+        if eval_bytes >= frac * total:
+            break
+        is_eval[i] = True
+        eval_bytes += len(chunks[i])
+    if eval_bytes == 0 or eval_bytes == total:
+        raise ConfigError(
+            f"data.max_bytes={max_bytes}: the {len(names)} file(s) read from {root} give an "
+            "empty train or eval split"
+        )
+
+    train = b"".join(c for c, e in zip(chunks, is_eval, strict=True) if not e)
+    ev = b"".join(c for c, e in zip(chunks, is_eval, strict=True) if e)
+    n_eval_files = sum(is_eval)
+    description = (
+        f"{label} ({root}): {len(names)} files ({len(names) - n_eval_files} train, "
+        f"{n_eval_files} eval), {_mb(len(train))} train, {_mb(len(ev))} eval"
+    )
+    return Corpus(
+        train=np.frombuffer(train, dtype=np.uint8),
+        eval=np.frombuffer(ev, dtype=np.uint8),
+        description=description,
+    )
+
+
+def _tail_split(tokens: np.ndarray, frac: float) -> tuple[np.ndarray, np.ndarray]:
+    """Splits off the last frac of tokens as eval (both parts non-empty; views, no copy)."""
+    n = len(tokens)
+    n_eval = min(max(int(round(n * frac)), 1), n - 1)
+    return tokens[: n - n_eval], tokens[n - n_eval :]
+
+
+def _load_text_file(path: Path, frac: float, max_bytes: int) -> Corpus:
+    """One text file as bytes via memmap (capped at max_bytes), eval = its tail."""
+    size = path.stat().st_size
+    if size < 2:
+        raise ConfigError(f"data.path='{path}': file has {size} bytes, needs at least 2")
+    tokens = np.memmap(path, dtype=np.uint8, mode="r")  # [size]
+    if max_bytes:
+        tokens = tokens[:max_bytes]
+    train, ev = _tail_split(tokens, frac)
+    description = f"text ({path}): {_mb(len(train))} train, {_mb(len(ev))} eval (tail)"
+    return Corpus(train=train, eval=ev, description=description)
+
+
+def _load_tokens(path: Path, dtype_name: str, frac: float, vocab_size: int) -> Corpus:
+    """A raw pre-tokenized file as a memmap; eval = its tail. Checks ids < vocab_size."""
+    dtype = np.dtype(TOKEN_DTYPES[dtype_name])
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ConfigError(
+            f"data.path='{path}': size {size} bytes is not a multiple of "
+            f"{dtype.itemsize} (data.token_dtype={dtype_name!r})"
+        )
+    if size < 2 * dtype.itemsize:
+        raise ConfigError(f"data.path='{path}': holds {size // dtype.itemsize} tokens, needs >= 2")
+    tokens = np.memmap(path, dtype=dtype, mode="r")  # [size // itemsize]
+    # Largest id chunk by chunk, so the file is streamed once and never held whole.
+    top = max(int(tokens[i : i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK))
+    if top >= vocab_size:
+        raise ConfigError(
+            f"data.path='{path}': holds token id {top}, must be < model.vocab_size={vocab_size}"
+        )
+    train, ev = _tail_split(tokens, frac)
+    description = (
+        f"tokens ({path}, {dtype_name}): {len(train):,} train tokens, {len(ev):,} eval tokens"
+    )
+    return Corpus(train=train, eval=ev, description=description)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _check_split(tokens: np.ndarray, seq_len: int, split: str) -> None:
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ConfigError(f"model.seq_len={seq_len!r}: must be an integer >= 1")
+    if len(tokens) < seq_len + 1:
+        raise ConfigError(
+            f"model.seq_len={seq_len}: the {split} split has {len(tokens)} tokens, "
+            f"fewer than seq_len + 1 = {seq_len + 1}"
+        )
+
+
+def _gather(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """Windows tokens[s : s + width] for each start s, as int32 [len(starts), width]."""
+    idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width, dtype=np.int64)
+    return np.asarray(tokens[idx], dtype=np.int32)
+
+
+class BatchSampler:
+    """Random windows of a token array, a pure function of (seed, step).
+
+    Batches have no hidden state, so resuming at step k sees exactly the batches an
+    uninterrupted run sees; the data position in a checkpoint is just the step.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        *,
+        split: str = "train",
+    ):
+        """Creates a sampler.
+
+        Args:
+            tokens: 1-D token ids (may be a memmap).
+            seq_len: tokens per input row; each row holds seq_len + 1 tokens.
+            global_batch_size: rows in the global batch B.
+            seed: non-negative data seed.
+            split: name used in error messages.
+
+        Raises:
+            ConfigError: the split is shorter than seq_len + 1 tokens, or a bad
+                batch size or seed.
+        """
+        _check_split(tokens, seq_len, split)
+        if global_batch_size < 1:
+            raise ConfigError(f"train.global_batch_size={global_batch_size}: must be >= 1")
+        if seed < 0:
+            raise ConfigError(f"train.seed={seed}: must be >= 0")
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        self.global_batch_size = int(global_batch_size)
+        self.seed = int(seed)
+
+    def starts(self, step: int) -> np.ndarray:
+        """Start offsets of all B rows at step, int64 [B]."""
+        if step < 0:
+            raise ValueError(f"step={step}: must be >= 0")
+        rng = np.random.default_rng((self.seed, step))
+        # Last valid start leaves room for seq_len + 1 tokens.
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch_size)
+
+    def rows(self, step: int, row_indices: np.ndarray) -> np.ndarray:
+        """Selected rows of the global batch at step.
+
+        Args:
+            step: training step (>= 0).
+            row_indices: indices into the global batch, shape [R].
+
+        Returns:
+            int32 [R, seq_len + 1]; inputs are [:, :-1], targets [:, 1:].
+        """
+        starts = self.starts(step)[np.asarray(row_indices, dtype=np.int64)]  # [R]
+        return _gather(self.tokens, starts, self.seq_len + 1)
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """All rows at step: int32 [B, seq_len + 1]."""
+        return _gather(self.tokens, self.starts(step), self.seq_len + 1)
+
+
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
+) -> list[np.ndarray]:
+    """Fixed eval batches spread evenly over a split.
+
+    The num_batches * batch_size windows start at evenly spaced offsets from the first to
+    the last possible start, so they cover the split and do not overlap where it is long
+    enough.
+
+    Args:
+        tokens: 1-D eval token ids.
+        seq_len: tokens per input row.
+        batch_size: rows per batch.
+        num_batches: number of batches.
+
+    Returns:
+        num_batches arrays, each int32 [batch_size, seq_len + 1].
+
+    Raises:
+        ConfigError: the split is shorter than seq_len + 1 tokens, or a count is < 1.
+    """
+    _check_split(tokens, seq_len, "eval")
+    if batch_size < 1 or num_batches < 1:
+        raise ConfigError(
+            f"eval batch_size={batch_size}, num_batches={num_batches}: both must be >= 1"
+        )
+    n = batch_size * num_batches
+    starts = np.linspace(0, len(tokens) - seq_len - 1, n).astype(np.int64)  # [n]
+    windows = _gather(tokens, starts, seq_len + 1)  # [n, seq_len + 1]
+    return list(windows.reshape(num_batches, batch_size, seq_len + 1))
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> np.ndarray:
+    """Global-batch rows this process must supply for a [B, T] array with this sharding.
+
+    The union of the row ranges of this process's addressable devices, sorted: exactly the
+    rows ``jax.make_array_from_process_local_data`` expects as local data, in its order.
+
+    Args:
+        sharding: sharding of the [B, T] batch.
+        global_batch_size: B.
+
+    Returns:
+        int64 [R] sorted unique row indices (R = B on a single process).
+    """
+    # Any T works for the row indices; the device count is divisible by any sharding of it.
+    shape = (global_batch_size, len(sharding.device_set))
+    rows = np.arange(global_batch_size)
+    index_map = sharding.addressable_devices_indices_map(shape)
+    return np.unique(np.concatenate([rows[index[0]] for index in index_map.values()]))
+
+
+def make_batch(sampler: BatchSampler, step: int, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global batch at step as a sharded array, built from this process's rows only.
+
+    Args:
+        sampler: the batch sampler.
+        step: training step.
+        sharding: sharding of the [B, seq_len + 1] batch.
+
+    Returns:
+        int32 jax.Array [B, seq_len + 1] with the given sharding.
+    """
+    import jax
+
+    global_shape = (sampler.global_batch_size, sampler.seq_len + 1)
+    local = sampler.rows(step, local_rows(sharding, sampler.global_batch_size))  # [R, T+1]
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)

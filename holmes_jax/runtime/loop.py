@@ -1,0 +1,241 @@
+"""The training loop: data → sharded step → metrics, eval, checkpoints, clean stops.
+
+Read top to bottom, :func:`run` does:
+
+1. resolve the mesh degrees against the visible devices and build the mesh;
+2. load the corpus and build the (seed, step) → batch sampler and fixed eval batches;
+3. build the :class:`~holmes_jax.runtime.program.Program` (shardings, jitted steps);
+4. restore the newest checkpoint in ``checkpoint.dir`` or initialise sharded state;
+5. loop: make this process's part of the batch, step, and on log steps fetch metrics
+   (only then does the host wait for the device), evaluate, checkpoint;
+6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
+
+``run`` returns the history: one dict per logged step (the same records as the JSON lines).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from holmes_jax.cluster.distributed import any_process
+from holmes_jax.core.config import Config
+from holmes_jax.core.spec import flops_per_token
+from holmes_jax.planner.memory import check_fits
+from holmes_jax.planner.plans import memory_inputs_from_config, resolve_auto
+from holmes_jax.runtime.checkpoint import Checkpointer
+from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
+from holmes_jax.runtime.mesh import build_mesh, load_mesh_topology, resolve_shape
+from holmes_jax.runtime.metrics import MetricsLogger
+from holmes_jax.runtime.model import attention_kernel
+from holmes_jax.runtime.program import Program, compute_dtype
+
+
+class StopRequest:
+    """Turns the first SIGTERM/SIGINT into a flag checked between steps.
+
+    A second SIGINT falls through to Python's default (KeyboardInterrupt), so a stuck run
+    can still be killed from the terminal. Handlers are only installed from the main
+    thread (signal's rule), so a notebook or a worker thread simply gets no handler.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        if signum == signal.SIGINT:  # a second Ctrl-C interrupts at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]:
+    """Train according to ``cfg``; returns one record per logged step.
+
+    Args:
+      cfg: a validated config (see :func:`holmes_jax.core.config.load_config`).
+      stop_at_step: stop (and checkpoint, as on SIGTERM) once this many steps are done;
+        for preemption tests and notebooks. The schedule still spans ``train.steps``.
+
+    Raises:
+      ConfigError: settings that are impossible on the visible devices or data.
+    """
+    # 1. mesh (and the layer split, when the planner is asked for it)
+    devices = jax.devices()
+    topology = load_mesh_topology(cfg)
+    shape = resolve_shape(cfg, len(devices), topology)
+    asked_remat = cfg.model.remat
+    cfg = resolve_auto(cfg, shape, topology)
+    mesh = build_mesh(shape, devices)
+    check_memory(cfg, shape, topology, devices)
+    is_main = jax.process_index() == 0
+    multi_process = jax.process_count() > 1
+
+    # 2. data
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    seq, batch_size = cfg.model.seq_len, cfg.train.global_batch_size
+    sampler = BatchSampler(corpus.train, seq, batch_size, cfg.train.seed)
+
+    # 3. program
+    program = Program(cfg, mesh)
+    eval_set = [
+        _global_batch(rows, program.batch_sharding)
+        for rows in eval_batches(corpus.eval, seq, batch_size, cfg.train.eval_batches)
+    ]
+
+    # 4. state
+    ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
+    state, start = None, 0
+    if ckpt is not None and cfg.checkpoint.resume:
+        restored = ckpt.restore(program.abstract_logical_state, cfg)
+        if restored is not None:
+            logical, meta = restored
+            state = program.from_logical(logical)
+            start = int(meta["data_position"])
+    resumed = state is not None
+    if state is None:
+        state = program.init(cfg.train.seed)
+
+    flops = flops_per_token(cfg.model.spec, cfg.model.remat)
+    logger = MetricsLogger(
+        cfg, flops=flops, num_devices=shape.num_devices, start_step=start, is_main=is_main
+    )
+    logger.message(
+        f"holmes_jax: {cfg.model.spec.num_params / 1e6:.2f}M params | mesh stage={shape.stages} "
+        f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
+        f"{devices[0].platform} devices | {corpus.description}"
+    )
+    if cfg.parallel.stages > 1 or cfg.parallel.microbatches > 1:
+        logger.message(
+            f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
+            f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
+            + (f", topology {topology.name}" if topology else "")
+        )
+    if asked_remat == "auto":
+        logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
+    if resumed:
+        logger.message(f"resumed from {ckpt.directory} at step {start}")
+
+    # 5. loop
+    history: list[dict[str, Any]] = []
+    total = cfg.train.steps
+    step = start
+    last_saved = start if resumed else None
+    window_start, window_steps, logged_at = time.perf_counter(), 0, start
+    first = True
+    try:
+        with StopRequest() as stop:
+            while step < total:
+                batch = make_batch(sampler, step, program.batch_sharding)
+                state, metrics = program.train_step(state, batch)
+                step += 1
+                window_steps += 1
+
+                evaluate = step == total or (
+                    cfg.train.eval_every and step % cfg.train.eval_every == 0
+                )
+                log_step = first or evaluate or step % cfg.logging.log_every == 0
+                requested = stop.signum is not None
+                if multi_process:  # all must stop after the same step: agree on log steps
+                    requested = log_step and any_process(requested)
+                stopping = requested or (stop_at_step is not None and step >= stop_at_step)
+                if log_step or stopping:
+                    values = jax.device_get(metrics)  # waits for this step
+                    elapsed = (time.perf_counter() - window_start) / window_steps
+                    rec = logger.record(step, values, elapsed)
+                    if first:
+                        rec["includes_compile"] = True
+                    if evaluate:
+                        rec["eval_loss"] = _evaluate(program, state.params, eval_set)
+                    history.append(rec)
+                    logger.write(rec, advance=step - logged_at)
+                    logged_at, first = step, False
+                    window_start, window_steps = time.perf_counter(), 0
+
+                if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+                    last_saved = step
+                if stopping:
+                    why = f"received {stop.name}" if stop.signum else f"stop_at_step={stop_at_step}"
+                    if requested and not stop.signum:
+                        why = "another process received a stop signal"
+                    if ckpt is not None and last_saved != step:
+                        ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+                        last_saved = step
+                    where = f"; checkpoint saved in {ckpt.directory}" if ckpt else ""
+                    logger.message(f"stopping after step {step} ({why}){where}")
+                    break
+
+        # 6. final save
+        if ckpt is not None and last_saved != step:
+            ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        logger.close()
+    if step >= total and history:
+        final = history[-1]
+        logger.message(
+            f"done: step {step}, loss {final['loss']:.4f}"
+            + (f", eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
+        )
+    return history
+
+
+def device_limit_bytes(topology, devices) -> float | None:
+    """Memory of one device: the smallest island's ``memory_gb`` when a topology names it,
+    else what the runtime reports (GPUs), else None (CPU: no limit to check)."""
+    if topology is not None:
+        return min(isl.memory_gb for isl in topology.islands) * 1e9
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    try:  # only this process's devices can be asked; CPU runtimes may not answer
+        stats = local[0].memory_stats() if local else None
+    except Exception:  # noqa: BLE001 (any runtime refusal means: no limit known)
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return None
+
+
+def check_memory(cfg: Config, shape, topology, devices) -> None:
+    """Before compiling: resolve the attention kernel (a forced ``cudnn`` that cannot run is
+    a one-line ConfigError) and refuse a plan the memory model says will not fit
+    (:func:`holmes_jax.planner.memory.check_fits`). ``cfg`` comes from :func:`resolve_auto`, so
+    its split is concrete."""
+    kernel = attention_kernel(cfg.model, compute_dtype(cfg.train.precision))
+    limit = device_limit_bytes(topology, devices)
+    if limit is not None:
+        x = memory_inputs_from_config(cfg, shape.data, kernel)
+        check_fits(x, cfg.parallel.layers_per_stage, limit)
+
+
+def _evaluate(program: Program, params, eval_set: list[jax.Array]) -> float:
+    losses = [program.eval_loss(params, b) for b in eval_set]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _global_batch(rows: np.ndarray, sharding) -> jax.Array:
+    """A global [B, T+1] array from a host copy of all rows, each process giving its own."""
+    mine = local_rows(sharding, rows.shape[0])
+    return jax.make_array_from_process_local_data(sharding, rows[mine], rows.shape)

@@ -1,0 +1,164 @@
+"""Per-step metrics: terminal progress, JSON lines and TensorBoard.
+
+For every logged step the record holds at least ``step``, ``loss``, ``step_time_s``,
+``tokens_per_s``, ``tflops_per_device`` (model FLOPs: 6N + attention, no recompute),
+``hw_tflops_per_device`` (what runs, recompute included), ``mfu`` (when
+``logging.peak_tflops`` is set), and ``eval_loss`` on steps that were evaluated. Only
+the main process (``jax.process_index() == 0``) writes anything.
+
+Terminal output: a tqdm bar with loss and tokens/s when stderr is a terminal (or
+``logging.progress: bar``), plain log lines otherwise (``plain``), nothing for ``none``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from holmes_jax.core.config import Config
+from holmes_jax.core.spec import FlopsPerToken
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_s: float
+    tflops_per_device: float
+    hw_tflops_per_device: float
+    mfu: float | None
+
+
+def throughput(
+    step_time_s: float,
+    tokens_per_step: int,
+    flops: FlopsPerToken,
+    num_devices: int,
+    peak_tflops: float | None,
+) -> Throughput:
+    """Tokens/s, achieved TFLOPS per device (model and hardware) and MFU for one step time."""
+    tokens_per_s = tokens_per_step / step_time_s
+    model_tflops = tokens_per_s * flops.model / num_devices / 1e12
+    hw_tflops = tokens_per_s * flops.hardware / num_devices / 1e12
+    mfu = model_tflops / peak_tflops if peak_tflops else None
+    return Throughput(tokens_per_s, model_tflops, hw_tflops, mfu)
+
+
+class MetricsLogger:
+    """Writes step records to the terminal, a JSON-lines file and TensorBoard."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        flops: FlopsPerToken,
+        num_devices: int,
+        start_step: int,
+        is_main: bool = True,
+    ):
+        self.cfg = cfg
+        self.flops = flops
+        self.num_devices = num_devices
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.is_main = is_main
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not is_main:
+            return
+        if cfg.train.metrics_path:
+            parent = os.path.dirname(os.path.abspath(cfg.train.metrics_path))
+            os.makedirs(parent, exist_ok=True)
+            # Append on resume so the file keeps the whole run; truncate on a fresh start.
+            mode = "a" if start_step > 0 else "w"
+            self._jsonl = open(cfg.train.metrics_path, mode)  # noqa: SIM115
+        if cfg.logging.tensorboard_dir:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(cfg.logging.tensorboard_dir)
+        mode = cfg.logging.progress
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "plain"
+        self.mode = mode
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True
+            )
+
+    def record(self, step: int, values: dict[str, float], step_time_s: float) -> dict[str, Any]:
+        """Build the record for ``step`` (1-based: steps completed) from fetched values."""
+        tp = throughput(
+            step_time_s,
+            self.tokens_per_step,
+            self.flops,
+            self.num_devices,
+            self.cfg.logging.peak_tflops,
+        )
+        rec: dict[str, Any] = {"step": step, **{k: float(v) for k, v in values.items()}}
+        rec.update(
+            step_time_s=step_time_s,
+            tokens_per_s=tp.tokens_per_s,
+            tflops_per_device=tp.tflops_per_device,
+            hw_tflops_per_device=tp.hw_tflops_per_device,
+        )
+        if tp.mfu is not None:
+            rec["mfu"] = tp.mfu
+        return rec
+
+    def write(self, rec: dict[str, Any], advance: int = 0) -> None:
+        """Emit one record (a step record, possibly with ``eval_loss``)."""
+        if not self.is_main:
+            return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(f"train/{key}", value, rec["step"])
+        if self._bar is not None:
+            self._bar.update(advance)
+            post = {"loss": f"{rec['loss']:.4f}"} if "loss" in rec else {}
+            if "tokens_per_s" in rec:
+                post["tok/s"] = f"{rec['tokens_per_s']:,.0f}"
+            if "eval_loss" in rec:
+                post["eval"] = f"{rec['eval_loss']:.4f}"
+            self._bar.set_postfix(post)
+        elif self.mode == "plain":
+            print(format_record(rec), flush=True)
+
+    def message(self, text: str) -> None:
+        """A line for the user that does not break the progress bar."""
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        elif self.mode != "none":
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_record(rec: dict[str, Any]) -> str:
+    """One human line: ``step 100 | loss 2.3140 | eval 2.4011 | 1.2 s | 5,432 tok/s | ...``."""
+    parts = [f"step {rec['step']}"]
+    if "loss" in rec:
+        parts.append(f"loss {rec['loss']:.4f}")
+    if "eval_loss" in rec:
+        parts.append(f"eval {rec['eval_loss']:.4f}")
+    if "step_time_s" in rec:
+        parts.append(f"{rec['step_time_s'] * 1e3:.0f} ms/step")
+        parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
+        parts.append(f"{rec['tflops_per_device'] * 1e3:.2f} GFLOP/s/dev")
+    if "mfu" in rec:
+        parts.append(f"MFU {rec['mfu'] * 100:.1f}%")
+    return " | ".join(parts)

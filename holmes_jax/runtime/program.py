@@ -1,0 +1,391 @@
+"""The compiled side of a run: sharded train state, the jitted train and eval steps.
+
+A :class:`Program` is built once per (config, mesh). It owns
+
+- the shardings of every parameter and optimizer-state leaf, derived from the logical
+  axis names on the parameters and :data:`holmes_jax.runtime.model.LOGICAL_RULES`;
+- ``init(seed)``: parameters and optimizer state created by one jitted function whose
+  outputs are already sharded, so nothing is ever materialised whole on one device;
+- ``train_step(state, batch)``: loss, gradients, AdamW update, in one jit with
+  in/out shardings and the state donated;
+- ``eval_loss(params, batch)``.
+
+Batches are ``[B, T + 1]`` int32 token windows sharded over ``data``: inputs are
+``[:, :-1]`` and targets ``[:, 1:]``. Dropout keys derive from (seed, step), so a resumed
+run draws the same masks as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from holmes_jax.core.axes import DATA, REPLICA
+from holmes_jax.core.config import Config
+from holmes_jax.runtime.mesh import batch_sharding, replicated
+from holmes_jax.runtime.model import GPT, LOGICAL_RULES
+from holmes_jax.runtime.optim import clip_by_global_norm, learning_rate_schedule, make_optimizer
+from holmes_jax.runtime.pipeline import PipelineEngine, layout_from_config, pipeline_shardings
+from holmes_jax.runtime.zero import shard_dim, sharded_spec
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # {'embed', 'blocks' (every leaf [L, ...]), 'head'}, compute dtype
+    opt_state: Any  # optax state mirroring the fp32 parameters
+    master: Any = None  # bf16 runs: the fp32 master parameters (sharded like opt_state)
+
+
+class Program:
+    """Jitted, sharded functions for one config on one mesh.
+
+    The loss and gradients come from the :class:`~holmes_jax.runtime.pipeline.PipelineEngine`
+    (state in the pipeline layout, a single stage included) whenever there is a pipeline,
+    microbatching, ZeRO-1 or a cross-island replica; only with all of them off does GSPMD
+    run the whole model (the plain reference). Either way checkpoints use the logical
+    layout: :meth:`to_logical` / :meth:`from_logical` convert. With ZeRO-1 the optimizer
+    state (and the gradients leaving the engine) are sharded over ``data``
+    (:mod:`holmes_jax.runtime.zero`).
+    """
+
+    def __init__(self, cfg: Config, mesh: Mesh, *, nan_bubbles: bool = False):
+        self.cfg = cfg
+        self.mesh = mesh
+        m, par = cfg.model, cfg.parallel
+        self.dtype = compute_dtype(cfg.train.precision)
+        self.data_size = mesh.shape[DATA]
+        self.zero1 = cfg.optimizer.zero1 and self.data_size > 1
+        self.pipelined = (
+            par.stages > 1
+            or par.microbatches > 1
+            or self.zero1
+            or mesh.shape[REPLICA] > 1
+            or self.dtype != jnp.float32  # fp32 accumulation and reduction of bf16 grads
+        )
+        self.model = GPT(m, deterministic=True)
+        self.train_model = GPT(m, deterministic=m.dropout == 0.0)
+        self.tx = make_optimizer(cfg.optimizer, cfg.train.steps, clip=not self.pipelined)
+        self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+        self.batch_sharding = batch_sharding(mesh)
+
+        # Abstract shapes + logical names -> NamedShardings, without allocating anything.
+        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        self.param_logical = nn.get_partition_spec(boxed)
+        logical_sharding = nn.logical_to_mesh_sharding(self.param_logical, mesh, LOGICAL_RULES)
+        abstract_logical = nn.unbox(boxed)
+        self.logical_state_sharding = self._state_sharding(
+            logical_sharding, abstract_logical, self._zero(logical_sharding, abstract_logical, 0)
+        )
+        self.abstract_logical_state = self._abstract_state(
+            abstract_logical, self.logical_state_sharding
+        )
+
+        if self.pipelined:
+            self.layout = layout_from_config(par.layers_per_stage, par.stages, m.num_layers)
+            self.param_sharding = pipeline_shardings(self.layout, logical_sharding, mesh)
+            abstract_params = jax.eval_shape(self._params_from_logical, abstract_logical)
+            # ZeRO-1: which dim of each leaf is split over data (-1: none); the stage axis
+            # (and the slot axis of blocks) never are.
+            self.grad_dims = {
+                part: jax.tree.map(
+                    lambda a, s, skip=(2 if part == "blocks" else 1): (
+                        shard_dim(a.shape, s.spec, self.data_size, skip, dict(mesh.shape))
+                        if self.zero1
+                        else -1
+                    ),
+                    abstract_params[part],
+                    self.param_sharding[part],
+                )
+                for part in abstract_params
+            }
+            opt_param_sharding = jax.tree.map(
+                lambda s, a, dim: NamedSharding(mesh, sharded_spec(s.spec, dim, len(a.shape))),
+                self.param_sharding,
+                abstract_params,
+                self.grad_dims,
+            )
+            self.engine = PipelineEngine(
+                m,
+                self.layout,
+                mesh,
+                microbatches=par.microbatches,
+                schedule=par.schedule,
+                seed=cfg.train.seed,
+                grad_dims=self.grad_dims,
+                nan_bubbles=nan_bubbles,
+            )
+        else:
+            self.param_sharding = logical_sharding
+            abstract_params = abstract_logical
+            opt_param_sharding = logical_sharding
+        self.state_sharding = self._state_sharding(
+            self.param_sharding, abstract_params, opt_param_sharding
+        )
+        self.abstract_state = self._abstract_state(abstract_params, self.state_sharding)
+
+        self._init = jax.jit(self._init_state, out_shardings=self.state_sharding)
+        self._train_step = jax.jit(
+            self._step,
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, replicated(mesh)),
+            donate_argnums=(0,),
+        )
+        self._eval = jax.jit(
+            self._eval_loss,
+            in_shardings=(self.param_sharding, self.batch_sharding),
+            out_shardings=replicated(mesh),
+        )
+        self._to_logical = jax.jit(
+            self._state_to_logical,
+            in_shardings=(self.state_sharding,),
+            out_shardings=self.logical_state_sharding,
+        )
+        self._from_logical = jax.jit(
+            self._state_from_logical,
+            in_shardings=(self.logical_state_sharding,),
+            out_shardings=self.state_sharding,
+        )
+
+    def _zero(self, param_sharding, abstract_params, skip: int):
+        """Parameter shardings with ``data`` added where ZeRO-1 splits the leaf."""
+        if not self.zero1:
+            return param_sharding
+        return jax.tree.map(
+            lambda s, a: NamedSharding(
+                self.mesh,
+                sharded_spec(
+                    s.spec,
+                    shard_dim(a.shape, s.spec, self.data_size, skip, dict(self.mesh.shape)),
+                    a.ndim,
+                ),
+            ),
+            param_sharding,
+            abstract_params,
+        )
+
+    def _state_sharding(self, param_sharding, abstract_params, opt_param_sharding) -> TrainState:
+        """Shardings of the train state; the optimizer's moments follow ``opt_param_sharding``."""
+        abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+        opt_sharding = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            abstract_opt,
+            opt_param_sharding,
+            transform_non_params=lambda _: replicated(self.mesh),
+        )
+        master = opt_param_sharding if self.dtype != jnp.float32 else None
+        return TrainState(
+            step=replicated(self.mesh),
+            params=param_sharding,
+            opt_state=opt_sharding,
+            master=master,
+        )
+
+    def _abstract_state(self, abstract_params, sharding: TrainState) -> TrainState:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            TrainState(
+                step=jax.ShapeDtypeStruct((), jnp.int32),
+                params=jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, self.dtype), abstract_params
+                ),
+                opt_state=jax.eval_shape(self.tx.init, abstract_params),
+                master=abstract_params if self.dtype != jnp.float32 else None,
+            ),
+            sharding,
+        )
+
+    # ------------------------------------------------------------------ public
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Mesh + logical-rules context that tracing needs (constraints inside the model)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+        return stack
+
+    def init(self, seed: int) -> TrainState:
+        """Fresh parameters and optimizer state, created sharded."""
+        with self.context():
+            return self._init(jax.random.key(seed))
+
+    def train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
+        """One optimizer step. ``state`` is donated; metrics stay on device."""
+        with self.context():
+            return self._train_step(state, batch)
+
+    def eval_loss(self, params: Any, batch: jax.Array) -> jax.Array:
+        with self.context():
+            return self._eval(params, batch)
+
+    def to_logical(self, state: TrainState) -> TrainState:
+        """The mesh-independent state (blocks stacked [L, ...]) that checkpoints hold."""
+        if not self.pipelined:
+            return state
+        with self.context():
+            return self._to_logical(state)
+
+    def from_logical(self, state: TrainState) -> TrainState:
+        if not self.pipelined:
+            return state
+        with self.context():
+            return self._from_logical(state)
+
+    def apply_gradients(self, state: TrainState, grads) -> TrainState:
+        """One optimizer step from given pipeline-layout gradients (for tests and tools).
+
+        The same clip + AdamW (+ ZeRO-1 sharding) as the train step; the global norm is
+        taken over the logical gradients.
+        """
+        if not hasattr(self, "_apply_jit"):
+            grad_sharding = jax.tree.map(
+                lambda s, a: NamedSharding(self.mesh, s.spec),
+                self.state_sharding.opt_state[1][0].mu,
+                self.abstract_state.params,
+            )
+            self._apply_jit = jax.jit(
+                self._apply_gradients,
+                in_shardings=(self.state_sharding, grad_sharding),
+                out_shardings=self.state_sharding,
+            )
+        with self.context():
+            return self._apply_jit(state, grads)
+
+    def loss_and_grads(self, params, batch, step=0):
+        """(loss, unclipped grads) for tests, in the program's parameter layout."""
+        with self.context():
+            if self.pipelined:
+                loss, grads, _ = jax.jit(self.engine.loss_and_grads)(params, batch, step)
+                return loss, grads
+            rng = jax.random.key(0)
+            return jax.jit(jax.value_and_grad(self._loss))(params, batch, rng)
+
+    def lower_train_step(self):
+        """The lowered train step (for HLO inspection and memory analysis)."""
+        batch = jax.ShapeDtypeStruct(
+            (self.cfg.train.global_batch_size, self.cfg.model.seq_len + 1),
+            jnp.int32,
+            sharding=self.batch_sharding,
+        )
+        with self.context():
+            return self._train_step.lower(self.abstract_state, batch)
+
+    def compiled_memory(self) -> dict[str, int]:
+        """Per-device bytes of the compiled train step (XLA's memory analysis; nothing is
+        allocated). ``peak`` = arguments + outputs − donated aliases + temporaries."""
+        m = self.lower_train_step().compile().memory_analysis()
+        out = {
+            "arguments": m.argument_size_in_bytes,
+            "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes,
+            "temp": m.temp_size_in_bytes,
+        }
+        out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temp"]
+        return out
+
+    # ------------------------------------------------------------------ traced bodies
+
+    def _init_boxed(self, key):
+        tokens = jnp.zeros((1, self.cfg.model.seq_len), jnp.int32)
+        return self.model.init({"params": key}, tokens)["params"]
+
+    def _init_state(self, key) -> TrainState:
+        params = nn.unbox(self._init_boxed(key))
+        if self.pipelined:
+            params = self._params_from_logical(params)
+        bf16 = self.dtype != jnp.float32
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=_cast(params, self.dtype),
+            opt_state=self.tx.init(params),
+            master=params if bf16 else None,
+        )
+
+    def _params_from_logical(self, params):
+        return self.layout.map_parts(self.layout.leaf_to_pipeline, params)
+
+    def _convert_state(self, state: TrainState, fn, params_template) -> TrainState:
+        parts = self.layout.parts_tree(params_template)
+        opt_state = optax.tree_map_params(
+            self.tx, fn, state.opt_state, parts, transform_non_params=lambda x: x
+        )
+        master = None if state.master is None else self.layout.map_parts(fn, state.master)
+        return TrainState(
+            step=state.step,
+            params=self.layout.map_parts(fn, state.params),
+            opt_state=opt_state,
+            master=master,
+        )
+
+    def _state_to_logical(self, state: TrainState) -> TrainState:
+        return self._convert_state(state, self.layout.leaf_to_logical, state.params)
+
+    def _state_from_logical(self, state: TrainState) -> TrainState:
+        return self._convert_state(state, self.layout.leaf_to_pipeline, state.params)
+
+    def _loss(self, params, batch, rng):
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T] each
+        rngs = {"dropout": rng} if self.cfg.model.dropout > 0 else None
+        return self.train_model.apply({"params": params}, inputs, targets, rngs=rngs)
+
+    def _step(self, state: TrainState, batch):
+        if self.pipelined:
+            loss, grads, grad_norm = self.engine.loss_and_grads(state.params, batch, state.step)
+        else:
+            rng = jax.random.fold_in(jax.random.key(self.cfg.train.seed + 1), state.step)
+            loss, grads = jax.value_and_grad(self._loss)(state.params, batch, rng)
+            grad_norm = optax.tree.norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
+        return self._update(state, grads, grad_norm), metrics
+
+    def _update(self, state: TrainState, grads, grad_norm) -> TrainState:
+        """AdamW on (1/d shards of) the fp32 gradients and master parameters; GSPMD then
+        all-gathers the new parameters (in bf16 when the run computes in bf16)."""
+        grads = _cast(grads, jnp.float32)
+        if self.pipelined:  # optax's own clip would see the pipeline layout: clip here
+            grads = clip_by_global_norm(grads, grad_norm, self.cfg.optimizer.grad_clip)
+        target = state.params if state.master is None else state.master
+        updates, opt_state = self.tx.update(grads, state.opt_state, target)
+        new = optax.apply_updates(target, updates)
+        if state.master is None:
+            return TrainState(step=state.step + 1, params=new, opt_state=opt_state)
+        return TrainState(
+            step=state.step + 1, params=_cast(new, self.dtype), opt_state=opt_state, master=new
+        )
+
+    def _apply_gradients(self, state: TrainState, grads) -> TrainState:
+        norm = optax.tree.norm(self.layout.map_parts(self.layout.leaf_to_logical, grads))
+        return self._update(state, grads, norm)
+
+    def _eval_loss(self, params, batch):
+        if self.pipelined:  # gathers the stages' layers: fine for periodic eval
+            params = self.layout.map_parts(self.layout.leaf_to_logical, params)
+        return self.model.apply({"params": params}, batch[:, :-1], batch[:, 1:])
+
+
+def compute_dtype(precision: str):
+    """The dtype parameters and activations are computed in for ``train.precision``."""
+    return jnp.bfloat16 if precision == "bf16" else jnp.float32
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+def sharding_summary(shardings: Any) -> dict[str, str]:
+    """{'path': 'PartitionSpec(...)'} for logging and tests."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )[0]
+    return {
+        jax.tree_util.keystr(path): str(s.spec if isinstance(s, NamedSharding) else PartitionSpec())
+        for path, s in flat
+    }

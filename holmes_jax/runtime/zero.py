@@ -1,0 +1,123 @@
+"""ZeRO-1: the optimizer state sharded over ``data``, gradients reduce-scattered into it.
+
+Each data-parallel rank owns 1/d of every gradient, of the AdamW moments and (with bf16
+parameters) of the fp32 master copy. The reduction runs in these phases, and the engine
+(:mod:`holmes_jax.runtime.pipeline`) calls them in this order:
+
+1. Per-layer buckets, during the backward of a stage's last microbatch: as soon as layer
+   j's gradient is complete it is reduced over ``data`` (reduce-scatter with ZeRO-1,
+   all-reduce without), inside the island. On a GPU the asynchronous collective overlaps
+   the backward of layer j−1; stages reduce at different ticks, each as soon as its own
+   last backward is done (the 1F1B cooldown), not at a global barrier.
+2. After the tick loop, the embedding and head buckets.
+3. With ``parallel.replica > 1`` (one pipeline copy per island): all-reduce of each 1/d
+   shard across islands over ``replica`` — the only bytes that cross an island for it.
+4. Cross-stage sums (tied embedding, the global gradient norm for clipping) by
+   neighbour-to-neighbour hops (``pipeline.chain_sum``), on the 1/d shards.
+5. Outside the ``shard_map``: AdamW updates the 1/d shard (its state is sharded the same
+   way), and the updated parameters are all-gathered over ``data`` (GSPMD inserts it:
+   parameters are replicated over ``data``).
+
+Which dimension of a leaf is split: the first one that is not already sharded (not the
+stage / slot axes, not a tensor-parallel axis) and that ``data`` divides. A leaf with no
+such dimension (a small bias) stays replicated and is all-reduced instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from holmes_jax.core.axes import DATA, REPLICA
+
+
+def shard_dim(
+    shape: tuple[int, ...],
+    spec: PartitionSpec,
+    data: int,
+    skip: int,
+    axis_sizes: dict[str, int] | None = None,
+) -> int:
+    """The dimension of a leaf to split over ``data`` (-1: keep it replicated).
+
+    Args:
+      shape: the leaf's global shape.
+      spec: its mesh PartitionSpec (dims really sharded are not candidates).
+      data: the data-parallel degree.
+      skip: leading dims never split (the stage axis, and the slot axis of blocks).
+      axis_sizes: mesh axis sizes; a dim mapped only to size-1 axes counts as free.
+    """
+    if data == 1:
+        return -1
+    sizes = axis_sizes or {}
+    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    for dim in range(skip, len(shape)):
+        axes = entries[dim] if isinstance(entries[dim], tuple) else (entries[dim],)
+        free = all(a is None or sizes.get(a, 0) == 1 for a in axes)
+        if free and shape[dim] % data == 0:
+            return dim
+    return -1
+
+
+def sharded_spec(spec: PartitionSpec, dim: int, ndim: int) -> PartitionSpec:
+    """``spec`` with ``data`` added on ``dim`` (the optimizer-state / gradient sharding)."""
+    entries = list(tuple(spec)) + [None] * (ndim - len(tuple(spec)))
+    if dim >= 0:
+        entries[dim] = DATA
+    return PartitionSpec(*entries)
+
+
+def reduce_bucket(grads: Any, dims: Any, data: int, replica: int) -> Any:
+    """Phases 1–3 for one bucket: mean over ``data`` (and ``replica``) of local gradients.
+
+    Args:
+      grads: local gradient leaves (inside the shard_map; no stage axis).
+      dims: matching tree of the local dimension to scatter over ``data``, or -1.
+      data: data-parallel degree; replica: cross-island copies.
+
+    Returns:
+      Leaves reduced to their 1/d shard along ``dim`` (or whole, where dim is -1),
+      averaged over all data-parallel ranks of all replicas.
+    """
+    scale = 1.0 / (data * replica)
+
+    def one(g, dim):
+        g = g.astype(jnp.float32)  # reductions always in fp32
+        if data == 1:  # no collective over a size-1 axis (XLA's SPMD partitioner rejects
+            out = g  # a manual all-reduce beside an automatic tensor axis there)
+        elif dim < 0:
+            out = lax.psum(g, DATA)
+        else:
+            out = lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+        if replica > 1:
+            out = lax.psum(out, REPLICA)  # 1/d-sized shards cross the islands
+        return out * scale
+
+    return jax.tree.map(one, grads, dims)
+
+
+def shard_shape(shape: tuple[int, ...], dim: int, data: int) -> tuple[int, ...]:
+    if dim < 0:
+        return shape
+    return tuple(n // data if k == dim else n for k, n in enumerate(shape))
+
+
+def squared_norm(shards: Any, dims: Any) -> jax.Array:
+    """Sum of squares of the full gradient from its shards (scattered leaves are summed
+    over ``data``; replicated leaves count once)."""
+    split = jnp.zeros((), jnp.float32)
+    whole = jnp.zeros((), jnp.float32)
+    for g, dim in zip(
+        jax.tree.leaves(shards),
+        jax.tree.leaves(dims),
+        strict=True,
+    ):
+        if dim < 0:
+            whole += jnp.sum(jnp.square(g))
+        else:
+            split += jnp.sum(jnp.square(g))
+    return lax.psum(split, DATA) + whole
