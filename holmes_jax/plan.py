@@ -26,11 +26,10 @@ from collections.abc import Sequence
 
 from holmes_jax.core.errors import ConfigError, run_cli
 from holmes_jax.planner.draw import draw_plan
-from holmes_jax.planner.partition import (
-    METHODS,
-)
+from holmes_jax.planner.grid import describe_grid
 from holmes_jax.planner.plans import alternatives, make_plan
 from holmes_jax.planner.report import format_plan, plan_json
+from holmes_jax.planner.search import METHODS
 from holmes_jax.planner.topology import load_topology
 
 
@@ -83,9 +82,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("--mesh=None: a topology is needed (--mesh or parallel.mesh)")
     topology = load_topology(mesh)
     if args.show_mesh:
-        from holmes_jax.runtime.mesh import describe  # needs jax: imported only here
-
-        print(describe(cfg, topology))
+        print(describe_grid(cfg, topology))
         return 0
     calibration = None
     if args.profile:

@@ -21,7 +21,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from holmes_jax.cluster import distributed, xla_flags
+from holmes_jax.cluster import detect, distributed, xla_flags
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError, run_cli
 from holmes_jax.planner.measurements import (
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="simulated CPU devices when no accelerator is present (0: the topology's)",
     )
-    distributed.add_flags(ap)
+    detect.add_flags(ap)
     return ap
 
 
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
-    cfg = distributed.apply_flags(load_config(args.config, overrides), args)
+    cfg = detect.apply_flags(load_config(args.config, overrides), args)
     if not cfg.parallel.mesh:
         raise ConfigError("--mesh=None: a topology is needed (--mesh or parallel.mesh)")
     topology = load_topology(cfg.parallel.mesh)

@@ -22,7 +22,7 @@ import argparse
 import sys
 from typing import Any
 
-from holmes_jax.cluster import distributed, xla_flags
+from holmes_jax.cluster import detect, distributed, xla_flags
 from holmes_jax.core.config import Config, load_config
 from holmes_jax.core.errors import ConfigError
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="override a config value, e.g. --set train.steps=100 (repeatable)",
     )
-    distributed.add_flags(parser)
+    detect.add_flags(parser)
     parser.add_argument(
         "--cpu-devices",
         type=int,
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mesh:
         overrides.append(f"parallel.mesh={args.mesh}")
     try:
-        cfg = distributed.apply_flags(load_config(args.config, overrides), args)
+        cfg = detect.apply_flags(load_config(args.config, overrides), args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,13 +24,13 @@ holmes_jax.probe measures first *through the same emulated launch* (``launch --p
 probe``, one per topology): one layer on every device while the 4 processes share the 2
 cores, and the links as gloo sees them through the namespaces (all-reduce, ZeRO-1's
 reduce-scatter and all-gather inside each island, point-to-point between the islands). The
-model prices the step as the trainer runs it: a shift each way on every pipeline tick,
-one collective per parameter leaf, and synchronous CPU collectives (``sync_collectives``:
-each stage's reduction inside its own last backward tick, added up across stages). The
-planner has no "data parallel across islands" placement (the placement rules forbid it),
-so (b) is built here from the same cost.py primitives: one stage, data 4, the ring bounded
-by its slowest hop (the measured inter-island link, at the measured ratio of the
-reduce-scatter's or all-gather's rate to the all-reduce's).
+model prices the step as the trainer runs it (holmes_jax.planner.plans.predict_config): a
+shift each way on every pipeline tick, one collective per parameter leaf, and synchronous
+CPU collectives (``sync_collectives``: each stage's reduction inside its own last backward
+tick, added up across stages). (b) is the planner's naive placement
+(holmes_jax.planner.placement.naive_hardware): one stage, data 4, the ring bounded by its
+slowest hop (the measured inter-island link, with the measured per-byte extra of the
+reduce-scatter or all-gather over the all-reduce).
 
 Diagnostic: (a)'s plan also runs on 4 devices of this one process (no network, no
 process boundaries), next to the model's prediction for it with the in-process probe.
@@ -60,10 +60,7 @@ os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
 from holmes_jax.cluster.launcher import launch  # noqa: E402
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.errors import ConfigError  # noqa: E402
-from holmes_jax.core.spec import Degrees  # noqa: E402
-from holmes_jax.planner.cost import predict, stage_costs  # noqa: E402
-from holmes_jax.planner.placement import StageHardware, stage_hardware  # noqa: E402
-from holmes_jax.planner.plans import specs_from_config  # noqa: E402
+from holmes_jax.planner.plans import predict_config, specs_from_config  # noqa: E402
 from holmes_jax.planner.topology import load_topology  # noqa: E402
 
 SLOW = f"{benchlib.ROOT}/meshes/emu-4host-2island.yaml"
@@ -129,55 +126,7 @@ def probe_launch(mesh: str, extra: list[str], folder: str, name: str):
 
 def predicted_step(cfg, topology, calibration) -> float:
     """Cost-model step time of a config, as the trainer runs it on CPUs (module doc)."""
-    model, run = specs_from_config(cfg)
-    run = dataclasses.replace(run, zero1=cfg.optimizer.zero1, sync_collectives=True)
-    par = cfg.parallel
-    layout = par.layout(Degrees(par.stages, par.data, par.tensor))
-    if par.enforce_islands:
-        hardware = stage_hardware(topology, layout, calibration)
-    else:
-        hardware = [naive_hardware(topology, calibration)]
-    split = list(par.layers_per_stage) if par.layers_per_stage else [model.num_layers]
-    return predict(stage_costs(model, run, layout, hardware), split).step_s
-
-
-def naive_hardware(topology, calibration) -> StageHardware:
-    """One stage over every device, data parallel across islands: a flat ring (one per host
-    NIC, 1 device per host) whose slowest hop is the inter-island link.
-
-    Where the probe timed ZeRO-1's reduce-scatter / all-gather on their own, the time they
-    take beyond an all-reduce's ring rate is a per-byte runtime cost (gloo's copies and
-    reductions on the shared cores), not wire time: it is added per byte to the slow ring.
-    """
-    inter = topology.inter_island(topology.islands[0].name, topology.islands[1].name)
-    hops = [inter] + [i.link for i in topology.islands]
-    ring = (min(h.bytes_per_s for h in hops), max(h.latency_s for h in hops))
-
-    def op_path(op: str):
-        extra = [  # seconds per byte beyond the island's all-reduce ring rate
-            (1 / ops[op].bytes_per_s - 1 / isl.link.bytes_per_s, ops[op].latency_s)
-            for isl in topology.islands
-            if op in (ops := calibration.data_ops.get(isl.name, {}))
-        ]
-        if not extra:
-            return None
-        per_byte = max(0.0, *(e for e, _ in extra))
-        return (1 / (1 / ring[0] + per_byte), max(ring[1], *(lat for _, lat in extra)))
-
-    isl = topology.islands[0]
-    fwd, bwd = calibration.flops_per_s(topology, 0)
-    return StageHardware(
-        island=0,
-        fwd_flops=fwd,
-        bwd_flops=bwd,
-        memory_bytes=isl.memory_gb * 1e9,
-        mem_bw=isl.memory_bytes_per_s,
-        tensor=(topology.intra_host.bytes_per_s, topology.intra_host.latency_s),
-        data=ring,
-        send=(float("inf"), 0.0),
-        scatter=op_path("reduce-scatter"),
-        gather=op_path("all-gather"),
-    )
+    return predict_config(cfg, topology, calibration, sync_collectives=True).step_s
 
 
 def single_process(cfg, topology, calibration, steps: int) -> tuple[float, float]:

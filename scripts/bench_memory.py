@@ -34,12 +34,13 @@ import jax  # noqa: E402
 
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.spec import Degrees  # noqa: E402
+from holmes_jax.planner.grid import load_mesh_topology, resolve_shape  # noqa: E402
 from holmes_jax.planner.memory import device_memory  # noqa: E402
 from holmes_jax.planner.plans import memory_inputs_from_config, resolve_auto  # noqa: E402
-from holmes_jax.runtime.mesh import build_mesh, load_mesh_topology, resolve_shape  # noqa: E402
+from holmes_jax.runtime.mesh import build_mesh  # noqa: E402
 from holmes_jax.runtime.model import attention_kernel  # noqa: E402
-from holmes_jax.runtime.pipeline import layout_from_config  # noqa: E402
 from holmes_jax.runtime.program import Program, compute_dtype  # noqa: E402
+from holmes_jax.runtime.stages import layout_from_config  # noqa: E402
 
 SHIPPED = [
     ("configs/gpt-124m.yaml", "meshes/paper-ib-8x8.yaml"),

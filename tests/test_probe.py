@@ -42,24 +42,14 @@ from holmes_jax.planner.placement import stage_hardware
 from holmes_jax.planner.profiles import DATA_OPS, load_profile, profile_from_dict
 from holmes_jax.planner.topology import load_topology
 from holmes_jax.runtime import measure
+from tests.common import ROOT, TINY_MODEL, as_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
 THREE = os.path.join(ROOT, "meshes", "cpu8-three-islands-uneven.yaml")
 CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
 # 2 layers, hidden 32, seq 16; global batch 8 over 8 devices: micro-batch 1.
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.seq_len=16",
-    "train.global_batch_size=8",
-]
+TINY = [*TINY_MODEL, "model.num_heads=2", "model.seq_len=16", "train.global_batch_size=8"]
 SIZES = (4 * 1024, 64 * 1024)
-
-
-def sets(items):
-    return [x for item in items for x in ("--set", item)]
 
 
 def run_cli(*args):
@@ -75,7 +65,7 @@ def probed(tmp_path_factory):
     path = tmp_path_factory.mktemp("probe") / "profile.json"
     code, out, err = run_cli(
         "--mesh", TWO, "--config", CONFIG, "--out", str(path), "--repeats", "2",
-        "--sizes-kib", "4,64", *sets(TINY),
+        "--sizes-kib", "4,64", *as_flags(TINY),
     )  # fmt: skip
     return code, out, err, path
 
@@ -274,7 +264,7 @@ def test_probe_writes_a_profile_the_planner_reads(probed, capsys):
         assert math.isfinite(link["latency_us"]) and link["latency_us"] >= 0
     load_profile(path, load_topology(TWO))  # the loader accepts every key
     code = plan_main(
-        ["--config", CONFIG, "--mesh", TWO, "--profile", str(path), "--json", *sets(TINY)]
+        ["--config", CONFIG, "--mesh", TWO, "--profile", str(path), "--json", *as_flags(TINY)]
     )
     plan_out, plan_err = capsys.readouterr()
     assert code == 0, plan_err

@@ -80,11 +80,11 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.spec.head_dim
 
     @property
     def mlp_size(self) -> int:
-        return self.mlp_ratio * self.hidden_size
+        return self.spec.mlp_size
 
     def validate(self) -> None:
         _positive(self, "model", ("vocab_size", "seq_len", "num_layers", "num_heads"))

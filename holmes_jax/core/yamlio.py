@@ -4,7 +4,7 @@ The one YAML reader of the project (run configs, topologies, profiles). Every fa
 one-line :class:`~holmes_jax.core.errors.ConfigError` naming the file, the key, the value
 and the rule:
 
-- :func:`read_yaml`: a file that must exist and hold a mapping (or nothing);
+- :func:`read_yaml`: a file that must exist, be readable and parse as YAML;
 - :class:`StrictReader`: node by node checks (mapping with required and optional keys,
   non-empty string, finite number, integer with a minimum, and bounds);
 - :func:`build_dataclass`: a nested mapping into a tree of frozen dataclasses, type-checked

@@ -298,14 +298,7 @@ def _memory_table(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> np.
 def memory_inputs(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> MemoryInputs:
     """The memory model's inputs for a run with ``b`` sequences per microbatch."""
     return MemoryInputs(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_heads=model.num_heads,
-        mlp_size=model.mlp_ratio * model.hidden_size,
-        seq_len=model.seq_len,
-        vocab_size=model.vocab_size,
-        tied_embeddings=model.tied_embeddings,
-        layer_params=model.layer_params,
+        model=model,
         stages=layout.stages,
         data=layout.data,
         tensor=layout.tensor,

@@ -10,10 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.partition import (
-    Plan,
-)
 from holmes_jax.planner.placement import stage_blocks
+from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology
 
 

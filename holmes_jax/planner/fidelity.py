@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner.cost import RunSpec
-from holmes_jax.planner.partition import plan_for_layout, uniform_split
+from holmes_jax.planner.partition import uniform_split
 from holmes_jax.planner.placement import DEFAULT_EFFICIENCY, Calibration
+from holmes_jax.planner.search import plan_for_layout
 from holmes_jax.planner.topology import Topology, topology_from_dict
 
 SOURCE = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"

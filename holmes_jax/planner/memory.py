@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import REMAT_POLICIES
+from holmes_jax.core.spec import REMAT_POLICIES, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -105,16 +105,9 @@ def layer_residual_bytes(
 
 @dataclass(frozen=True)
 class MemoryInputs:
-    """Everything the memory model needs, in plain numbers."""
+    """Everything the memory model needs: the model's shape, the layout, the numerics."""
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    mlp_size: int
-    seq_len: int
-    vocab_size: int
-    tied_embeddings: bool
-    layer_params: int  # parameters of one layer (holmes_jax.planner.cost.ModelSpec.layer_params)
+    model: ModelSpec
     stages: int
     data: int
     tensor: int
@@ -138,15 +131,16 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
       last_stage: whether the head's working set applies (the head runs on the last stage;
         its parameters are on every stage).
     """
-    h, f, s, V, t, d = x.hidden_size, x.mlp_size, x.seq_len, x.vocab_size, x.tensor, x.data
+    m = x.model
+    h, f, s, V, t, d = m.hidden_size, m.mlp_size, m.seq_len, m.vocab_size, x.tensor, x.data
     b, beta = x.microbatch_size, x.act_bytes
     zd = d if x.zero1 else 1  # ZeRO-1 shards the optimizer state and reduced gradients
 
     # Parameters per device: tensor splits matmuls, the vocabulary and (approximately) all
     # else; the pipeline layout keeps an embedding and a head copy on every stage.
-    blocks = slots * x.layer_params / t
+    blocks = slots * m.layer_params / t
     embed = (V / t + s) * h
-    head = 2 * h + (0 if x.tied_embeddings else V * h / t)
+    head = 2 * h + (0 if m.tied_embeddings else V * h / t)
     P = blocks + embed + head
     params = P * beta
     optimizer = P / zd * (8 + (4 if x.master else 0))
@@ -161,8 +155,8 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
     # Working set: one layer's backward (recomputed activations when remat, the fp32
     # gradient of its weights, its weights in fp32) or, on the last stage, the head.
     recompute = layer_residual_bytes("none", b, s, h, f, t, beta) if x.remat != "none" else 0.0
-    scores = 3 * b * (x.num_heads / t) * s * s * 4 if x.attention == "xla" else 0.0
-    layer_grad = 2 * 4 * x.layer_params / t
+    scores = 3 * b * (m.num_heads / t) * s * s * 4 if x.attention == "xla" else 0.0
+    layer_grad = 2 * 4 * m.layer_params / t
     working = recompute + scores + layer_grad
     if last_stage:
         logits = 3 * b * s * V / t * 4  # fp32 logits, softmax, their gradient

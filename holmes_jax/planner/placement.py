@@ -14,6 +14,10 @@ Conventions (the mesh builder follows the same ones):
   gradient reduction becomes hierarchical (reduce-scatter inside the island, all-reduce
   the 1/d shards across islands, all-gather inside).
 
+- The naive placement (``parallel.enforce_islands: false``, the baseline these rules
+  exist to beat; :func:`naive_hardware`): one stage, every device data parallel, so the
+  gradient ring runs through every host in device order and crosses the islands.
+
 Bandwidth sharing: a host NIC is shared by every ring or sender leaving the host at the
 same time; NVLink-style intra-host bandwidth is per device. Pure Python; no jax import.
 """
@@ -206,6 +210,94 @@ def stage_hardware(
             )
         )
     return out
+
+
+def naive_hardware(
+    topology: Topology,
+    layout: Layout,
+    calibration: Calibration | None = None,
+    memory_fraction: float = 0.9,
+) -> list[StageHardware]:
+    """The one stage of the naive placement (``parallel.enforce_islands: false``).
+
+    Every device is data parallel: t flat rings (one per tensor position) through every
+    host in device order, crossing the islands. A ring runs at its slowest hop: the
+    inter-island links between consecutive islands (and from the last back to the first),
+    the NIC of every island with more than one host, and the intra-host link where a host
+    holds two ranks of one ring; the t rings share every NIC and inter-island link.
+
+    Where a profile timed ZeRO-1's reduce-scatter / all-gather on their own
+    (``Calibration.data_ops``), the time they take beyond the island's all-reduce ring rate
+    is a per-byte runtime cost (gloo's copies and reductions on shared cores), not wire
+    time: the largest such extra is added per byte to the ring. Device speed, memory and
+    memory bandwidth are the slowest island's (data parallel ranks step in lockstep).
+
+    Args:
+      topology: the cluster (links possibly replaced by a profile).
+      layout: the degrees: one stage, one replica.
+      calibration: device speed; default ``DEFAULT_EFFICIENCY`` of peak.
+      memory_fraction: usable fraction of device memory.
+
+    Returns:
+      A list of one :class:`StageHardware` (as :func:`stage_hardware` returns).
+
+    Raises:
+      ConfigError: more than one stage or replica, degrees that do not multiply to the
+        device count, or tensor groups that would leave a host.
+    """
+    t, islands, n = layout.tensor, topology.islands, len(topology.islands)
+    if layout.stages != 1 or layout.replica != 1:
+        raise ConfigError(
+            f"parallel.enforce_islands=false: the naive placement is one stage data parallel "
+            f"across islands; got stages={layout.stages} replica={layout.replica} (use "
+            f"stages=1 replica=1, or enforce_islands=true)"
+        )
+    if layout.num_devices != topology.num_devices:
+        raise ConfigError(
+            f"data*tensor = {layout.data}*{t} = {layout.num_devices}: must equal the "
+            f"{topology.num_devices} devices of topology '{topology.name}'"
+        )
+    for isl in islands:
+        if isl.devices_per_host % t:
+            raise ConfigError(
+                f"parallel.tensor={t}: must divide devices_per_host={isl.devices_per_host} "
+                f"of island '{isl.name}' (tensor groups stay inside one host)"
+            )
+    cal = calibration or Calibration()
+    intra = (topology.intra_host.bytes_per_s, topology.intra_host.latency_s)
+    hops = [_between(topology, i, (i + 1) % n) for i in range(n)] if n > 1 else []
+    hops += [isl.link for isl in islands if isl.num_hosts > 1]
+    paths = [_per(link, t) for link in hops]
+    if any(isl.devices_per_host // t > 1 for isl in islands):
+        paths.append(intra)
+    ring = _slowest_path(paths) if layout.data > 1 else _NONE
+
+    def op_path(op: str) -> Path | None:
+        extra = [  # seconds per byte beyond the island's all-reduce ring rate
+            (1 / ops[op].bytes_per_s - 1 / isl.link.bytes_per_s, ops[op].latency_s)
+            for isl in islands
+            if op in (ops := cal.data_ops.get(isl.name, {}))
+        ]
+        if not extra or layout.data == 1:
+            return None
+        per_byte = max(0.0, *(e for e, _ in extra))
+        return (1 / (1 / ring[0] + per_byte), max(ring[1], *(lat for _, lat in extra)))
+
+    speeds = [cal.flops_per_s(topology, i) for i in range(n)]
+    return [
+        StageHardware(
+            island=min(range(n), key=lambda i: speeds[i][0]),
+            fwd_flops=min(f for f, _ in speeds),
+            bwd_flops=min(b for _, b in speeds),
+            memory_bytes=min(isl.memory_gb for isl in islands) * 1e9 * memory_fraction,
+            mem_bw=min(isl.memory_bytes_per_s for isl in islands),
+            tensor=intra,
+            data=ring,
+            send=_NONE,
+            scatter=op_path("reduce-scatter"),
+            gather=op_path("all-gather"),
+        )
+    ]
 
 
 def _stage(topology, layout, cal, memory_fraction, rep, s) -> StageHardware:

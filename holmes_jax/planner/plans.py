@@ -2,9 +2,11 @@
 
 One home for turning a :class:`holmes_jax.core.config.Config` into what the cost model
 prices (:func:`specs_from_config`, :func:`memory_inputs_from_config`), for planning it on a
-topology (:func:`make_plan`, with the alternative splits: :func:`alternatives`) and for
+topology (:func:`make_plan`, with the alternative splits: :func:`alternatives`), for
 resolving what the config leaves to the planner before the trainer compiles
-(:func:`resolve_auto`: ``model.remat: auto``, ``parallel.layers_per_stage: auto``).
+(:func:`resolve_auto`: ``model.remat: auto``, ``parallel.layers_per_stage: auto``) and for
+predicting the step of the config exactly as the trainer will run it, the naive
+``parallel.enforce_islands: false`` placement included (:func:`predict_config`).
 Pure Python; no jax import.
 """
 
@@ -13,18 +15,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from holmes_jax.core.config import check_devices
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import REMAT_POLICIES, Degrees, ModelSpec
-from holmes_jax.planner.cost import RunSpec, memory_inputs
+from holmes_jax.planner.cost import Prediction, RunSpec, memory_inputs, predict, stage_costs
 from holmes_jax.planner.memory import MemoryInputs
-from holmes_jax.planner.partition import (
+from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
+from holmes_jax.planner.search import (
     METHODS,
     Plan,
     best_policy_plan,
     plan_for_layout,
     search_plan,
 )
-from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.topology import Topology, single_host_topology
 
 _BYTES = {"fp32": (4, 4, 4, 8), "bf16": (2, 2, 4, 12)}  # act, param, grad, optimizer
@@ -112,7 +115,7 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
     """Resolve what the config leaves to the planner, for the trainer.
 
     - ``model.remat: auto``: the fastest activation policy that fits under the config's
-      degrees and micro-batches (:func:`holmes_jax.planner.partition.best_policy_plan`).
+      degrees and micro-batches (:func:`holmes_jax.planner.search.best_policy_plan`).
     - ``parallel.layers_per_stage: auto``: the optimal split under those degrees; unset
       means an even split.
 
@@ -128,7 +131,7 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
 
     Raises:
       ConfigError: nothing fits in memory
-        (see :func:`holmes_jax.planner.partition.plan_for_layout`).
+        (see :func:`holmes_jax.planner.search.plan_for_layout`).
     """
     par = cfg.parallel
     lps, remat = par.layers_per_stage, cfg.model.remat
@@ -157,6 +160,45 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
         model=dataclasses.replace(cfg.model, remat=remat),
         parallel=dataclasses.replace(par, layers_per_stage=tuple(plan.layers_per_stage)),
     )
+
+
+def predict_config(
+    cfg: Any,
+    topology: Topology,
+    calibration: Calibration | None = None,
+    *,
+    sync_collectives: bool = False,
+) -> Prediction:
+    """The predicted step of ``cfg`` on ``topology``, as the trainer will run it.
+
+    The trainer's degrees (:func:`holmes_jax.core.config.check_devices` on the topology's
+    devices: ``data: 0`` = the remaining ones), micro-batches and schedule; its split and
+    activation policy (:func:`resolve_auto`: ``layers_per_stage`` given, ``auto`` or even;
+    ``model.remat`` given or ``auto``); ``optimizer.zero1``; and its placement:
+    ``parallel.enforce_islands: true`` the island-respecting one
+    (:func:`holmes_jax.planner.placement.stage_hardware`), false the naive one
+    (:func:`holmes_jax.planner.placement.naive_hardware`).
+
+    Args:
+      cfg: a :class:`holmes_jax.core.config.Config`.
+      topology: the cluster (links possibly replaced by a profile).
+      calibration: device speed (e.g. from a profile).
+      sync_collectives: collectives block the device (CPU runtimes such as gloo; see
+        :class:`holmes_jax.planner.cost.RunSpec`).
+
+    Raises:
+      ConfigError: degrees that do not fit the topology or its placement rules (the naive
+        placement: more than one stage or replica), a batch the degrees do not divide, or
+        nothing that fits in memory where the planner must choose.
+    """
+    shape = check_devices(cfg, topology.num_devices)
+    cfg = resolve_auto(cfg, shape, topology)
+    model, run = specs_from_config(cfg)
+    run = dataclasses.replace(run, sync_collectives=sync_collectives)
+    layout = cfg.parallel.layout(shape)
+    place = stage_hardware if cfg.parallel.enforce_islands else naive_hardware
+    hardware = place(topology, layout, calibration, run.memory_fraction)
+    return predict(stage_costs(model, run, layout, hardware), cfg.parallel.layers_per_stage)
 
 
 def alternatives(

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from holmes_jax.planner.partition import (
-    Plan,
-)
 from holmes_jax.planner.plans import specs_from_config
+from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology
 
 

@@ -26,11 +26,12 @@ import numpy as np
 from holmes_jax.cluster.distributed import any_process
 from holmes_jax.core.config import Config
 from holmes_jax.core.spec import flops_per_token
+from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
 from holmes_jax.planner.plans import memory_inputs_from_config, resolve_auto
 from holmes_jax.runtime.checkpoint import Checkpointer
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
-from holmes_jax.runtime.mesh import build_mesh, load_mesh_topology, resolve_shape
+from holmes_jax.runtime.mesh import build_mesh
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
 from holmes_jax.runtime.program import Program, compute_dtype

@@ -1,21 +1,16 @@
 """Pipeline parallelism over the ``stage`` axis: uneven stages, GPipe and 1F1B, one program.
 
-Parameter layout (``PipelineLayout``). The logical parameters ``{'embed', 'blocks' [L, ...],
-'head'}`` become, with a leading stage axis sharded over ``stage``:
-
-    embed  [S, ...]          stage 0 uses its copy (and stage S-1 the tied wte)
-    blocks [S, slots, ...]   stage s uses slots 0 .. layers[s]-1; slots = max(layers)
-    head   [S, ...]          stage S-1 uses its copy
-
-Unused copies and padded slots receive exactly zero gradient; checkpoints always hold the
-logical layout (``to_logical`` / ``from_logical``), so a run can resume under another split.
+Parameters arrive in the pipeline layout of :mod:`holmes_jax.runtime.stages` (a leading
+stage axis; ``blocks [S, slots, ...]``, stage s using slots 0 .. layers[s]-1). The loop's
+buffers and their in-place rules (``when``, uint16 bit patterns, ``Residuals``) are in
+:mod:`holmes_jax.runtime.buffers`.
 
 The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``replica``,
 ``stage`` and ``data`` (``tensor`` stays automatic: GSPMD does tensor parallelism in a stage):
 
 1. Split the local batch ``[B/d, T+1]`` into M microbatches ``[M, B/(dM), T+1]``.
 2. Tick loop (``lax.scan`` over the tables of :mod:`holmes_jax.runtime.schedule`); per tick each
-   stage runs the op its table names, each guarded by ``_when`` (a 0-or-1-trip while loop,
+   stage runs the op its table names, each guarded by ``when`` (a 0-or-1-trip while loop,
    which XLA updates in place where ``lax.cond`` / ``lax.switch`` copied every buffer):
    - FWD: embed (stage 0) or take the activation from the inbox; run the stage's layers
      with a ``fori_loop`` whose trip count is this stage's layer count (padded slots are
@@ -32,12 +27,16 @@ The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over `
 3. Embedding and head gradients reduced over ``data`` (and ``replica``), inside an island
    (:mod:`holmes_jax.runtime.zero` phases 2–3).
 4. Sums across stages (loss, squared gradient norm, tied-embedding gradient) go through
-   ``chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
+   ``stages.chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
    traffic between neighbouring stages ever crosses an island boundary.
 
+In code: ``_body`` is the ``shard_map`` body; ``_local`` traces what one stage holds,
+``_carry0`` the loop state, ``_tick`` one tick (``_receive``, ``_forward``, ``_backward``),
+``_reduce`` steps 3–4.
+
 16-bit buffers (residuals, inbox, head cotangents) are stored as uint16 bit patterns
-(``_to_bits``): free on GPU, and it keeps XLA:CPU from holding f32 copies of them, so the
-compiled memory analysis the memory model is checked against matches a GPU's.
+(``buffers.to_bits``): free on GPU, and it keeps XLA:CPU from holding f32 copies of them, so
+the compiled memory analysis the memory model is checked against matches a GPU's.
 
 Gradient clipping needs the global norm, which only exists after step 4: the engine
 returns it beside the (unclipped) gradients and the program clips with it
@@ -47,7 +46,6 @@ pipeline layout, where padded slots and a tied embedding's copies would distort 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +54,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA, STAGE
 from holmes_jax.core.config import ModelConfig
+from holmes_jax.runtime.buffers import (
+    Residuals,
+    dyn_index,
+    dyn_set,
+    from_bits,
+    get,
+    put,
+    to_bits,
+    when,
+)
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES, remat_block
 from holmes_jax.runtime.schedule import BWD, FWD, Schedule, make_schedule
+from holmes_jax.runtime.stages import PipelineLayout, chain_sum, shift
 from holmes_jax.runtime.zero import reduce_bucket, shard_shape, sharded_spec, squared_norm
 
 # Inside the pipeline ``data`` is a manual axis: the batch is already split, so the
@@ -69,168 +78,50 @@ from holmes_jax.runtime.zero import reduce_bucket, shard_shape, sharded_spec, sq
 PIPELINE_RULES = tuple((name, None if name == "batch" else axis) for name, axis in LOGICAL_RULES)
 
 
-# --------------------------------------------------------------------------- layout
+@dataclass(frozen=True, eq=False)
+class _Local:
+    """What one stage holds inside the ``shard_map`` for one step (traced values).
 
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    """Where each logical layer lives: ``layers_per_stage`` padded to ``slots``."""
-
-    layers_per_stage: tuple[int, ...]
-
-    @property
-    def stages(self) -> int:
-        return len(self.layers_per_stage)
-
-    @property
-    def slots(self) -> int:
-        return max(self.layers_per_stage)
-
-    @property
-    def num_layers(self) -> int:
-        return sum(self.layers_per_stage)
-
-    def layer_table(self) -> np.ndarray:
-        """[stages, slots] global layer index, or -1 for a padded slot."""
-        table = -np.ones((self.stages, self.slots), np.int32)
-        first = 0
-        for s, n in enumerate(self.layers_per_stage):
-            table[s, :n] = np.arange(first, first + n)
-            first += n
-        return table
-
-    # Leaf-wise conversions; ``part`` is the top-level key: 'embed', 'blocks' or 'head'.
-
-    def leaf_to_pipeline(self, x: jax.Array, part: str) -> jax.Array:
-        if part != "blocks":
-            return jnp.broadcast_to(x[None], (self.stages, *x.shape))
-        table = self.layer_table()
-        gathered = x[np.maximum(table, 0)]  # [S, slots, ...]
-        mask = (table >= 0).reshape(table.shape + (1,) * (x.ndim - 1))
-        return jnp.where(mask, gathered, jnp.zeros_like(gathered))
-
-    def leaf_to_logical(self, x: jax.Array, part: str) -> jax.Array:
-        if part == "embed":
-            return x[0]
-        if part == "head":
-            return x[-1]
-        table = self.layer_table()
-        stage_of, slot_of = np.nonzero(table >= 0)  # row-major = layer order
-        return x[stage_of, slot_of]
-
-    def map_parts(self, fn: Callable[[jax.Array, str], jax.Array], tree: Any) -> Any:
-        """Apply ``fn(leaf, part)`` over a params-shaped dict."""
-        return {part: jax.tree.map(lambda x, p=part: fn(x, p), sub) for part, sub in tree.items()}
-
-    def parts_tree(self, params: Any) -> Any:
-        """A params-shaped tree whose leaves are the part names (for optax.tree_map_params)."""
-        return {part: jax.tree.map(lambda _, p=part: p, sub) for part, sub in params.items()}
-
-    def spec(self, logical_spec: PartitionSpec, part: str) -> PartitionSpec:
-        """Mesh spec of a pipeline leaf from its logical leaf's mesh spec."""
-        if part == "blocks":
-            return PartitionSpec(STAGE, None, *tuple(logical_spec)[1:])
-        return PartitionSpec(STAGE, *tuple(logical_spec))
-
-
-def layout_from_config(layers_per_stage, stages: int, num_layers: int) -> PipelineLayout:
-    """Explicit split, or an even one (earlier stages take the remainder)."""
-    if isinstance(layers_per_stage, tuple):
-        return PipelineLayout(tuple(layers_per_stage))
-    base, extra = divmod(num_layers, stages)
-    return PipelineLayout(tuple(base + (s < extra) for s in range(stages)))
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _shift(x, stages: int, direction: int):
-    """Send to the neighbouring stage (``+1`` downstream, ``-1`` upstream); ends get 0."""
-    if direction > 0:
-        perm = [(s, s + 1) for s in range(stages - 1)]
-    else:
-        perm = [(s + 1, s) for s in range(stages - 1)]
-    return jax.tree.map(lambda a: lax.ppermute(a, STAGE, perm), x)
-
-
-def chain_sum(x, stages: int):
-    """Sum over ``stage`` using only adjacent-stage ppermutes (2(S−1) hops).
-
-    Accumulate downstream (stage S−1 ends with the total), then broadcast it upstream.
-    Used instead of ``psum`` so no all-reduce ever spans two islands.
-    """
-    if stages == 1:
-        return x
-    stage = lax.axis_index(STAGE)
-    acc = x
-    for _ in range(stages - 1):
-        acc = jax.tree.map(jnp.add, x, _shift(acc, stages, +1))
-    total = acc
-    for _ in range(stages - 1):
-        back = _shift(total, stages, -1)
-        total = jax.tree.map(lambda a, b: jnp.where(stage == stages - 1, a, b), acc, back)
-    return total
-
-
-def _dyn_index(tree, i):
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
-def _dyn_set(tree, i, value):
-    return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
-
-
-class _Residuals:
-    """Split a layer's ``jax.vjp`` function into bufferable arrays and the rest.
-
-    The vjp function is a pytree whose leaves are its residuals. Leaves that *are* the
-    layer's weights are not buffered (the backward takes the weights again); non-array
-    leaves are static. The template comes from one trace of the layer; every later trace
-    of the same layer has the same structure, which ``split`` checks.
+    Built once per trace by ``PipelineEngine._local``; every method of the tick loop
+    reads it and none changes it.
     """
 
-    def __init__(self, vjp_fn, weights):
-        leaves, self.treedef = jax.tree.flatten(vjp_fn)
-        self.kinds = self._classify(leaves, weights)
-        self.static = [
-            None if k[0] != "static" else leaf for k, leaf in zip(self.kinds, leaves, strict=True)
-        ]
-        self.buffered = [
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-            for k, leaf in zip(self.kinds, leaves, strict=True)
-            if k[0] == "buf"
-        ]
+    stage: jax.Array  # int32 scalar: this device's stage s
+    is_first: jax.Array  # bool scalar: s == 0
+    is_last: jax.Array  # bool scalar: s == S-1
+    n_layers: jax.Array  # int32 scalar: this stage's layer count (its fori_loop trip count)
+    first_layer: jax.Array  # int32 scalar: global index of this stage's slot 0
+    params: Any  # this stage's parameters, local stage axis dropped; blocks [slots, ...]
+    tokens: jax.Array  # [M, mb, T] int32
+    targets: jax.Array  # [M, mb, T] int32
+    act: jax.ShapeDtypeStruct  # [mb, T, H] in the compute dtype
+    base_key: jax.Array  # dropout key of this step
+    dims: Any  # local ZeRO dims per leaf (stage axis gone), -1 = not scattered
+    slot_dims: Any  # ZeRO dims of one block slot (the per-layer bucket)
+    res: Residuals  # which leaves of a layer's vjp the residual buffers hold
+    fill: float  # bubble value of the send / receive buffers (NaN with nan_bubbles)
+    tables: dict  # schedule tables "op", "mb", "slot": [ticks, S] int32
 
-    @staticmethod
-    def _classify(leaves, weights):
-        ids = {id(w): n for n, w in enumerate(jax.tree.leaves(weights))}
-        kinds = []
-        for leaf in leaves:
-            if id(leaf) in ids:
-                kinds.append(("weight", ids[id(leaf)]))
-            elif isinstance(leaf, jax.Array):
-                kinds.append(("buf",))
-            else:
-                kinds.append(("static",))
-        return kinds
+    @property
+    def embed(self):
+        return self.params["embed"]
 
-    def split(self, vjp_fn, weights) -> list[jax.Array]:
-        leaves = jax.tree.leaves(vjp_fn)
-        if self._classify(leaves, weights) != self.kinds:
-            raise RuntimeError("pipeline: layer vjp residual structure changed between traces")
-        return [leaf for k, leaf in zip(self.kinds, leaves, strict=True) if k[0] == "buf"]
+    @property
+    def blocks(self):
+        return self.params["blocks"]  # [slots, ...] per leaf
 
-    def join(self, buffered: list[jax.Array], weights):
-        w = jax.tree.leaves(weights)
-        it = iter(buffered)
-        leaves = [
-            next(it) if k[0] == "buf" else w[k[1]] if k[0] == "weight" else s
-            for k, s in zip(self.kinds, self.static, strict=True)
-        ]
-        return jax.tree.unflatten(self.treedef, leaves)
+    @property
+    def head(self):
+        return self.params["head"]
+
+    def key(self, i, layer):
+        """Dropout key of microbatch ``i`` in global layer ``layer``."""
+        return _layer_key(self.base_key, i, layer)
 
 
-# --------------------------------------------------------------------------- engine
+def _layer_key(base_key, i, layer):
+    """Dropout key of microbatch ``i`` in global layer ``layer``: from (seed, step, i, layer)."""
+    return jax.random.fold_in(jax.random.fold_in(base_key, i), layer)
 
 
 class PipelineEngine:
@@ -312,9 +203,18 @@ class PipelineEngine:
             return jax.tree.map(lambda _: -1, params)
         return self.grad_dims
 
+    # --------------------------------------------------------------- the shard_map body
+
     def _body(self, params, batch, step):
-        S, M, sched = self.layout.stages, self.M, self.schedule
-        d, r = self.data, self.replica
+        """One device's step: ``(loss, grads, grad_norm)``, grads with a stage axis of 1."""
+        st = self._local(params, batch, step)
+        carry0 = self._carry0(st)
+        c, _ = lax.scan(lambda c, t: self._tick(st, c, t), carry0, jnp.arange(self.schedule.ticks))
+        return self._reduce(st, c)
+
+    def _local(self, params, batch, step) -> _Local:
+        """This stage's parameters, microbatches and constants (step 1)."""
+        S, M = self.layout.stages, self.M
         # Local ZeRO dims: the stage axis is gone inside the shard_map, and a block slot
         # (one layer, the bucket) also drops the slot axis.
         dims = jax.tree.map(lambda k: k - 1 if k >= 0 else -1, self._dims(params))
@@ -327,143 +227,192 @@ class PipelineEngine:
         ]
 
         p = jax.tree.map(lambda a: a[0], params)  # drop the local stage axis (size 1)
-        embed_p, blocks_p, head_p = p["embed"], p["blocks"], p["head"]
         local = batch.reshape(M, batch.shape[0] // M, batch.shape[1])  # [M, mb, T+1]
         tokens, targets = local[:, :, :-1], local[:, :, 1:]  # [M, mb, T]
         mb, T, H = tokens.shape[1], tokens.shape[2], self.cfg.hidden_size
-        act = jax.ShapeDtypeStruct((mb, T, H), embed_p["wte"].dtype)  # compute dtype
+        act = jax.ShapeDtypeStruct((mb, T, H), p["embed"]["wte"].dtype)  # compute dtype
         base_key = jax.random.fold_in(jax.random.key(self.seed + 1), step)
 
-        def key_for(i, layer):
-            return jax.random.fold_in(jax.random.fold_in(base_key, i), layer)
-
         # One trace of a layer's vjp fixes the residual layout (XLA drops this dead code).
-        w0 = _dyn_index(blocks_p, 0)
+        w0 = dyn_index(p["blocks"], 0)
         _, vjp0 = jax.vjp(
-            lambda w, x: self._layer(w, x, key_for(0, 0)), w0, jnp.zeros(act.shape, act.dtype)
+            lambda w, x: self._layer(w, x, _layer_key(base_key, 0, 0)),
+            w0,
+            jnp.zeros(act.shape, act.dtype),
         )
-        res = _Residuals(vjp0, w0)
-        K, L = sched.buffer_slots, self.layout.slots
-        fill = jnp.nan if self.nan_bubbles else 0.0
-        # Loop state. Big buffers are only ever updated in place: every "if" below is a
-        # 0-or-1-trip while loop (_when), which XLA aliases, where lax.cond/switch would
-        # copy each buffer that one branch writes and another passes through, every tick.
-        carry0 = dict(
+        return _Local(
+            stage=stage,
+            is_first=is_first,
+            is_last=is_last,
+            n_layers=n_layers,
+            first_layer=first_layer,
+            params=p,
+            tokens=tokens,
+            targets=targets,
+            act=act,
+            base_key=base_key,
+            dims=dims,
+            slot_dims=slot_dims,
+            res=Residuals(vjp0, w0),
+            fill=jnp.nan if self.nan_bubbles else 0.0,
+            tables={k: jnp.asarray(getattr(self.schedule, k)) for k in ("op", "mb", "slot")},
+        )
+
+    def _carry0(self, st: _Local) -> dict:
+        """The tick loop's state before tick 0."""
+        K, L = self.schedule.buffer_slots, self.layout.slots
+        act, fill = st.act, st.fill
+        # Loop state. Big buffers are only ever updated in place: every "if" of the tick
+        # loop is a 0-or-1-trip while loop (when), which XLA aliases, where lax.cond/switch
+        # would copy each buffer that one branch writes and another passes through, every tick.
+        return dict(
             # forward activations waiting for FWD
-            inbox=_to_bits(jnp.full((2, *act.shape), fill, act.dtype)),
-            recv_x=jnp.full(act.shape, fill, act.dtype),
-            recv_g=jnp.full(act.shape, fill, act.dtype),
-            head_ct=_to_bits(jnp.zeros((K, *act.shape), act.dtype)),  # last stage: dloss/dx
-            res=[_to_bits(jnp.zeros((K, L, *r.shape), r.dtype)) for r in res.buffered],
-            grads=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), p),  # fp32 sums
+            inbox=to_bits(jnp.full((2, *act.shape), fill, act.dtype)),  # [2, mb, T, H]
+            recv_x=jnp.full(act.shape, fill, act.dtype),  # [mb, T, H] from stage s-1
+            recv_g=jnp.full(act.shape, fill, act.dtype),  # [mb, T, H] from stage s+1
+            head_ct=to_bits(jnp.zeros((K, *act.shape), act.dtype)),  # last stage: dloss/dx
+            # [K, slots, ...] per buffered residual
+            res=[to_bits(jnp.zeros((K, L, *r.shape), r.dtype)) for r in st.res.buffered],
+            grads=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), st.params),  # fp32 sums
             # Reduced (1/d with ZeRO-1) block gradients, filled bucket by bucket.
             shards=jax.tree.map(
-                lambda a, k: jnp.zeros(shard_shape(a.shape, k, d), jnp.float32),
-                blocks_p,
-                dims["blocks"],
+                lambda a, k: jnp.zeros(shard_shape(a.shape, k, self.data), jnp.float32),
+                st.blocks,
+                st.dims["blocks"],
             ),
             loss=jnp.zeros((), jnp.float32),
         )
-        tables = {k: jnp.asarray(getattr(sched, k)) for k in ("op", "mb", "slot")}
 
-        def forward(c, i, k):
-            """FWD of microbatch i: layers (residuals to slot k), then the head if last."""
+    # --------------------------------------------------------------- one tick
 
-            def layer(j, state):
-                x, bufs = state
-                w = _dyn_index(blocks_p, j)
-                y, vjp_fn = jax.vjp(
-                    lambda w, x: self._layer(w, x, key_for(i, first_layer + j)), w, x
-                )
-                saved = res.split(vjp_fn, w)
-                return y, [_put(b, r, k, j) for b, r in zip(bufs, saved, strict=True)]
+    def _tick(self, st: _Local, c: dict, t):
+        """Tick ``t``: receive, run this stage's op (FWD / BWD / IDLE), send both ways."""
+        op, i, k = (st.tables[n][t, st.stage] for n in ("op", "mb", "slot"))
+        inbox = self._receive(st, c, t)
+        act = st.act
+        c = dict(
+            c,
+            inbox=inbox,
+            send_x=jnp.full(act.shape, st.fill, act.dtype),
+            send_g=jnp.full(act.shape, st.fill, act.dtype),
+        )
+        c = when(op == FWD, lambda c: self._forward(st, c, i, k), c)  # IDLE ticks run neither
+        c = when(op == BWD, lambda c: self._backward(st, c, i, k), c)
+        c["recv_x"] = shift(c.pop("send_x"), self.layout.stages, +1)
+        c["recv_g"] = shift(c.pop("send_g"), self.layout.stages, -1)
+        return c, None
 
-            x = lax.cond(
-                is_first,
-                lambda: self._embed(embed_p, tokens[i]),
-                lambda: _from_bits(c["inbox"][i % 2], act.dtype),
-            )
-            x, bufs = lax.fori_loop(0, n_layers, layer, (x, c["res"]))
+    def _receive(self, st: _Local, c: dict, t):
+        """The inbox ``[2, mb, T, H]`` after this tick's arrival, if any."""
+        # An activation sent by stage s-1 at tick t-1 lands in the inbox slot of its
+        # microbatch (the tables guarantee it is not overwritten before use).
+        prev_t, prev_s = jnp.maximum(t - 1, 0), jnp.maximum(st.stage - 1, 0)
+        arrived = (st.stage > 0) & (t > 0) & (st.tables["op"][prev_t, prev_s] == FWD)
+        arr_i = st.tables["mb"][prev_t, prev_s]
+        return when(
+            arrived,
+            lambda box: lax.dynamic_update_index_in_dim(box, to_bits(c["recv_x"]), arr_i % 2, 0),
+            c["inbox"],
+        )
 
-            def head(h, x):
-                loss, (g_embed, g_head, dx) = jax.value_and_grad(
-                    self._head_loss, argnums=(0, 1, 2)
-                )(embed_p, head_p, x, targets[i])
-                loss_acc, ge, gh, head_ct = h
-                ge = jax.tree.map(lambda a, g: a + g / M, ge, g_embed)
-                gh = jax.tree.map(lambda a, g: a + g / M, gh, g_head)
-                head_ct = lax.dynamic_update_index_in_dim(head_ct, _to_bits(dx / M), k, 0)
-                return loss_acc + loss / M, ge, gh, head_ct
+    # --------------------------------------------------------------- forward
 
-            g = c["grads"]
-            h = (c["loss"], g["embed"], g["head"], c["head_ct"])
-            loss, g_embed, g_head, head_ct = _when(is_last, head, h, x)
-            grads = dict(g, embed=g_embed, head=g_head)
-            return dict(c, res=bufs, grads=grads, loss=loss, head_ct=head_ct, send_x=x)
+    def _forward(self, st: _Local, c: dict, i, k) -> dict:
+        """FWD of microbatch i: layers (residuals to slot k), then the head if last."""
+        x = lax.cond(
+            st.is_first,
+            lambda: self._embed(st.embed, st.tokens[i]),
+            lambda: from_bits(c["inbox"][i % 2], st.act.dtype),
+        )  # [mb, T, H]
+        x, bufs = lax.fori_loop(
+            0, st.n_layers, lambda j, s: self._forward_layer(st, i, k, j, s), (x, c["res"])
+        )
+        g = c["grads"]
+        h = (c["loss"], g["embed"], g["head"], c["head_ct"])
+        loss, g_embed, g_head, head_ct = when(
+            st.is_last, lambda h, x: self._head(st, i, k, h, x), h, x
+        )
+        grads = dict(g, embed=g_embed, head=g_head)
+        return dict(c, res=bufs, grads=grads, loss=loss, head_ct=head_ct, send_x=x)
 
-        def backward(c, i, k):
-            """BWD of microbatch i from slot k's residuals; embedding backward on stage 0."""
+    def _forward_layer(self, st: _Local, i, k, j, state):
+        """Slot j's layer on x ``[mb, T, H]``; its residuals go to ``res[.][k, j]``."""
+        x, bufs = state
+        w = dyn_index(st.blocks, j)
+        y, vjp_fn = jax.vjp(lambda w, x: self._layer(w, x, st.key(i, st.first_layer + j)), w, x)
+        saved = st.res.split(vjp_fn, w)
+        return y, [put(b, r, k, j) for b, r in zip(bufs, saved, strict=True)]
 
-            def layer(n, state):
-                ct, g_blocks, shards = state
-                j = n_layers - 1 - n
-                w = _dyn_index(blocks_p, j)
-                saved = [
-                    _from_bits(_get(b, k, j), r.dtype)
-                    for b, r in zip(c["res"], res.buffered, strict=True)
-                ]
-                dw, dx = res.join(saved, w)(ct)
-                g_j = jax.tree.map(jnp.add, _dyn_index(g_blocks, j), dw)
-                # Phase 1: the last microbatch completes layer j's gradient: reduce it now.
-                shards = _when(
-                    i == M - 1,
-                    lambda sh, g: _dyn_set(sh, j, reduce_bucket(g, slot_dims, d, r)),
-                    shards,
-                    g_j,
-                )
-                return dx, _dyn_set(g_blocks, j, g_j), shards
+    def _head(self, st: _Local, i, k, h, x):
+        """Last stage: loss of microbatch i and its gradients, each already divided by M.
 
-            ct = lax.select(is_last, _from_bits(c["head_ct"][k], act.dtype), c["recv_g"])
-            ct, g_blocks, shards = lax.fori_loop(
-                0, n_layers, layer, (ct, c["grads"]["blocks"], c["shards"])
-            )
+        ``h`` = (loss, embed grads, head grads, head_ct ``[K, mb, T, H]``); dloss/dx goes to
+        ``head_ct[k]``. Runs under ``when(is_last, ..., h, x)``: x comes in as the guard's
+        operand, so XLA cannot hoist the head out of it onto every stage.
+        """
+        M = self.M
+        loss, (g_embed, g_head, dx) = jax.value_and_grad(self._head_loss, argnums=(0, 1, 2))(
+            st.embed, st.head, x, st.targets[i]
+        )
+        loss_acc, ge, gh, head_ct = h
+        ge = jax.tree.map(lambda a, g: a + g / M, ge, g_embed)
+        gh = jax.tree.map(lambda a, g: a + g / M, gh, g_head)
+        head_ct = lax.dynamic_update_index_in_dim(head_ct, to_bits(dx / M), k, 0)
+        return loss_acc + loss / M, ge, gh, head_ct
 
-            def embed_backward(g_embed, ct):
-                _, vjp_fn = jax.vjp(lambda e: self._embed(e, tokens[i]), embed_p)
-                return jax.tree.map(jnp.add, g_embed, vjp_fn(ct)[0])
+    # --------------------------------------------------------------- backward
 
-            g_embed = _when(is_first, embed_backward, c["grads"]["embed"], ct)
-            grads = dict(c["grads"], blocks=g_blocks, embed=g_embed)
-            return dict(c, grads=grads, shards=shards, send_g=ct)
+    def _backward(self, st: _Local, c: dict, i, k) -> dict:
+        """BWD of microbatch i from slot k's residuals; embedding backward on stage 0."""
+        # dloss/dx of this microbatch [mb, T, H]: the head's (last stage) or from stage s+1
+        ct = lax.select(st.is_last, from_bits(c["head_ct"][k], st.act.dtype), c["recv_g"])
+        ct, g_blocks, shards = lax.fori_loop(
+            0,
+            st.n_layers,
+            lambda n, s: self._backward_layer(st, c["res"], i, k, n, s),
+            (ct, c["grads"]["blocks"], c["shards"]),
+        )
+        g_embed = when(
+            st.is_first,
+            lambda g, ct: self._embed_backward(st, i, g, ct),
+            c["grads"]["embed"],
+            ct,
+        )
+        grads = dict(c["grads"], blocks=g_blocks, embed=g_embed)
+        return dict(c, grads=grads, shards=shards, send_g=ct)
 
-        def tick(c, t):
-            op, i, k = tables["op"][t, stage], tables["mb"][t, stage], tables["slot"][t, stage]
-            # An activation sent by stage s-1 at tick t-1 lands in the inbox slot of its
-            # microbatch (the tables guarantee it is not overwritten before use).
-            prev_t, prev_s = jnp.maximum(t - 1, 0), jnp.maximum(stage - 1, 0)
-            arrived = (stage > 0) & (t > 0) & (tables["op"][prev_t, prev_s] == FWD)
-            arr_i = tables["mb"][prev_t, prev_s]
-            inbox = _when(
-                arrived,
-                lambda box: lax.dynamic_update_index_in_dim(
-                    box, _to_bits(c["recv_x"]), arr_i % 2, 0
-                ),
-                c["inbox"],
-            )
-            c = dict(
-                c,
-                inbox=inbox,
-                send_x=jnp.full(act.shape, fill, act.dtype),
-                send_g=jnp.full(act.shape, fill, act.dtype),
-            )
-            c = _when(op == FWD, lambda c: forward(c, i, k), c)  # IDLE ticks run neither
-            c = _when(op == BWD, lambda c: backward(c, i, k), c)
-            c["recv_x"] = _shift(c.pop("send_x"), S, +1)
-            c["recv_g"] = _shift(c.pop("send_g"), S, -1)
-            return c, None
+    def _backward_layer(self, st: _Local, res, i, k, n, state):
+        """The n-th layer from the top (slot j = n_layers-1-n), from ``res[.][k, j]``.
 
-        c, _ = lax.scan(tick, carry0, jnp.arange(sched.ticks))
+        ``state`` = (ct ``[mb, T, H]``, fp32 block grads ``[slots, ...]``, reduced shards).
+        """
+        ct, g_blocks, shards = state
+        j = st.n_layers - 1 - n
+        w = dyn_index(st.blocks, j)
+        saved = [
+            from_bits(get(b, k, j), r.dtype) for b, r in zip(res, st.res.buffered, strict=True)
+        ]
+        dw, dx = st.res.join(saved, w)(ct)
+        g_j = jax.tree.map(jnp.add, dyn_index(g_blocks, j), dw)
+        # Phase 1: the last microbatch completes layer j's gradient: reduce it now.
+        shards = when(
+            i == self.M - 1,
+            lambda sh, g: dyn_set(sh, j, reduce_bucket(g, st.slot_dims, self.data, self.replica)),
+            shards,
+            g_j,
+        )
+        return dx, dyn_set(g_blocks, j, g_j), shards
 
+    def _embed_backward(self, st: _Local, i, g_embed, ct):
+        """Stage 0: embedding gradient of microbatch i added to ``g_embed``; ct [mb, T, H]."""
+        _, vjp_fn = jax.vjp(lambda e: self._embed(e, st.tokens[i]), st.embed)
+        return jax.tree.map(jnp.add, g_embed, vjp_fn(ct)[0])
+
+    # --------------------------------------------------------------- after the loop
+
+    def _reduce(self, st: _Local, c: dict):
+        """Steps 3–4: reduced gradients, mean loss over all stages and the global norm."""
+        S, d, r, dims = self.layout.stages, self.data, self.replica, st.dims
         # 3. gradients reduced over data (inside an island) and replicas (zero.py phases 1-3):
         #    the blocks bucket by bucket during the last backward, embedding and head now.
         g = c["grads"]
@@ -480,71 +429,8 @@ class PipelineEngine:
             wte = chain_sum(grads["embed"]["wte"], S)
             grads = dict(grads, embed=dict(grads["embed"], wte=wte))
         owned = squared_norm(grads["blocks"], dims["blocks"])
-        owned += jnp.where(is_first, squared_norm(grads["embed"], dims["embed"]), 0.0)
-        owned += jnp.where(is_last, squared_norm(grads["head"], dims["head"]), 0.0)
-        loss, norm = chain_sum((jnp.where(is_last, loss, 0.0), owned), S)
+        owned += jnp.where(st.is_first, squared_norm(grads["embed"], dims["embed"]), 0.0)
+        owned += jnp.where(st.is_last, squared_norm(grads["head"], dims["head"]), 0.0)
+        loss, norm = chain_sum((jnp.where(st.is_last, loss, 0.0), owned), S)
         norm = jnp.sqrt(norm)
         return loss, jax.tree.map(lambda g: g[None], grads), norm
-
-
-def _when(pred, body, carry, operands=None):
-    """``body(carry)`` if ``pred`` else ``carry``, as a 0-or-1-trip while loop (in place).
-
-    With ``operands``, ``body(carry, operands)``: every value the body computes from
-    that is not in ``carry`` must come in ``operands``. XLA's loop-invariant code motion
-    hoists work whose inputs are all loop-invariant out of a while loop, where it then
-    runs whatever ``pred`` says (a gradient reduction on every micro-batch, the LM head on
-    every stage). The loop zeroes ``operands`` after its one trip, so they are
-    loop-variant and the work stays inside.
-    """
-    n = pred.astype(jnp.int32)
-    if operands is None:
-        return lax.fori_loop(0, n, lambda _, c: body(c), carry)
-
-    def once(_, state):
-        c, ops = state
-        return body(c, ops), jax.tree.map(jnp.zeros_like, ops)
-
-    return lax.fori_loop(0, n, once, (carry, operands))[0]
-
-
-def _to_bits(x):
-    """16-bit floats as their uint16 bit patterns (other dtypes unchanged).
-
-    The engine's big buffers (residuals, inbox, head cotangents) are stored this way:
-    XLA:CPU rewrites a bf16 dynamic-update-slice into f32 and keeps an f32 copy of the whole
-    buffer, which would double its bytes in the compiled memory analysis that the memory
-    model is checked against. On GPU the bitcast is free.
-    """
-    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
-        return lax.bitcast_convert_type(x, jnp.uint16)
-    return x
-
-
-def _from_bits(x, dtype):
-    """Inverse of :func:`_to_bits` for a value of ``dtype``."""
-    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
-
-
-def _put(buf, value, k, j):
-    """buf[k, j] = value, as one in-place dynamic_update_slice. buf [K, slots, ...]."""
-    zeros = (0,) * value.ndim
-    return lax.dynamic_update_slice(buf, _to_bits(value)[None, None], (k, j, *zeros))
-
-
-def _get(buf, k, j):
-    """buf[k, j] as one dynamic_slice (no copy of buf[k])."""
-    zeros = (0,) * (buf.ndim - 2)
-    return lax.dynamic_slice(buf, (k, j, *zeros), (1, 1, *buf.shape[2:]))[0, 0]
-
-
-def pipeline_shardings(layout: PipelineLayout, logical_shardings, mesh: Mesh):
-    """NamedShardings of the pipeline layout from the logical parameters' shardings."""
-    return {
-        part: jax.tree.map(
-            lambda s, p=part: NamedSharding(mesh, layout.spec(s.spec, p)),
-            sub,
-            is_leaf=lambda x: isinstance(x, NamedSharding),
-        )
-        for part, sub in logical_shardings.items()
-    }

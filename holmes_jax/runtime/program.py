@@ -32,7 +32,8 @@ from holmes_jax.core.config import Config
 from holmes_jax.runtime.mesh import batch_sharding, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES
 from holmes_jax.runtime.optim import clip_by_global_norm, learning_rate_schedule, make_optimizer
-from holmes_jax.runtime.pipeline import PipelineEngine, layout_from_config, pipeline_shardings
+from holmes_jax.runtime.pipeline import PipelineEngine
+from holmes_jax.runtime.stages import layout_from_config, pipeline_shardings
 from holmes_jax.runtime.zero import shard_dim, sharded_spec
 
 

@@ -13,7 +13,7 @@ parameters) of the fp32 master copy. The reduction runs in these phases, and the
 3. With ``parallel.replica > 1`` (one pipeline copy per island): all-reduce of each 1/d
    shard across islands over ``replica`` — the only bytes that cross an island for it.
 4. Cross-stage sums (tied embedding, the global gradient norm for clipping) by
-   neighbour-to-neighbour hops (``pipeline.chain_sum``), on the 1/d shards.
+   neighbour-to-neighbour hops (``stages.chain_sum``), on the 1/d shards.
 5. Outside the ``shard_map``: AdamW updates the 1/d shard (its state is sharded the same
    way), and the updated parameters are all-gathered over ``data`` (GSPMD inserts it:
    parameters are replicated over ``data``).

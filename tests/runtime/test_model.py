@@ -12,14 +12,9 @@ import pytest
 from holmes_jax.core.config import config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.runtime.model import GPT, attention, attention_kernel
+from tests.common import TINY_MODEL
 
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.seq_len=16",
-    "model.attention=xla",
-]
+TINY = [*TINY_MODEL, "model.seq_len=16", "model.attention=xla"]
 
 # --------------------------------------------------------------------------- attention
 
@@ -122,3 +117,20 @@ def test_remat_config_values(tmp_path):
             load_config(None, [f"model.remat={bad}"])
         message = str(err.value)
         assert "model.remat" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_spec_counts_the_models_parameters(tied):
+    """The one parameter count (core.spec.ModelSpec, also the planner's) equals the Flax
+    model's, leaf by leaf: total parameters and the leaves the trainer reduces one by one."""
+    over = [*TINY, "model.mlp_ratio=3", f"model.tied_embeddings={str(tied).lower()}"]
+    cfg = load_config(None, over).model
+    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    shapes = jax.eval_shape(GPT(cfg).init, jax.random.key(0), tokens)["params"]
+    leaves = jax.tree.leaves(shapes)
+    spec = cfg.spec
+    assert sum(math.prod(x.shape) for x in leaves) == spec.num_params
+    blocks = jax.tree.leaves(shapes["blocks"])
+    assert sum(math.prod(x.shape) for x in blocks) == cfg.num_layers * spec.layer_params
+    assert len(blocks) == spec.layer_leaves
+    assert len(leaves) == spec.layer_leaves + spec.embedding_leaves + spec.head_leaves

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from holmes_jax.cluster.distributed import resolve
+from holmes_jax.cluster.detect import resolve
 from holmes_jax.cluster.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError

@@ -10,8 +10,8 @@ from holmes_jax import launch
 from holmes_jax.cluster import launcher, netns, transport
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import load_topology, topology_from_dict
+from tests.common import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = os.path.join(ROOT, "meshes")
 
 

@@ -12,22 +12,23 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner.cost import RunSpec, predict, stage_costs
 from holmes_jax.planner.partition import (
-    best_policy_plan,
     bottleneck_split,
-    candidate_layouts,
     layer_cube,
     min_sum_split,
     pipeline_split,
-    plan_for_layout,
     proportional_split,
-    search_plan,
-    split_layers,
     uniform_split,
 )
 from holmes_jax.planner.placement import stage_blocks, stage_hardware, stages_per_island
+from holmes_jax.planner.search import (
+    best_policy_plan,
+    candidate_layouts,
+    plan_for_layout,
+    search_plan,
+    split_layers,
+)
 from holmes_jax.planner.topology import load_topology, topology_from_dict
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import ROOT
 
 
 def mesh(name):

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-import holmes_jax.runtime.pipeline as pipeline
+import holmes_jax.runtime.buffers as buffers
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
@@ -14,8 +14,7 @@ from holmes_jax.planner.memory import check_fits, device_memory, layer_residual_
 from holmes_jax.planner.plans import memory_inputs_from_config
 from holmes_jax.runtime.mesh import build_mesh
 from holmes_jax.runtime.program import Program
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import ROOT
 
 # Shapes where every term is visible: T*T scores, an MLP 4x wider, heads split by tensor.
 TINY = [
@@ -59,13 +58,13 @@ def _program(overrides, shape: Degrees, base=TINY):
 def test_residual_formula_matches_traced_vjp(monkeypatch, remat, precision):
     """What the engine buffers per layer (global shapes; tensor 1) = the formula."""
     seen = []
-    original = pipeline._Residuals.__init__
+    original = buffers.Residuals.__init__
 
     def spy(self, vjp_fn, weights):
         original(self, vjp_fn, weights)
         seen.append(sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in self.buffered))
 
-    monkeypatch.setattr(pipeline._Residuals, "__init__", spy)
+    monkeypatch.setattr(buffers.Residuals, "__init__", spy)
     overrides = [f"model.remat={remat}", f"train.precision={precision}", "parallel.microbatches=2"]
     cfg, program = _program(overrides, Degrees(1, 1, 1))
     program.lower_train_step()

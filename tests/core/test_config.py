@@ -10,8 +10,7 @@ import pytest
 from holmes_jax.core.config import Config, check_devices, config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.train import main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import ROOT, as_flags
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
@@ -74,7 +73,7 @@ BAD_CASES = [
 
 @pytest.mark.parametrize("overrides,message", BAD_CASES)
 def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
-    argv = [arg for o in overrides for arg in ("--set", o)]
+    argv = as_flags(overrides)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err

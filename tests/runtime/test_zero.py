@@ -10,13 +10,12 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.spec import Degrees
-from holmes_jax.runtime.mesh import build_mesh, device_islands, load_mesh_topology, resolve_shape
+from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.runtime.model import GPT
 from holmes_jax.runtime.optim import make_optimizer
-from holmes_jax.runtime.program import Program
-from tests.test_pipeline import _attr, _groups
+from tests import hlo
+from tests.common import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = [
     "model.num_layers=4",
     "model.hidden_size=32",
@@ -47,9 +46,9 @@ def _train(program, steps):
 
 
 @pytest.fixture(scope="module")
-def zero_run():
+def zero_run(make_program):
     cfg = load_config(None, MODEL + ["optimizer.zero1=true", "parallel.stages=2"])
-    program = Program(cfg, build_mesh(Degrees(stages=2, data=4, tensor=1)))
+    program = make_program(cfg, Degrees(stages=2, data=4, tensor=1))
     assert program.zero1
     return cfg, program, _train(program, 5)
 
@@ -78,11 +77,11 @@ def test_sharded_optimizer_equals_optax_adamw(zero_run):
     assert clipped == 5, "the test must exercise clipping"
 
 
-def test_zero1_training_tracks_the_reference(zero_run):
+def test_zero1_training_tracks_the_reference(zero_run, make_program):
     """End to end (its own gradients): losses within fp32 noise of one-device optax."""
     cfg, _, (_, losses, _) = zero_run
     ref_cfg = load_config(None, MODEL + ["optimizer.zero1=false"])
-    _, ref_losses, _ = _train(Program(ref_cfg, build_mesh(Degrees(1, 1, 1))), 5)
+    _, ref_losses, _ = _train(make_program(ref_cfg, Degrees(1, 1, 1)), 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
 
 
@@ -91,10 +90,10 @@ def _moment_bytes_per_device(state):
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((adam.mu, adam.nu)))
 
 
-def test_optimizer_state_is_one_over_d_per_device(zero_run):
+def test_optimizer_state_is_one_over_d_per_device(zero_run, make_program):
     cfg, program, (state, _, _) = zero_run
     off_cfg = load_config(None, MODEL + ["optimizer.zero1=false", "parallel.stages=2"])
-    off = Program(off_cfg, build_mesh(Degrees(stages=2, data=4, tensor=1)))
+    off = make_program(off_cfg, Degrees(stages=2, data=4, tensor=1))
     # Read from the arrays' own shardings: on stage 2 x data 4, each device holds its
     # stage's moments split 4 ways with ZeRO-1, whole without.
     assert _moment_bytes_per_device(state) * 4 == _moment_bytes_per_device(off.init(0))
@@ -102,10 +101,10 @@ def test_optimizer_state_is_one_over_d_per_device(zero_run):
         assert p.addressable_shards[0].data.nbytes == p.nbytes // 2
 
 
-def test_zero1_on_and_off_train_alike(zero_run):
+def test_zero1_on_and_off_train_alike(zero_run, make_program):
     _, _, (_, losses, params) = zero_run
     cfg = load_config(None, MODEL + ["optimizer.zero1=false", "parallel.stages=2"])
-    program = Program(cfg, build_mesh(Degrees(stages=2, data=4, tensor=1)))
+    program = make_program(cfg, Degrees(stages=2, data=4, tensor=1))
     assert not program.zero1
     _, off_losses, off_params = _train(program, 5)
     np.testing.assert_allclose(losses, off_losses, rtol=0, atol=1e-5)
@@ -115,20 +114,15 @@ def test_zero1_on_and_off_train_alike(zero_run):
 
 
 def _collectives(cfg, hlo_out=None):
-    topology = load_mesh_topology(cfg)
-    shape = resolve_shape(cfg, len(jax.devices()), topology)
-    mesh = build_mesh(shape)
-    hlo = Program(cfg, mesh).lower_train_step().compile().as_text()
+    text, _, island = hlo.compiled_train_step(cfg)
     if hlo_out is not None:
-        hlo_out.append(hlo)
-    island = device_islands(mesh, topology)
-    position = [d.id for d in mesh.devices.flat]
+        hlo_out.append(text)
     found = []
-    for line in hlo.splitlines():
+    for line in text.splitlines():
         op = re.search(r" (all-reduce|reduce-scatter|all-gather)(?:-start)?\(", line)
         if op:
-            groups = _groups(_attr(line, "replica_groups"))
-            crosses = any(len({island[position[n]] for n in g}) > 1 for g in groups)
+            groups = hlo.replica_groups(hlo.attr(line, "replica_groups"))
+            crosses = any(len({island(n) for n in g}) > 1 for g in groups)
             shape_txt = line.split("=", 1)[1].split(op.group(1))[0]
             found.append((op.group(1), crosses, shape_txt, groups))
     return found
@@ -145,25 +139,25 @@ def test_hlo_reduce_scatter_inside_islands_then_all_gather():
             "optimizer.zero1=true",
         ],
     )
-    hlo = []
-    found = _collectives(cfg, hlo)
+    texts = []
+    found = _collectives(cfg, texts)
     kinds = {k for k, *_ in found}
     assert {"reduce-scatter", "all-gather"} <= kinds, kinds
     assert not any(crosses for _, crosses, *_ in found)  # stage 4 x data 2: all inside islands
     # Phase 1 runs on the last micro-batch only: every reduce-scatter inside the tick loop
     # sits in the 0-or-1-trip loop (no known trip count), not hoisted into the layer loop
     # (trip count = layers), where it would run on every micro-batch.
-    loops = _while_loops(hlo[0])
-    inner = [c for c, ops in _computation_ops(hlo[0]).items() if "reduce-scatter" in ops]
+    loops = _while_loops(texts[0])
+    inner = [c for c, ops in _computation_ops(texts[0]).items() if "reduce-scatter" in ops]
     assert inner and all(c == "ENTRY" or c in loops for c in inner), inner
     assert not [c for c in inner if c != "ENTRY" and loops[c]], "reduce-scatter in a counted loop"
 
 
-def _computation_ops(hlo: str) -> dict[str, set[str]]:
+def _computation_ops(text: str) -> dict[str, set[str]]:
     """{computation name: the collective kinds in it} of compiled HLO text."""
     out: dict[str, set[str]] = {}
     name = None
-    for line in hlo.splitlines():
+    for line in text.splitlines():
         if line and not line.startswith(" ") and line.rstrip().endswith("{"):
             name = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0].lstrip("%")
         op = re.search(r" (all-reduce|reduce-scatter|all-gather)(?:-start)?\(", line)
@@ -172,10 +166,10 @@ def _computation_ops(hlo: str) -> dict[str, set[str]]:
     return out
 
 
-def _while_loops(hlo: str) -> dict[str, bool]:
+def _while_loops(text: str) -> dict[str, bool]:
     """{while body computation: whether XLA knows its trip count}."""
     loops = {}
-    for line in hlo.splitlines():
+    for line in text.splitlines():
         body = re.search(r" while\(.*body=%?([\w.\-]+)", line)
         if body:
             loops[body.group(1)] = "known_trip_count" in line
@@ -206,7 +200,7 @@ def test_replica_all_reduce_crosses_islands_on_shards():
     ]
 
 
-def test_replica_run_equals_single_device():
+def test_replica_run_equals_single_device(make_program):
     base = MODEL + ["optimizer.zero1=true"]
     two = f"{ROOT}/meshes/cpu8-two-islands.yaml"
     cfg = load_config(
@@ -214,9 +208,9 @@ def test_replica_run_equals_single_device():
     )
     shape = resolve_shape(cfg, 8, load_mesh_topology(cfg))
     assert (shape.replica, shape.stages, shape.data, shape.tensor) == (2, 2, 2, 1)
-    _, losses, params = _train(Program(cfg, build_mesh(shape)), 3)
+    _, losses, params = _train(make_program(cfg, shape), 3)
     ref_cfg = load_config(None, MODEL + ["optimizer.zero1=false"])
-    _, ref_losses, ref_params = _train(Program(ref_cfg, build_mesh(Degrees(1, 1, 1))), 3)
+    _, ref_losses, ref_params = _train(make_program(ref_cfg, Degrees(1, 1, 1)), 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), params[-1], ref_params[-1]

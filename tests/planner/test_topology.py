@@ -14,8 +14,8 @@ from holmes_jax.planner.topology import (
     single_host_topology,
     topology_from_dict,
 )
+from tests.common import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = sorted(glob.glob(os.path.join(ROOT, "meshes", "*.yaml")))
 
 

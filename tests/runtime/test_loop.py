@@ -11,35 +11,21 @@ from holmes_jax.core.config import load_config
 from holmes_jax.core.spec import Degrees
 from holmes_jax.runtime.checkpoint import Checkpointer
 from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch
-from holmes_jax.runtime.mesh import build_mesh
-from holmes_jax.runtime.program import Program
-from holmes_jax.train import run
+from holmes_jax.runtime.loop import run
+from tests.common import ROOT, TINY_RUN, as_flags
 
 # A tiny model with every feature that changes the math: untied head, weight decay, clipping
 # that bites (grad_clip small), dropout off (dropout masks depend on the sharding).
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.seq_len=32",
-    "model.tied_embeddings=false",
-    "train.global_batch_size=8",
-    "optimizer.learning_rate=1e-2",
-    "optimizer.warmup_steps=1",
-    "optimizer.grad_clip=0.5",
-    "data.max_bytes=400000",
-    "train.eval_batches=2",
-    "logging.progress=none",
-]
+TINY = [*TINY_RUN, "train.eval_batches=2", "logging.progress=none"]
 
 
 @pytest.fixture(scope="module")
-def tiny_cfg():
-    return load_config(None, TINY)
+def tiny_cfg(tiny_config):
+    return tiny_config(base=TINY)
 
 
-def _train(cfg, shape: Degrees, steps: int):
-    program = Program(cfg, build_mesh(shape))
+def _train(make_program, cfg, shape: Degrees, steps: int):
+    program = make_program(cfg, shape)
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     sampler = BatchSampler(corpus.train, cfg.model.seq_len, cfg.train.global_batch_size, 0)
     state = program.init(cfg.train.seed)
@@ -52,9 +38,9 @@ def _train(cfg, shape: Degrees, steps: int):
     return losses, jax.device_get(program.to_logical(state).params), state
 
 
-def test_sharded_step_equals_single_device(tiny_cfg):
-    ref_losses, ref_params, _ = _train(tiny_cfg, Degrees(1, 1, 1), 3)
-    losses, params, state = _train(tiny_cfg, Degrees(1, 4, 2), 3)
+def test_sharded_step_equals_single_device(tiny_cfg, make_program):
+    ref_losses, ref_params, _ = _train(make_program, tiny_cfg, Degrees(1, 1, 1), 3)
+    losses, params, state = _train(make_program, tiny_cfg, Degrees(1, 4, 2), 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert losses[2] < losses[0]  # it trains
     jax.tree.map(
@@ -66,8 +52,8 @@ def test_sharded_step_equals_single_device(tiny_cfg):
     assert fc.addressable_shards[0].data.shape[-1] == fc.shape[-1] // 2
 
 
-def _read_final(cfg, directory):
-    program = Program(cfg, build_mesh(Degrees(1, 1, 1)))
+def _read_final(make_program, cfg, directory):
+    program = make_program(cfg, Degrees(1, 1, 1))
     state, meta = Checkpointer(cfg.checkpoint.__class__(dir=str(directory))).restore(
         program.abstract_state, cfg
     )
@@ -75,7 +61,7 @@ def _read_final(cfg, directory):
 
 
 @pytest.mark.slow
-def test_resume_reproduces_uninterrupted_run(tmp_path):
+def test_resume_reproduces_uninterrupted_run(tmp_path, make_program):
     base = TINY + ["train.steps=6", "train.eval_every=3", "logging.log_every=1"]
     full = load_config(None, base + [f"checkpoint.dir={tmp_path}/full"])
     interrupted = load_config(
@@ -91,8 +77,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         [r["loss"] for r in first + second], [r["loss"] for r in full_hist], rtol=0, atol=1e-6
     )
     assert second[0]["eval_loss"] == pytest.approx(full_hist[2]["eval_loss"], abs=1e-6)
-    ref, meta_full = _read_final(full, f"{tmp_path}/full")
-    got, meta = _read_final(interrupted, f"{tmp_path}/resumed")
+    ref, meta_full = _read_final(make_program, full, f"{tmp_path}/full")
+    got, meta = _read_final(make_program, interrupted, f"{tmp_path}/resumed")
     assert meta["data_position"] == meta_full["data_position"] == 6
     assert meta["config"]["train"]["steps"] == 6
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), got, ref)
@@ -107,14 +93,13 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path):
     """SIGTERM mid-run: the step finishes, a checkpoint is written, exit code 0, a message."""
-    import os
     import signal
     import subprocess
     import sys
     import time
 
     metrics = tmp_path / "m.jsonl"
-    args = [a for o in TINY for a in ("--set", o)] + [
+    args = as_flags(TINY) + [
         "--set", "train.steps=100000",
         "--set", "logging.log_every=1",
         "--set", "logging.progress=plain",
@@ -126,7 +111,7 @@ def test_sigterm_finishes_step_saves_and_exits_zero(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:

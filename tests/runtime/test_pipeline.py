@@ -9,12 +9,12 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.spec import Degrees
-from holmes_jax.runtime.mesh import build_mesh, device_islands, load_mesh_topology, resolve_shape
-from holmes_jax.runtime.program import Program
+from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.runtime.schedule import make_schedule
 from holmes_jax.train import run
+from tests import hlo
+from tests.common import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = [
     "model.num_layers=8",
     "model.hidden_size=32",
@@ -42,12 +42,12 @@ def test_schedule_tables(schedule, stages, microbatches):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(make_program):
     """Unpipelined loss and logical gradients on one device, tied and untied."""
     out = {}
     for tied in (True, False):
         cfg = load_config(None, MODEL + [f"model.tied_embeddings={str(tied).lower()}"])
-        prog = Program(cfg, build_mesh(Degrees(1, 1, 1)))
+        prog = make_program(cfg, Degrees(1, 1, 1))
         state = prog.init(0)
         batch = jax.device_put(_batch(), prog.batch_sharding)
         loss, grads = prog.loss_and_grads(state.params, batch)
@@ -68,7 +68,7 @@ CASES = [
 
 @pytest.mark.parametrize("stages,data,tensor,split,microbatches,schedule,tied", CASES)
 def test_pipeline_loss_and_grads_equal_unpipelined(
-    reference, stages, data, tensor, split, microbatches, schedule, tied
+    reference, make_program, stages, data, tensor, split, microbatches, schedule, tied
 ):
     state, ref_loss, ref_grads = reference[tied]
     cfg = load_config(
@@ -85,7 +85,7 @@ def test_pipeline_loss_and_grads_equal_unpipelined(
         ],
     )
     # nan_bubbles: bubble buffers hold NaN, so any leak would poison loss or gradients.
-    prog = Program(cfg, build_mesh(Degrees(stages, data, tensor)), nan_bubbles=True)
+    prog = make_program(cfg, Degrees(stages, data, tensor), nan_bubbles=True)
     pstate = prog.from_logical(jax.device_put(state, prog.logical_state_sharding))
     loss, grads = prog.loss_and_grads(pstate.params, jax.device_put(_batch(), prog.batch_sharding))
     assert abs(float(loss) - ref_loss) <= 1e-5
@@ -109,7 +109,7 @@ def test_pipeline_loss_and_grads_equal_unpipelined(
         assert np.all(g[:-1] == 0)
 
 
-def test_training_equals_single_device():
+def test_training_equals_single_device(make_program):
     base = MODEL + ["optimizer.warmup_steps=1", "optimizer.grad_clip=0.5"]
     piped = base + [
         "parallel.stages=4",
@@ -119,7 +119,7 @@ def test_training_equals_single_device():
     ]
     results = []
     for over, shape in ((base, Degrees(1, 1, 1)), (piped, Degrees(4, 2, 1))):
-        prog = Program(load_config(None, over), build_mesh(shape))
+        prog = make_program(load_config(None, over), shape)
         state, losses = prog.init(0), []
         for step in range(3):
             batch = jax.device_put(_batch(step), prog.batch_sharding)
@@ -168,55 +168,25 @@ def test_resume_under_another_split(tmp_path):
 # --------------------------------------------------------------------------- HLO placement
 
 
-def _groups(attr: str) -> list[list[int]]:
-    """Parse replica_groups / source_target_pairs: explicit {{..},{..}}, iota
-    ``[G,N]<=[dims]T(perm)``, or mesh form ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}``."""
-    attr = attr.strip()
-    if attr.startswith("mesh["):
-        dims = [(n, int(v)) for n, v in re.findall(r"'(\w+)'=(\d+)", attr.split("]")[0])]
-        varying = re.findall(r"'(\w+)'", attr.split("]", 1)[1])
-        ids = np.arange(np.prod([v for _, v in dims])).reshape([v for _, v in dims])
-        names = [n for n, _ in dims]
-        order = [k for k, n in enumerate(names) if n not in varying]
-        order += [names.index(n) for n in varying]
-        size = int(np.prod([dict(dims)[n] for n in varying]))
-        return ids.transpose(order).reshape(-1, size).tolist()
-    if attr.startswith("{"):
-        return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,]*)\}", attr)]
-    m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attr)
-    assert m, attr
-    n_groups, size = int(m.group(1)), int(m.group(2))
-    dims = [int(v) for v in m.group(3).split(",")]
-    ids = np.arange(np.prod(dims)).reshape(dims)
-    if m.group(4):
-        ids = ids.transpose([int(v) for v in m.group(4).split(",")])
-    return ids.reshape(n_groups, size).tolist()
-
-
-def _attr(line: str, name: str) -> str:
-    """The value of ``name=`` in an HLO instruction line (handles the mesh form's space)."""
-    rest = line.split(f"{name}=", 1)[1]
-    if rest.startswith("mesh["):
-        return rest[: rest.index("}") + 1]
-    depth, out = 0, []
-    for ch in rest:
-        if ch == "," and depth == 0:
-            break
-        depth += ch in "{[("
-        depth -= ch in "}])"
-        out.append(ch)
-    return "".join(out)
-
-
 def test_group_parsing():
-    assert _groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
-    assert _groups("[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
+    assert hlo.replica_groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    assert hlo.replica_groups("[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
     assert (
-        _attr("x = f32[2] all-reduce(y), replica_groups=[4,2]<=[8], to_apply=z", "replica_groups")
+        hlo.attr(
+            "x = f32[2] all-reduce(y), replica_groups=[4,2]<=[8], to_apply=z", "replica_groups"
+        )
         == "[4,2]<=[8]"
     )
-    assert _groups("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert _groups("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert hlo.replica_groups("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}") == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
+    assert hlo.replica_groups("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}") == [
+        [0, 2, 4, 6],
+        [1, 3, 5, 7],
+    ]
 
 
 def test_compiled_collectives_respect_islands():
@@ -230,29 +200,22 @@ def test_compiled_collectives_respect_islands():
             "parallel.schedule=1f1b",
         ],
     )
-    topology = load_mesh_topology(cfg)
-    shape = resolve_shape(cfg, len(jax.devices()), topology)
+    text, shape, isl = hlo.compiled_train_step(cfg)
     assert (shape.stages, shape.data, shape.tensor) == (4, 2, 1)
-    mesh = build_mesh(shape)
-    prog = Program(cfg, mesh)
-    hlo = prog.lower_train_step().compile().as_text()
-    island = device_islands(mesh, topology)
-    position = [d.id for d in mesh.devices.flat]  # HLO device numbers index this order
     per_stage = shape.data * shape.tensor
 
-    def isl(n):
-        return island[position[n]]
-
     seen = {"reduce": 0, "cross_permute": 0}
-    for line in hlo.splitlines():
-        op = re.search(r" (all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\(", line)
+    for line in text.splitlines():
+        op = re.search(hlo.REDUCTIONS, line)
         if op:
-            groups = _groups(_attr(line, "replica_groups"))
+            groups = hlo.replica_groups(hlo.attr(line, "replica_groups"))
             for g in groups:
                 assert len({isl(n) for n in g}) == 1, f"{op.group(1)} crosses islands: {line[:200]}"
             seen["reduce"] += 1
         if re.search(r"collective-permute(?:-start)?\(", line):
-            pairs = _groups(re.search(r"source_target_pairs=(\{[\d,{}]*\})", line).group(1))
+            pairs = hlo.replica_groups(
+                re.search(r"source_target_pairs=(\{[\d,{}]*\})", line).group(1)
+            )
             for a, b in pairs:
                 if isl(a) != isl(b):
                     assert abs(a // per_stage - b // per_stage) == 1, f"non-adjacent: {line[:200]}"

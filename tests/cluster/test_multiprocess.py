@@ -19,20 +19,11 @@ import pytest
 
 from holmes_jax.cluster.launcher import free_port
 from holmes_jax.core.config import load_config
-from holmes_jax.train import run
+from holmes_jax.runtime.loop import run
+from tests.common import ROOT, TINY_RUN, as_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.seq_len=32",
-    "model.tied_embeddings=false",
-    "train.global_batch_size=8",
-    "optimizer.learning_rate=1e-2",
-    "optimizer.warmup_steps=1",
-    "optimizer.grad_clip=0.5",
-    "data.max_bytes=400000",
+    *TINY_RUN,
     "train.eval_batches=1",
     "train.eval_every=0",
     "logging.log_every=1",
@@ -69,10 +60,6 @@ def two_reference():
     return _reference(TWO)
 
 
-def _args(overrides):
-    return [a for o in overrides for a in ("--set", o)]
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The test process's env without its device count (each process sets its own), and
@@ -86,7 +73,7 @@ def env(tmp_path_factory):
 
 
 def _start(pid, count, port, overrides, log_path, env, devices=4):
-    cmd = [sys.executable, "-m", "holmes_jax.train", *_args(overrides)]
+    cmd = [sys.executable, "-m", "holmes_jax.train", *as_flags(overrides)]
     cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(count)]
     cmd += ["--process-id", str(pid), "--cpu-devices", str(devices)]
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
@@ -127,7 +114,7 @@ def test_four_processes_through_the_launcher_match_one(tmp_path, env):
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", "meshes/cpu8-two-islands.yaml"]
     train = [o for o in FOUR if not o.startswith("parallel.mesh")]
-    cmd += ["--", *_args(train + [f"train.metrics_path={metrics}"])]
+    cmd += ["--", *as_flags(train + [f"train.metrics_path={metrics}"])]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[roce-1] " in done.stdout and "4 processes" in done.stdout
@@ -214,7 +201,7 @@ def test_emulated_islands_match_one(tmp_path, env):
     before = set(list_namespaces())
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", "meshes/emu-4host-2island.yaml"]
     train = [o for o in EMULATED if not o.startswith("parallel.mesh")]
-    cmd += ["--emulate", "--", *_args(train + [f"train.metrics_path={metrics}"])]
+    cmd += ["--emulate", "--", *as_flags(train + [f"train.metrics_path={metrics}"])]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "between islands 100 Mbit/s" in done.stdout

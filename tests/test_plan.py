@@ -4,13 +4,12 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 
 from holmes_jax import plan as plan_cli
+from tests.common import ROOT, as_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
 TWO = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
 PAPER = os.path.join(ROOT, "meshes", "paper-ib-roce-8x8.yaml")
@@ -31,10 +30,6 @@ def run(capsys, *args):
     return code, out, err
 
 
-def sets(items):
-    return [x for item in items for x in ("--set", item)]
-
-
 def test_text_report_shows_plan_breakdown_and_splits(capsys):
     code, out, err = run(capsys, "--config", CONFIG, "--mesh", TWO)
     assert code == 0, err
@@ -53,7 +48,7 @@ def test_text_report_shows_plan_breakdown_and_splits(capsys):
 
 
 def test_json_has_the_plan_fields(capsys):
-    code, out, _ = run(capsys, "--config", CONFIG, "--mesh", PAPER, "--json", *sets(GPT13B))
+    code, out, _ = run(capsys, "--config", CONFIG, "--mesh", PAPER, "--json", *as_flags(GPT13B))
     assert code == 0
     d = json.loads(out)
     for key in (
@@ -75,7 +70,7 @@ def test_json_has_the_plan_fields(capsys):
 
 
 def test_keep_degrees_and_partition_choice(capsys):
-    degrees = sets(
+    degrees = as_flags(
         [
             "parallel.stages=4",
             "parallel.data=2",
@@ -145,23 +140,22 @@ def test_png_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):
     assert code == 2 and "needs matplotlib" in err
 
 
-def test_show_mesh_hook_calls_mesh_describe(capsys, monkeypatch):
-    seen = {}
-    fake = types.ModuleType("holmes_jax.runtime.mesh")
-
-    def describe(cfg, topology):
-        seen["args"] = (cfg, topology)
-        return f"grid of {topology.num_devices} devices"
-
-    fake.describe = describe
-    monkeypatch.setitem(sys.modules, "holmes_jax.runtime.mesh", fake)
-    code, out, _ = run(capsys, "--config", CONFIG, "--mesh", TWO, "--show-mesh")
-    assert code == 0 and out.strip() == "grid of 8 devices"
-    assert seen["args"][1].name == "cpu8-two-islands"
+def test_show_mesh_prints_each_stages_island_and_devices(capsys):
+    """--show-mesh draws the grid from the topology alone (planner.grid, no jax): stage 0
+    on the first island's devices 0-3, stage 1 on the second's, tensor pairs per host."""
+    args = ("--config", CONFIG, "--mesh", TWO, "--show-mesh")
+    code, out, _ = run(capsys, *args, *as_flags(["parallel.stages=2", "parallel.tensor=2"]))
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("mesh replica=1 x stage=2 x data=2 x tensor=2")
+    assert lines[1] == "stage 0  island ib (infiniband)"
+    assert lines[2] == "  data 0: tensor [dev 0@ib-0, dev 1@ib-0]"
+    assert lines[4] == "stage 1  island roce (roce)"
+    assert lines[6] == "  data 1: tensor [dev 6@roce-1, dev 7@roce-1]"
 
 
 def test_profile_overrides_speed_and_links(capsys, tmp_path):
-    degrees = sets(
+    degrees = as_flags(
         [
             "parallel.stages=4",
             "parallel.data=0",

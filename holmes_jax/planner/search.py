@@ -1,0 +1,344 @@
+"""Plans, and the search over placements (degrees, micro-batches, activation policy).
+
+A :class:`Plan` is a placement, a layer split (:mod:`holmes_jax.planner.partition`) and
+its predicted iteration. :func:`plan_for_layout` splits and predicts one fixed layout,
+:func:`best_policy_plan` also picks its activation policy, :func:`split_layers` returns
+only the split (what ``layers_per_stage: auto`` uses).
+
+:func:`search_plan` enumerates placements (replica or not, tensor and data degrees hence
+stages per island, micro-batch count), lower-bounds each one and solves them in bound
+order (branch and bound). Placement conventions are in :mod:`holmes_jax.planner.placement`.
+Pure Python + NumPy; no jax import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import REMAT_POLICIES, Layout, ModelSpec
+from holmes_jax.planner.cost import Prediction, RunSpec, StageCosts, predict, stage_costs
+from holmes_jax.planner.partition import holmes_split, optimal_split, slot_fits, uniform_split
+from holmes_jax.planner.placement import (
+    Calibration,
+    stage_blocks,
+    stage_hardware,
+    stages_per_island,
+)
+from holmes_jax.planner.topology import Topology
+
+METHODS = ("uniform", "holmes", "optimal")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement, a split and its predicted iteration."""
+
+    method: str
+    layout: Layout
+    layers_per_stage: tuple[int, ...]
+    stages_per_island: tuple[int, ...]
+    stage_islands: tuple[str, ...]  # island name of each stage (replica 0)
+    microbatch_size: int
+    prediction: Prediction
+    remat: str = "none"  # the activation policy the prediction (time and memory) assumes
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.prediction.step_s
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        return self.prediction.breakdown
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.prediction.tflops_per_device
+
+    @property
+    def memory_per_stage_gb(self) -> tuple[float, ...]:
+        return self.prediction.memory_gb
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        lay, pr = self.layout, self.prediction
+        return {
+            "method": self.method,
+            "layers_per_stage": list(self.layers_per_stage),
+            "stages_per_island": list(self.stages_per_island),
+            "stage_islands": list(self.stage_islands),
+            "stages": lay.stages,
+            "data": lay.data,
+            "tensor": lay.tensor,
+            "replica": lay.replica,
+            "microbatches": lay.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "remat": self.remat,
+            "schedule": lay.schedule,
+            "predicted_step_s": pr.step_s,
+            "breakdown": {k: float(v) for k, v in pr.breakdown.items()},
+            "tflops_per_device": pr.tflops_per_device,
+            "model_tflops_per_device": pr.model_tflops_per_device,
+            "samples_per_s": pr.samples_per_s,
+            "memory_per_stage_gb": list(pr.memory_gb),
+            "memory_limit_gb": list(pr.memory_limit_gb),
+            "fits_in_memory": pr.fits,
+            "stage_fwd_s": list(pr.stage_fwd_s),
+            "stage_bwd_s": list(pr.stage_bwd_s),
+        }
+
+
+def plan_for_layout(
+    topology: Topology,
+    model: ModelSpec,
+    run: RunSpec,
+    layout: Layout,
+    method: str | Sequence[int] = "optimal",
+    calibration: Calibration | None = None,
+) -> Plan:
+    """Split and predict one fixed layout.
+
+    Args:
+      method: ``uniform`` | ``holmes`` | ``optimal``, or an explicit split.
+
+    Raises:
+      ConfigError: a layout that does not fit the topology, an unknown method, or (for
+        ``optimal``) no split that fits in device memory.
+    """
+    costs = _costs(topology, model, run, layout, calibration)
+    if isinstance(method, str):
+        split = _split(costs, method)
+        if split is None:
+            need = -(-costs.model.num_layers // layout.stages)  # the most even split
+            raise ConfigError(
+                f"layout stages={layout.stages} data={layout.data} tensor={layout.tensor} "
+                f"microbatches={layout.microbatches}: no split fits in device memory (the "
+                f"most even split needs {costs.memory[:, need].max() / 1e9:.1f} GB per "
+                f"device, usable {costs.capacity.min() / 1e9:.1f} GB; try "
+                f"model.remat=selective or full, or more parallel.microbatches)"
+            )
+        name = method
+    else:
+        split, name = list(method), "given"
+    return _plan(topology, layout, costs, split, name)
+
+
+def best_policy_plan(
+    topology: Topology,
+    model: ModelSpec,
+    run: RunSpec,
+    layout: Layout,
+    method: str = "optimal",
+    calibration: Calibration | None = None,
+    remats: Sequence[str] = REMAT_POLICIES,
+) -> Plan:
+    """The fastest fitting plan of one fixed layout over activation policies.
+
+    Raises:
+      ConfigError: no policy fits (naming the last policy's shortfall).
+    """
+    best, error = None, None
+    for remat in remats:
+        try:
+            plan = plan_for_layout(
+                topology, model, dataclasses.replace(run, remat=remat), layout, method, calibration
+            )
+        except ConfigError as e:
+            error = e
+            continue
+        if plan.prediction.fits and (best is None or plan.predicted_step_s < best.predicted_step_s):
+            best = plan
+    if best is None:
+        raise error or ConfigError(f"layout {layout}: no activation policy fits in memory")
+    return best
+
+
+def split_layers(
+    topology: Topology,
+    model_spec: ModelSpec,
+    run_spec: RunSpec,
+    stages: int,
+    data: int,
+    tensor: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    method: str = "optimal",
+    *,
+    replica: int = 1,
+    calibration: Calibration | None = None,
+) -> list[int]:
+    """Layers per stage for fixed degrees (what ``layers_per_stage: auto`` uses).
+
+    Returns:
+      One layer count per stage, each >= 1, summing to ``model_spec.num_layers``.
+
+    Raises:
+      ConfigError: see :func:`plan_for_layout`.
+    """
+    layout = Layout(
+        stages, data, tensor, microbatches=microbatches, schedule=schedule, replica=replica
+    )
+    plan = plan_for_layout(topology, model_spec, run_spec, layout, method, calibration)
+    return list(plan.layers_per_stage)
+
+
+def search_plan(
+    topology: Topology,
+    model: ModelSpec,
+    run: RunSpec,
+    *,
+    method: str = "optimal",
+    schedule: str = "1f1b",
+    calibration: Calibration | None = None,
+    stages: int | None = None,
+    data: int | None = None,
+    tensor: int | None = None,
+    microbatches: int | None = None,
+    replica: int | None = None,
+    remats: Sequence[str] | None = None,
+) -> Plan:
+    """Search placements (replica, tensor, data, hence stages per island, micro-batches
+    and so the micro-batch size), the activation policy and the split, minimising the
+    predicted step time among the plans that fit in memory.
+
+    Args:
+      topology, model, run: the problem.
+      method: how each candidate placement is split (``uniform``, ``holmes``, ``optimal``).
+      schedule: ``1f1b`` or ``gpipe``.
+      calibration: device speed (default fraction of peak, or a profile's).
+      stages, data, tensor, microbatches, replica: pin a degree; None searches it.
+      remats: activation policies to consider (None: only ``run.remat``).
+
+    Returns:
+      The best :class:`Plan` that fits in memory.
+
+    Raises:
+      ConfigError: unknown method, or no candidate placement fits in memory.
+    """
+    _check_method(method)
+    bounded, hardware = [], {}
+    for layout in candidate_layouts(
+        topology, model, run, schedule, stages, data, tensor, microbatches, replica
+    ):
+        key = (layout.replica, layout.data, layout.tensor)  # hardware does not depend on m
+        if key not in hardware:
+            hardware[key] = stage_hardware(topology, layout, calibration, run.memory_fraction)
+        for remat in remats or (run.remat,):
+            policy_run = dataclasses.replace(run, remat=remat)
+            costs = stage_costs(model, policy_run, layout, hardware[key])
+            bounded.append((_lower_bound(costs), id(costs), costs))
+    bounded.sort(key=lambda x: x[:2])
+    best: Plan | None = None
+    for bound, _, costs in bounded:
+        if bound == math.inf or (best is not None and bound >= best.predicted_step_s):
+            break
+        split = _split(costs, method)
+        if split is None:
+            continue
+        plan = _plan(topology, costs.layout, costs, split, method)
+        if plan.prediction.fits and (best is None or plan.predicted_step_s < best.predicted_step_s):
+            best = plan
+    if best is None:
+        raise ConfigError(
+            f"topology '{topology.name}': no placement of the {model.num_params / 1e9:.2f}B-"
+            f"parameter model fits in device memory (method={method})"
+        )
+    return best
+
+
+def candidate_layouts(
+    topology: Topology,
+    model: ModelSpec,
+    run: RunSpec,
+    schedule: str = "1f1b",
+    stages: int | None = None,
+    data: int | None = None,
+    tensor: int | None = None,
+    microbatches: int | None = None,
+    replica: int | None = None,
+) -> list[Layout]:
+    """Every layout that respects the placement rules and the pinned degrees."""
+    islands = topology.islands
+    sizes = [isl.num_devices for isl in islands]
+    replicas = [1]
+    if len(islands) > 1 and len(set(sizes)) == 1:
+        replicas.append(len(islands))
+    per_host = math.gcd(*(isl.devices_per_host for isl in islands))
+    out = []
+    for r in replicas:
+        if replica is not None and r != replica:
+            continue
+        unit = sizes[0] if r > 1 else math.gcd(*sizes)  # d·t must divide this
+        for t in _divisors(per_host):
+            if model.num_heads % t or model.vocab_size % t or (tensor and t != tensor):
+                continue
+            for d in _divisors(unit // t):
+                p = topology.num_devices // (r * d * t)
+                if (data and d != data) or (stages and p != stages) or p > model.num_layers:
+                    continue
+                if run.global_batch_size % (r * d):
+                    continue
+                for m in _divisors(run.global_batch_size // (r * d)):
+                    if microbatches and m != microbatches:
+                        continue
+                    out.append(Layout(p, d, t, microbatches=m, schedule=schedule, replica=r))
+    return out
+
+
+def _lower_bound(costs: StageCosts) -> float:
+    """A step time no split of this placement can beat; inf if no split fits in memory."""
+    p, m, L = costs.layout.stages, costs.layout.microbatches, costs.model.num_layers
+    # Memory grows with the layer count, so stage s holds at most room[s] layers.
+    room = slot_fits(costs)[:, 1:].sum(axis=1)
+    if room.min() < 1 or room.sum() < L:
+        return math.inf
+    tau = costs.tau
+    slope = ((tau[:, L] - tau[:, 0]) / L).min()
+    total = tau[:, 0].sum() + L * slope  # Σ τ_s >= fixed parts + L cheapest layers
+    pipe = total * (1 + (m - 1) / p)  # max_s τ_s >= Σ τ_s / p
+    first_tail = costs.reduce[0, 1] + costs.optimizer[0, 1] + costs.gather[0, 1]
+    return float(pipe + first_tail)
+
+
+def _split(costs: StageCosts, method: str) -> list[int] | None:
+    _check_method(method)
+    if method == "uniform":
+        return uniform_split(costs.model.num_layers, costs.layout.stages)
+    if method == "holmes":
+        return holmes_split(costs)
+    return optimal_split(costs)
+
+
+def _costs(topology, model, run, layout, calibration) -> StageCosts:
+    hw = stage_hardware(topology, layout, calibration, run.memory_fraction)
+    return stage_costs(model, run, layout, hw)
+
+
+def _plan(topology, layout, costs, split, method) -> Plan:
+    return Plan(
+        method=method,
+        layout=layout,
+        layers_per_stage=tuple(split),
+        stages_per_island=stages_per_island(topology, layout),
+        stage_islands=tuple(topology.islands[i].name for i, _ in stage_blocks(topology, layout)[0]),
+        microbatch_size=costs.microbatch_size,
+        prediction=predict(costs, split),
+        remat=costs.run.remat,
+    )
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ConfigError(f"--partition '{method}': must be one of {', '.join(METHODS)}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

@@ -1,0 +1,152 @@
+"""The pipeline tick loop's buffers: in-place guards, 16-bit bit patterns, slot access, residuals.
+
+The engine (:mod:`holmes_jax.runtime.pipeline`) carries its big buffers through a
+``lax.scan`` over ticks; per stage, with K = ``Schedule.buffer_slots`` and an activation
+``[mb, T, H]``:
+
+    res      [K, slots, ...]   one per buffered leaf of a layer's vjp (``Residuals``)
+    inbox    [2, mb, T, H]     forward activations waiting for FWD (slot: microbatch % 2)
+    head_ct  [K, mb, T, H]     last stage: dloss/dx of each microbatch
+
+Invariant: they are only ever updated in place. What keeps them so:
+
+- ``when``: every "if" in the loop is a 0-or-1-trip while loop, which XLA aliases, where
+  ``lax.cond`` / ``lax.switch`` would copy each buffer that one branch writes and another
+  passes through, every tick. Its ``operands`` keep XLA's loop-invariant code motion from
+  hoisting guarded work out of the loop.
+- ``put`` / ``get``: one ``[k, j]`` cell as one dynamic_update_slice / dynamic_slice,
+  never a copy of ``buf[k]``; ``dyn_index`` / ``dyn_set`` do one index of a whole tree.
+- ``to_bits`` / ``from_bits``: 16-bit floats are stored as their uint16 bit patterns: free
+  on GPU, and it keeps XLA:CPU from holding f32 copies of them, so the compiled memory
+  analysis the memory model is checked against matches a GPU's.
+
+``Residuals`` decides what of a layer's ``jax.vjp`` goes into ``res``: its array leaves
+that are not the layer's weights, i.e. exactly what the ``model.remat`` policy saves.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# --------------------------------------------------------------------------- guards
+
+
+def when(pred, body, carry, operands=None):
+    """``body(carry)`` if ``pred`` else ``carry``, as a 0-or-1-trip while loop (in place).
+
+    With ``operands``, ``body(carry, operands)``: every value the body computes from
+    that is not in ``carry`` must come in ``operands``. XLA's loop-invariant code motion
+    hoists work whose inputs are all loop-invariant out of a while loop, where it then
+    runs whatever ``pred`` says (a gradient reduction on every micro-batch, the LM head on
+    every stage). The loop zeroes ``operands`` after its one trip, so they are
+    loop-variant and the work stays inside.
+    """
+    n = pred.astype(jnp.int32)
+    if operands is None:
+        return lax.fori_loop(0, n, lambda _, c: body(c), carry)
+
+    def once(_, state):
+        c, ops = state
+        return body(c, ops), jax.tree.map(jnp.zeros_like, ops)
+
+    return lax.fori_loop(0, n, once, (carry, operands))[0]
+
+
+# --------------------------------------------------------------------------- storage
+
+
+def to_bits(x):
+    """16-bit floats as their uint16 bit patterns (other dtypes unchanged).
+
+    The engine's big buffers (residuals, inbox, head cotangents) are stored this way:
+    XLA:CPU rewrites a bf16 dynamic-update-slice into f32 and keeps an f32 copy of the whole
+    buffer, which would double its bytes in the compiled memory analysis that the memory
+    model is checked against. On GPU the bitcast is free.
+    """
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def from_bits(x, dtype):
+    """Inverse of :func:`to_bits` for a value of ``dtype``."""
+    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def put(buf, value, k, j):
+    """buf[k, j] = value, as one in-place dynamic_update_slice. buf [K, slots, ...]."""
+    zeros = (0,) * value.ndim
+    return lax.dynamic_update_slice(buf, to_bits(value)[None, None], (k, j, *zeros))
+
+
+def get(buf, k, j):
+    """buf[k, j] as one dynamic_slice (no copy of buf[k])."""
+    zeros = (0,) * (buf.ndim - 2)
+    return lax.dynamic_slice(buf, (k, j, *zeros), (1, 1, *buf.shape[2:]))[0, 0]
+
+
+def dyn_index(tree, i):
+    """``tree[i]`` on every leaf's leading axis (traced ``i``)."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def dyn_set(tree, i, value):
+    """``tree[i] = value`` on every leaf's leading axis, in place (traced ``i``)."""
+    return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
+
+
+# --------------------------------------------------------------------------- residuals
+
+
+class Residuals:
+    """Split a layer's ``jax.vjp`` function into bufferable arrays and the rest.
+
+    The vjp function is a pytree whose leaves are its residuals. Leaves that *are* the
+    layer's weights are not buffered (the backward takes the weights again); non-array
+    leaves are static. The template comes from one trace of the layer; every later trace
+    of the same layer has the same structure, which ``split`` checks.
+    """
+
+    def __init__(self, vjp_fn, weights):
+        leaves, self.treedef = jax.tree.flatten(vjp_fn)
+        self.kinds = self._classify(leaves, weights)
+        self.static = [
+            None if k[0] != "static" else leaf for k, leaf in zip(self.kinds, leaves, strict=True)
+        ]
+        self.buffered = [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            for k, leaf in zip(self.kinds, leaves, strict=True)
+            if k[0] == "buf"
+        ]
+
+    @staticmethod
+    def _classify(leaves, weights):
+        ids = {id(w): n for n, w in enumerate(jax.tree.leaves(weights))}
+        kinds = []
+        for leaf in leaves:
+            if id(leaf) in ids:
+                kinds.append(("weight", ids[id(leaf)]))
+            elif isinstance(leaf, jax.Array):
+                kinds.append(("buf",))
+            else:
+                kinds.append(("static",))
+        return kinds
+
+    def split(self, vjp_fn, weights) -> list[jax.Array]:
+        """The buffered leaves of ``vjp_fn`` (``buffered``'s shapes, in order)."""
+        leaves = jax.tree.leaves(vjp_fn)
+        if self._classify(leaves, weights) != self.kinds:
+            raise RuntimeError("pipeline: layer vjp residual structure changed between traces")
+        return [leaf for k, leaf in zip(self.kinds, leaves, strict=True) if k[0] == "buf"]
+
+    def join(self, buffered: list[jax.Array], weights):
+        """The vjp function again from its buffered leaves and the layer's weights."""
+        w = jax.tree.leaves(weights)
+        it = iter(buffered)
+        leaves = [
+            next(it) if k[0] == "buf" else w[k[1]] if k[0] == "weight" else s
+            for k, s in zip(self.kinds, self.static, strict=True)
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)

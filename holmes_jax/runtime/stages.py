@@ -1,0 +1,150 @@
+"""The stage axis: which stage holds which parameters, and the only traffic allowed along it.
+
+Parameter layout (``PipelineLayout``). The logical parameters ``{'embed', 'blocks' [L, ...],
+'head'}`` become, with a leading stage axis sharded over ``stage``:
+
+    embed  [S, ...]          stage 0 uses its copy (and stage S-1 the tied wte)
+    blocks [S, slots, ...]   stage s uses slots 0 .. layers[s]-1; slots = max(layers)
+    head   [S, ...]          stage S-1 uses its copy
+
+Unused copies and padded slots receive exactly zero gradient; checkpoints always hold the
+logical layout (``to_logical`` / ``from_logical``), so a run can resume under another split.
+``pipeline_shardings`` gives the pipeline layout's ``NamedSharding``s from the logical ones:
+``stage`` on the new leading axis, then the logical spec (for blocks, the slot axis stays
+unsharded in place of the layer axis).
+
+Traffic between stages (inside the engine's ``shard_map``, where ``stage`` is manual) is
+adjacent-stage ``ppermute`` only: ``shift`` sends one hop, and ``chain_sum`` sums over
+``stage`` in 2(S−1) such hops instead of a ``psum``, so nothing but point-to-point traffic
+between neighbouring stages ever crosses an island boundary.
+
+The engine itself is :mod:`holmes_jax.runtime.pipeline`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from holmes_jax.core.axes import STAGE
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where each logical layer lives: ``layers_per_stage`` padded to ``slots``."""
+
+    layers_per_stage: tuple[int, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def slots(self) -> int:
+        return max(self.layers_per_stage)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers_per_stage)
+
+    def layer_table(self) -> np.ndarray:
+        """[stages, slots] global layer index, or -1 for a padded slot."""
+        table = -np.ones((self.stages, self.slots), np.int32)
+        first = 0
+        for s, n in enumerate(self.layers_per_stage):
+            table[s, :n] = np.arange(first, first + n)
+            first += n
+        return table
+
+    # Leaf-wise conversions; ``part`` is the top-level key: 'embed', 'blocks' or 'head'.
+
+    def leaf_to_pipeline(self, x: jax.Array, part: str) -> jax.Array:
+        if part != "blocks":
+            return jnp.broadcast_to(x[None], (self.stages, *x.shape))
+        table = self.layer_table()
+        gathered = x[np.maximum(table, 0)]  # [S, slots, ...]
+        mask = (table >= 0).reshape(table.shape + (1,) * (x.ndim - 1))
+        return jnp.where(mask, gathered, jnp.zeros_like(gathered))
+
+    def leaf_to_logical(self, x: jax.Array, part: str) -> jax.Array:
+        if part == "embed":
+            return x[0]
+        if part == "head":
+            return x[-1]
+        table = self.layer_table()
+        stage_of, slot_of = np.nonzero(table >= 0)  # row-major = layer order
+        return x[stage_of, slot_of]
+
+    def map_parts(self, fn: Callable[[jax.Array, str], jax.Array], tree: Any) -> Any:
+        """Apply ``fn(leaf, part)`` over a params-shaped dict."""
+        return {part: jax.tree.map(lambda x, p=part: fn(x, p), sub) for part, sub in tree.items()}
+
+    def parts_tree(self, params: Any) -> Any:
+        """A params-shaped tree whose leaves are the part names (for optax.tree_map_params)."""
+        return {part: jax.tree.map(lambda _, p=part: p, sub) for part, sub in params.items()}
+
+    def spec(self, logical_spec: PartitionSpec, part: str) -> PartitionSpec:
+        """Mesh spec of a pipeline leaf from its logical leaf's mesh spec."""
+        if part == "blocks":
+            return PartitionSpec(STAGE, None, *tuple(logical_spec)[1:])
+        return PartitionSpec(STAGE, *tuple(logical_spec))
+
+
+def layout_from_config(layers_per_stage, stages: int, num_layers: int) -> PipelineLayout:
+    """Explicit split, or an even one (earlier stages take the remainder)."""
+    if isinstance(layers_per_stage, tuple):
+        return PipelineLayout(tuple(layers_per_stage))
+    base, extra = divmod(num_layers, stages)
+    return PipelineLayout(tuple(base + (s < extra) for s in range(stages)))
+
+
+def pipeline_shardings(layout: PipelineLayout, logical_shardings, mesh: Mesh):
+    """NamedShardings of the pipeline layout from the logical parameters' shardings."""
+    return {
+        part: jax.tree.map(
+            lambda s, p=part: NamedSharding(mesh, layout.spec(s.spec, p)),
+            sub,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+        for part, sub in logical_shardings.items()
+    }
+
+
+# --------------------------------------------------------------------------- traffic
+
+
+def shift(x, stages: int, direction: int):
+    """Send to the neighbouring stage (``+1`` downstream, ``-1`` upstream); ends get 0."""
+    if direction > 0:
+        perm = [(s, s + 1) for s in range(stages - 1)]
+    else:
+        perm = [(s + 1, s) for s in range(stages - 1)]
+    return jax.tree.map(lambda a: lax.ppermute(a, STAGE, perm), x)
+
+
+def chain_sum(x, stages: int):
+    """Sum over ``stage`` using only adjacent-stage ppermutes (2(S−1) hops).
+
+    Accumulate downstream (stage S−1 ends with the total), then broadcast it upstream.
+    Used instead of ``psum`` so no all-reduce ever spans two islands.
+    """
+    if stages == 1:
+        return x
+    stage = lax.axis_index(STAGE)
+    acc = x
+    for _ in range(stages - 1):
+        acc = jax.tree.map(jnp.add, x, shift(acc, stages, +1))
+    total = acc
+    for _ in range(stages - 1):
+        back = shift(total, stages, -1)
+        total = jax.tree.map(lambda a, b: jnp.where(stage == stages - 1, a, b), acc, back)
+    return total
