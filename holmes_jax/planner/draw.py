@@ -65,6 +65,24 @@ def simulate_schedule(
     return events
 
 
+def host_stage_labels(plan: Plan, topology: Topology) -> dict[tuple[int, int], list[str]]:
+    """What each host runs: ``{(island index, host index in the island): ["stage 0", ...]}``.
+
+    Every replica's stages are labelled (``"replica 1 stage 0"`` when the plan has
+    replicas), so each island's hosts show the pipeline they hold.
+    """
+    lay = plan.layout
+    k = lay.data * lay.tensor  # devices per stage
+    labels: dict[tuple[int, int], list[str]] = {}
+    for r, blocks in enumerate(stage_blocks(topology, lay)):
+        for s, (i, off) in enumerate(blocks):
+            name = f"replica {r} stage {s}" if lay.replica > 1 else f"stage {s}"
+            per_host = topology.islands[i].devices_per_host
+            for h in sorted({d // per_host for d in range(off, off + k)}):
+                labels.setdefault((i, h), []).append(name)
+    return labels
+
+
 def draw_plan(plan: Plan, topology: Topology, path: str) -> None:
     """Draw the pipeline timeline per stage and the topology to a PNG file.
 
@@ -103,12 +121,7 @@ def draw_plan(plan: Plan, topology: Topology, path: str) -> None:
     )
     nic_color = {"infiniband": "#55A868", "roce": "#8172B2", "ethernet": "#C44E52"}
     width = 1.0 / len(topology.islands)
-    hosts: dict[tuple[int, int], list[int]] = {}  # (island, host) -> stages (replica 0)
-    k = lay.data * lay.tensor
-    for s, (i, off) in enumerate(stage_blocks(topology, lay)[0]):
-        per_host = topology.islands[i].devices_per_host
-        for h in sorted({d // per_host for d in range(off, off + k)}):
-            hosts.setdefault((i, h), []).append(s)
+    hosts = host_stage_labels(plan, topology)
     for i, isl in enumerate(topology.islands):
         x0 = i * width + 0.02
         topo_ax.add_patch(
@@ -131,7 +144,7 @@ def draw_plan(plan: Plan, topology: Topology, path: str) -> None:
                 )
             )
             if isl.num_hosts <= 8:
-                label = isl.hosts[h] + "".join(f"\nstage {s}" for s in hosts.get((i, h), []))
+                label = isl.hosts[h] + "".join(f"\n{x}" for x in hosts.get((i, h), []))
                 topo_ax.text(
                     x0 + 0.01 + (h + 0.42) * hw, 0.37, label, ha="center", va="center", fontsize=7
                 )

@@ -85,7 +85,7 @@ def make_plan(
       topology: the cluster.
       method: ``uniform`` | ``holmes`` | ``optimal`` split.
       calibration: device speed (e.g. from a profile).
-      keep_degrees: use ``parallel.stages/data/tensor/microbatches`` (``data: 0`` = the
+      keep_degrees: use ``parallel.replica/stages/data/tensor/microbatches`` (``data: 0`` = the
         remaining devices) and only choose the split.
 
     Raises:
@@ -103,9 +103,9 @@ def make_plan(
             calibration=calibration,
             remats=REMAT_POLICIES,
         )
-    per = par.stages * par.tensor
+    per = par.replica * par.stages * par.tensor
     data = par.data or topology.num_devices // per
-    layout = par.layout(Degrees(par.stages, data, par.tensor))
+    layout = par.layout(Degrees(par.stages, data, par.tensor, par.replica))
     if cfg.model.remat == "auto":
         return best_policy_plan(topology, model, run, layout, method, calibration)
     return plan_for_layout(topology, model, run, layout, method, calibration)
