@@ -105,8 +105,10 @@ class Residuals:
 
     The vjp function is a pytree whose leaves are its residuals. Leaves that *are* the
     layer's weights are not buffered (the backward takes the weights again); non-array
-    leaves are static. The template comes from one trace of the layer; every later trace
-    of the same layer has the same structure, which ``split`` checks.
+    leaves are static. A dropout PRNG key (kept when the remat policy recomputes the
+    dropout) is buffered as its raw ``uint32`` key data and wrapped again on the way out.
+    The template comes from one trace of the layer; every later trace of the same layer
+    has the same structure, which ``split`` checks.
     """
 
     def __init__(self, vjp_fn, weights):
@@ -115,11 +117,23 @@ class Residuals:
         self.static = [
             None if k[0] != "static" else leaf for k, leaf in zip(self.kinds, leaves, strict=True)
         ]
-        self.buffered = [
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        # Per buffered leaf: its PRNG implementation when it is a key, else None.
+        self.key_impls = [
+            jax.random.key_impl(leaf) if _is_key(leaf) else None
             for k, leaf in zip(self.kinds, leaves, strict=True)
             if k[0] == "buf"
         ]
+        self.buffered = [
+            jax.ShapeDtypeStruct(r.shape, r.dtype)
+            for r in self._raw(
+                [leaf for k, leaf in zip(self.kinds, leaves, strict=True) if k[0] == "buf"]
+            )
+        ]
+
+    @staticmethod
+    def _raw(leaves):
+        """Buffered leaves as plain arrays: PRNG keys as their key data."""
+        return [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
 
     @staticmethod
     def _classify(leaves, weights):
@@ -139,14 +153,24 @@ class Residuals:
         leaves = jax.tree.leaves(vjp_fn)
         if self._classify(leaves, weights) != self.kinds:
             raise RuntimeError("pipeline: layer vjp residual structure changed between traces")
-        return [leaf for k, leaf in zip(self.kinds, leaves, strict=True) if k[0] == "buf"]
+        return self._raw(
+            [leaf for k, leaf in zip(self.kinds, leaves, strict=True) if k[0] == "buf"]
+        )
 
     def join(self, buffered: list[jax.Array], weights):
         """The vjp function again from its buffered leaves and the layer's weights."""
         w = jax.tree.leaves(weights)
-        it = iter(buffered)
+        it = iter(
+            x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+            for x, impl in zip(buffered, self.key_impls, strict=True)
+        )
         leaves = [
             next(it) if k[0] == "buf" else w[k[1]] if k[0] == "weight" else s
             for k, s in zip(self.kinds, self.static, strict=True)
         ]
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _is_key(x) -> bool:
+    """A typed PRNG key array (``jax.random.key``), which cannot be stored as bits."""
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)

@@ -115,7 +115,8 @@ class _Local:
         return self.params["head"]
 
     def key(self, i, layer):
-        """Dropout key of microbatch ``i`` in global layer ``layer``."""
+        """Dropout key of microbatch ``i`` in global layer ``layer`` (the embedding's
+        dropout is "layer" L, one past the last block)."""
         return _layer_key(self.base_key, i, layer)
 
 
@@ -161,8 +162,10 @@ class PipelineEngine:
 
     # The three model parts as pure functions of their parameters.
 
-    def _embed(self, embed_params, tokens):
-        return self.gpt.apply({"params": {"embed": embed_params}}, tokens, method=GPT.embed_tokens)
+    def _embed(self, embed_params, tokens, key):
+        rngs = {"dropout": key} if self.cfg.dropout > 0 else None
+        variables = {"params": {"embed": embed_params}}
+        return self.gpt.apply(variables, tokens, method=GPT.embed_tokens, rngs=rngs)
 
     def _layer(self, weights, x, key):
         rngs = {"dropout": key} if self.cfg.dropout > 0 else None
@@ -321,7 +324,7 @@ class PipelineEngine:
         """FWD of microbatch i: layers (residuals to slot k), then the head if last."""
         x = lax.cond(
             st.is_first,
-            lambda: self._embed(st.embed, st.tokens[i]),
+            lambda: self._embed(st.embed, st.tokens[i], st.key(i, self.cfg.num_layers)),
             lambda: from_bits(c["inbox"][i % 2], st.act.dtype),
         )  # [mb, T, H]
         x, bufs = lax.fori_loop(
@@ -405,7 +408,9 @@ class PipelineEngine:
 
     def _embed_backward(self, st: _Local, i, g_embed, ct):
         """Stage 0: embedding gradient of microbatch i added to ``g_embed``; ct [mb, T, H]."""
-        _, vjp_fn = jax.vjp(lambda e: self._embed(e, st.tokens[i]), st.embed)
+        # The same dropout key as the forward: the same mask.
+        key = st.key(i, self.cfg.num_layers)
+        _, vjp_fn = jax.vjp(lambda e: self._embed(e, st.tokens[i], key), st.embed)
         return jax.tree.map(jnp.add, g_embed, vjp_fn(ct)[0])
 
     # --------------------------------------------------------------- after the loop
