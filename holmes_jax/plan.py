@@ -24,7 +24,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from holmes_jax.core.errors import ConfigError, run_cli
+from holmes_jax.core.errors import ConfigError, one_line, run_cli
 from holmes_jax.planner.draw import draw_plan
 from holmes_jax.planner.grid import describe_grid
 from holmes_jax.planner.plans import alternatives, make_plan
@@ -92,7 +92,10 @@ def _run(args: argparse.Namespace) -> int:
     plan = make_plan(cfg, topology, args.partition, calibration, args.keep_degrees)
     alts = alternatives(cfg, topology, plan, calibration)
     if args.png:
-        draw_plan(plan, topology, args.png)
+        try:
+            draw_plan(plan, topology, args.png)
+        except OSError as e:  # a missing folder, no permission
+            raise ConfigError(f"--png '{args.png}': cannot be written ({one_line(e)})") from None
     if args.json:
         print(json.dumps(plan_json(plan, topology, alts, cfg)))
     else:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from holmes_jax.cluster import detect, distributed, xla_flags
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError, run_cli
+from holmes_jax.core.spec import DEVICES_PER_HOST, MESSAGE_BYTES, REPEATS
 from holmes_jax.planner.measurements import (
     DEFAULT_REPEATS,
     DEFAULT_SIZES,
@@ -81,8 +82,14 @@ def _run(args: argparse.Namespace) -> int:
     topology = load_topology(cfg.parallel.mesh)
     try:
         sizes = [round(float(s) * KIB) for s in args.sizes_kib.split(",")]
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, nan, inf
         raise ConfigError(f"--sizes-kib='{args.sizes_kib}': must be numbers, e.g. 4,64") from None
+    for size in sizes:  # measure() checks the least ones
+        MESSAGE_BYTES.check("--sizes-kib (bytes)", size)
+    REPEATS.check("--repeats", args.repeats)
+    if args.cpu_devices < 0:
+        raise ConfigError(f"--cpu-devices={args.cpu_devices}: must be >= 0 (0: the topology's)")
+    DEVICES_PER_HOST.check("--cpu-devices", args.cpu_devices)
     xla_flags.request_cpu_devices(
         args.cpu_devices or topology.num_devices
     )  # before jax is imported

@@ -6,8 +6,9 @@
 
 On a CPU-only machine the entry point asks XLA for ``--cpu-devices`` simulated devices
 (default 8) before jax is imported; on GPU hosts the flag only adds unused CPU devices.
-A bad setting prints one line naming the key, the value and the rule, and exits with 2.
-This module imports jax lazily, so setting the flag here still works.
+A bad setting prints one line naming the key, the value and the rule, and exits with 2,
+before jax is imported: the config, the topology it names and the flags are all read
+first. This module imports jax lazily, so setting the flag here still works.
 
 One of several processes (explicit flags, or SLURM / Open MPI / Kubernetes detected; see
 :mod:`holmes_jax.cluster.distributed`): the entry point sets this host's NCCL profile from the
@@ -25,6 +26,8 @@ from typing import Any
 from holmes_jax.cluster import detect, distributed, xla_flags
 from holmes_jax.core.config import Config, load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import DEVICES_PER_HOST
+from holmes_jax.planner.grid import load_mesh_topology
 
 
 def run(config: Config, **kwargs) -> list[dict[str, Any]]:
@@ -65,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"parallel.mesh={args.mesh}")
     try:
         cfg = detect.apply_flags(load_config(args.config, overrides), args)
+        load_mesh_topology(cfg)  # a bad topology file fails here, not after jax starts
+        if args.cpu_devices < 1:
+            raise ConfigError(f"--cpu-devices={args.cpu_devices}: must be >= 1")
+        DEVICES_PER_HOST.check("--cpu-devices", args.cpu_devices)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

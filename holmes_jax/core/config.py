@@ -3,8 +3,10 @@
 A run is described by one :class:`Config` holding eight sections (model, data, parallel,
 optimizer, train, checkpoint, logging, distributed). YAML is loaded strictly: an unknown
 key, a wrong type or an impossible value raises :class:`~holmes_jax.core.errors.ConfigError`
-whose one-line message names the key, the value and the rule. Derived values are
-properties, never stored twice. Checks that need the device count (``parallel.devices``,
+whose one-line message names the key, the value and the rule; every number that sizes a
+loop or an allocation has an upper bound (:data:`holmes_jax.core.spec.CONFIG_LIMITS`,
+quoted in the field comments below), checked first. Derived values are properties, never
+stored twice. Checks that need the device count (``parallel.devices``,
 the data-parallel size) live in :func:`check_devices`, which the trainer calls once devices
 are known.
 
@@ -21,11 +23,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import (
     ATTENTION_KERNELS,
+    CONFIG_LIMITS,
     PRECISIONS,
     REMAT_CHOICES,
     SCHEDULES,
@@ -34,7 +35,7 @@ from holmes_jax.core.spec import (
     ModelSpec,
     check_choice,
 )
-from holmes_jax.core.yamlio import build_dataclass, plain, read_yaml
+from holmes_jax.core.yamlio import apply_override, build_dataclass, plain, read_yaml
 
 DATA_SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -45,12 +46,12 @@ PROGRESS_MODES = ("auto", "bar", "plain", "none")
 class ModelConfig:
     """GPT-2 shaped decoder: learned positions, pre-LayerNorm, GELU MLP."""
 
-    vocab_size: int = 256
-    seq_len: int = 128  # tokens per sequence (also the number of learned positions)
-    num_layers: int = 4
-    num_heads: int = 4
-    hidden_size: int = 128
-    mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden_size
+    vocab_size: int = 256  # <= 16777216
+    seq_len: int = 128  # tokens per sequence (also the learned positions); <= 16777216
+    num_layers: int = 4  # <= 4096
+    num_heads: int = 4  # <= 16384
+    hidden_size: int = 128  # <= 262144
+    mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden_size; <= 64
     dropout: float = 0.0
     tied_embeddings: bool = True  # LM head reuses the token embedding
     # What a layer keeps for its backward: none (everything), full (only its input; the
@@ -104,7 +105,7 @@ class DataConfig:
     path: str | None = None  # text file/dir, or raw token file (memmap)
     token_dtype: str = "uint16"  # dtype of a raw token file
     eval_fraction: float = 0.05
-    max_bytes: int = 16_000_000  # cap on the text read (stdlib/text); 0 = no cap
+    max_bytes: int = 16_000_000  # text read (stdlib/text); 0 = no cap; <= 1000000000000000
 
     def validate(self) -> None:
         check_choice(self.source, "data.source", DATA_SOURCES)
@@ -130,14 +131,14 @@ class ParallelConfig:
     """Mesh degrees and the pipeline. ``data: 0`` means "all remaining devices"."""
 
     mesh: str | None = None  # topology file (meshes/*.yaml); None = one host, one island
-    devices: int = 0  # devices to use; 0 = all visible devices
-    data: int = 0  # data-parallel degree; 0 = devices / (stages * tensor)
-    tensor: int = 1  # tensor-parallel degree (inside one host)
-    stages: int = 1  # pipeline stages
+    devices: int = 0  # devices to use; 0 = all visible devices; <= 1048576
+    data: int = 0  # data-parallel degree; 0 = devices / (stages * tensor); <= 1048576
+    tensor: int = 1  # tensor-parallel degree (inside one host); <= 1024
+    stages: int = 1  # pipeline stages; <= 4096
     layers_per_stage: tuple[int, ...] | str | None = None  # e.g. [1, 3] or "auto"
-    microbatches: int = 1
+    microbatches: int = 1  # <= 1048576
     schedule: str = "gpipe"  # gpipe | 1f1b
-    replica: int = 1  # data-parallel copies across islands (hierarchical reduction)
+    replica: int = 1  # data-parallel copies across islands (hierarchical reduction); <= 256
     enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
 
     def layout(self, degrees: Degrees) -> Layout:
@@ -200,7 +201,7 @@ class OptimizerConfig:
 
     learning_rate: float = 1e-3  # peak
     min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio
-    warmup_steps: int = 100
+    warmup_steps: int = 100  # <= 1000000000
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -228,17 +229,19 @@ class OptimizerConfig:
 class TrainConfig:
     """Loop length, batch, evaluation and where metrics go."""
 
-    steps: int = 1000
-    global_batch_size: int = 32  # sequences per optimizer step, over all devices
-    seed: int = 0
+    steps: int = 1000  # <= 1000000000
+    global_batch_size: int = 32  # sequences per optimizer step, all devices; <= 1048576
+    seed: int = 0  # >= 0, <= 4294967295
     precision: str = "fp32"  # fp32 | bf16 (bf16 params and compute, fp32 master and reduction)
-    eval_every: int = 100  # 0 = only at the end
-    eval_batches: int = 8
+    eval_every: int = 100  # 0 = only at the end; <= 1000000000
+    eval_batches: int = 8  # <= 100000
     metrics_path: str | None = None  # JSON lines, one object per logged step
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "global_batch_size", "eval_batches"))
         check_choice(self.precision, "train.precision", PRECISIONS)
+        if self.seed < 0:
+            raise ConfigError(f"train.seed={self.seed}: must be >= 0")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = at end)")
 
@@ -248,8 +251,8 @@ class CheckpointConfig:
     """Orbax checkpoints; a run resumes from the newest one in ``dir``."""
 
     dir: str | None = None  # None = no checkpoints
-    every: int = 0  # steps between saves; 0 = only at the end (and on SIGTERM/SIGINT)
-    keep: int = 3  # keep the newest N
+    every: int = 0  # steps between saves; 0 = at the end (and on SIGTERM); <= 1000000000
+    keep: int = 3  # keep the newest N; <= 10000
     async_save: bool = True
     resume: bool = True
 
@@ -263,10 +266,10 @@ class CheckpointConfig:
 class LoggingConfig:
     """Terminal output, TensorBoard, and the peak used for MFU."""
 
-    log_every: int = 10
+    log_every: int = 10  # <= 1000000000
     progress: str = "auto"  # auto (bar on a terminal) | bar | plain | none
     tensorboard_dir: str | None = None
-    peak_tflops: float | None = None  # per device; MFU is reported when set
+    peak_tflops: float | None = None  # per device; MFU is reported when set; <= 1e+09
 
     def validate(self) -> None:
         _positive(self, "logging", ("log_every",))
@@ -280,10 +283,10 @@ class DistributedConfig:
     """Multi-process (multi-host) launch; all unset = a single process or auto-detection."""
 
     coordinator_address: str | None = None  # host:port of process 0; None = auto-detect
-    num_processes: int = 0  # 0 = auto-detect (SLURM / Open MPI / Kubernetes) or 1
-    process_id: int = -1  # -1 = auto-detect
-    heartbeat_timeout_s: int = 30  # a silent peer is declared dead after this long
-    initialization_timeout_s: int = 300  # waiting for all processes to join
+    num_processes: int = 0  # 0 = auto-detect (SLURM / Open MPI / Kubernetes); <= 1048576
+    process_id: int = -1  # -1 = auto-detect; <= 1048576
+    heartbeat_timeout_s: int = 30  # a silent peer is declared dead after this; <= 1000000
+    initialization_timeout_s: int = 300  # waiting for all processes to join; <= 1000000
 
     def validate(self) -> None:
         if self.num_processes < 0:
@@ -311,6 +314,10 @@ class Config:
 
     def validate(self) -> None:
         """Checks that need no devices. Raises ConfigError."""
+        for key, bound in CONFIG_LIMITS.items():  # first: nothing below sizes anything huge
+            value = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
+            if value is not None:
+                bound.check(key, value)
         self.model.validate()
         self.data.validate()
         self.parallel.validate(self.model)
@@ -418,7 +425,7 @@ def load_config(path: str | os.PathLike | None, overrides: typing.Sequence[str] 
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         raw = loaded
     for item in overrides:
-        _apply_override(raw, item)
+        apply_override(raw, item)
     return config_from_dict(raw, source)
 
 
@@ -430,23 +437,6 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
         raise ConfigError(f"{source}: {e}") from None
     cfg.validate()
     return cfg
-
-
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    if "=" not in item:
-        raise ConfigError(f"--set '{item}': must look like section.key=value")
-    key, text = item.split("=", 1)
-    parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set '{item}': key must be section.key (e.g. train.steps)")
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text  # fall back to the raw string; the type check decides
-    section = raw.setdefault(parts[0], {})
-    if not isinstance(section, dict):
-        raise ConfigError(f"--set '{item}': section '{parts[0]}' is not a mapping")
-    section[parts[1]] = value
 
 
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:

@@ -17,7 +17,13 @@ Everything that more than one layer needs to agree on is defined here once:
   used by the planner (:mod:`holmes_jax.planner.cost`), the trainer's throughput and MFU
   (:func:`flops_per_token`) and the fidelity check (:func:`megatron_flops`);
 - :class:`Degrees` (replica x stages x data x tensor), the one parallel-degrees type, and
-  :class:`Layout`, degrees plus the pipeline's micro-batches and schedule.
+  :class:`Layout`, degrees plus the pipeline's micro-batches and schedule;
+- the limits (:class:`Bound`): an upper bound on every number that sizes a loop or an
+  allocation in the loaders and the planner, generous beyond any real cluster or model, so
+  that a typo (``hosts: 1000000000000``) is a one-line error instead of a process that
+  allocates until it dies. Each bound lives here once; the config fields' comments and the
+  topology schema (:mod:`holmes_jax.planner.topology`) quote them, and a test keeps the
+  quotes true.
 
 Plain Python; no jax import.
 """
@@ -246,3 +252,100 @@ class Layout(Degrees):
                 f"replica*data*microbatches = {self.replica}*{self.data}*{self.microbatches}"
             )
         return global_batch_size // parts
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An inclusive upper bound (and, for measured figures, a least value), named in errors:
+    ``islands[0].hosts=1000000000000: must be <= 100000 (hosts per island)``."""
+
+    limit: int | float
+    what: str  # the words that name the bound in an error
+    least: float | None = None  # smallest positive value a figure may take (floats only)
+
+    @property
+    def text(self) -> str:
+        """The limit as errors and docs write it: ``100000``, ``1e+09``."""
+        return f"{self.limit:g}" if isinstance(self.limit, float) else str(self.limit)
+
+    def check(self, key: str, value) -> None:
+        """Raise a one-line :class:`ConfigError` unless ``value`` (a number) is in bounds.
+        Zero and negative values are the caller's rule (``must be > 0`` and the like)."""
+        if value > self.limit:
+            raise ConfigError(f"{key}={value!r}: must be <= {self.text} ({self.what})")
+        if self.least is not None and 0 < value < self.least:
+            raise ConfigError(f"{key}={value!r}: must be >= {self.least:g} ({self.what})")
+
+
+# Topologies (holmes_jax.planner.topology): the largest clusters today hold ~10^5 devices.
+ISLANDS = Bound(256, "islands per topology")
+HOSTS = Bound(100_000, "hosts per island")
+DEVICES_PER_HOST = Bound(1024, "devices per host")  # also simulated CPU devices
+DEVICES = Bound(1_048_576, "devices in all")
+BANDWIDTH = Bound(1e9, "Gbit/s per link", least=1e-6)
+LATENCY = Bound(1e9, "microseconds of latency")
+TFLOPS = Bound(1e9, "TFLOP/s per device", least=1e-9)
+MEMORY_GB = Bound(1e9, "GB per device", least=1e-6)
+MEMORY_GBS = Bound(1e9, "GB/s of memory bandwidth per device", least=1e-6)
+GID_INDEX = Bound(65_535, "RoCE GID table index")
+# Models and runs (holmes_jax.core.config): the largest models today have ~10^2 layers,
+# hidden ~3x10^4, vocabularies ~3x10^5, contexts ~10^7 tokens.
+LAYERS = Bound(4096, "layers")
+STAGES = Bound(LAYERS.limit, "pipeline stages: one layer each at least")
+HIDDEN = Bound(262_144, "hidden size")
+HEADS = Bound(16_384, "attention heads")
+MLP_RATIO = Bound(64, "MLP width per hidden unit")
+SEQ = Bound(16_777_216, "tokens per sequence")
+VOCAB = Bound(16_777_216, "vocabulary size")
+BATCH = Bound(1_048_576, "sequences per step")
+STEPS = Bound(1_000_000_000, "steps")
+EVAL_BATCHES = Bound(100_000, "evaluation batches")
+KEEP = Bound(10_000, "checkpoints kept")
+DATA_BYTES = Bound(10**15, "bytes of text read")
+SEED = Bound(4_294_967_295, "a 32-bit seed")
+TIMEOUT_S = Bound(1_000_000, "seconds; jax counts timeouts in 32-bit milliseconds")
+# Profiles (holmes_jax.planner.profiles) and the probe (python -m holmes_jax.probe).
+LAYER_S = Bound(1e6, "seconds per layer", least=1e-12)
+ACT_BYTES = Bound(8, "bytes per activation")
+REPEATS = Bound(100_000, "timed runs")
+MESSAGE_BYTES = Bound(1 << 36, "bytes per device per message")
+# Files and the planner.
+FILE_BYTES = Bound(16_777_216, "bytes per config, topology or profile file")
+DEPTH = Bound(100, "levels of YAML nesting")  # the parser recurses per level
+# The exact split (holmes_jax.planner.partition) builds (stages, layers+1, layers+1) float
+# tables, several at once: a placement above this many cells is not split exactly.
+SPLIT_CELLS = Bound(1 << 24, "cells of the exact split's stages x (layers+1)^2 cost table")
+
+# The config keys each bound applies to (holmes_jax.core.config checks them first).
+CONFIG_LIMITS: dict[str, Bound] = {
+    "model.vocab_size": VOCAB,
+    "model.seq_len": SEQ,
+    "model.num_layers": LAYERS,
+    "model.num_heads": HEADS,
+    "model.hidden_size": HIDDEN,
+    "model.mlp_ratio": MLP_RATIO,
+    "data.max_bytes": DATA_BYTES,
+    "parallel.devices": DEVICES,
+    "parallel.data": DEVICES,
+    "parallel.tensor": DEVICES_PER_HOST,
+    "parallel.stages": STAGES,
+    "parallel.microbatches": BATCH,
+    "parallel.replica": ISLANDS,
+    "optimizer.warmup_steps": STEPS,
+    "train.steps": STEPS,
+    "train.global_batch_size": BATCH,
+    "train.seed": SEED,
+    "train.eval_every": STEPS,
+    "train.eval_batches": EVAL_BATCHES,
+    "checkpoint.every": STEPS,
+    "checkpoint.keep": KEEP,
+    "logging.log_every": STEPS,
+    "logging.peak_tflops": TFLOPS,
+    "distributed.num_processes": DEVICES,
+    "distributed.process_id": DEVICES,
+    "distributed.heartbeat_timeout_s": TIMEOUT_S,
+    "distributed.initialization_timeout_s": TIMEOUT_S,
+}

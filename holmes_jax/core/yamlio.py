@@ -4,12 +4,20 @@ The one YAML reader of the project (run configs, topologies, profiles). Every fa
 one-line :class:`~holmes_jax.core.errors.ConfigError` naming the file, the key, the value
 and the rule:
 
-- :func:`read_yaml`: a file that must exist, be readable and parse as YAML;
+- :func:`read_yaml`: a file that must exist, be readable, be at most
+  :data:`~holmes_jax.core.spec.FILE_BYTES` long and parse as YAML (any failure of the
+  parser, deep nesting and impossible dates included, is a one-line error);
 - :class:`StrictReader`: node by node checks (mapping with required and optional keys,
-  non-empty string, finite number, integer with a minimum, and bounds);
+  non-empty one-line string, finite number, integer with a minimum, and bounds:
+  :class:`~holmes_jax.core.spec.Bound`);
 - :func:`build_dataclass`: a nested mapping into a tree of frozen dataclasses, type-checked
   against the fields' hints (unknown keys are errors; ints are accepted for floats and
-  YAML 1.1's ``"1e-3"`` strings are read as numbers); :func:`plain` is the inverse.
+  YAML 1.1's ``"1e-3"`` strings are read as numbers; floats must be finite, strings one
+  printable line); :func:`plain` is the inverse;
+- :func:`apply_override`: one ``--set section.key=value``, its value parsed as YAML.
+
+Values in messages are shortened (:func:`short`): a huge or deeply nested value (a YAML
+alias bomb) prints as a bounded, one-line excerpt.
 
 Plain Python; no jax import.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
@@ -27,6 +36,69 @@ from typing import Any
 import yaml
 
 from holmes_jax.core.errors import ConfigError, one_line
+from holmes_jax.core.spec import DEPTH, FILE_BYTES, Bound
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+
+
+def short(value: Any) -> str:
+    """``repr(value)`` cut to one bounded line (deep or huge values: an excerpt)."""
+    try:
+        return _REPR.repr(value)
+    except ValueError:  # holds an int past Python's 4300-digit str() limit
+        return f"<{type(value).__name__} too long to print>"
+
+
+def key_name(key: Any) -> str:
+    """A mapping key as messages write it: itself when a short printable string."""
+    if isinstance(key, str) and key.isprintable() and 0 < len(key) <= 80:
+        return key
+    return short(key)
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses nesting deeper than :data:`DEPTH` at once (the
+    plain one recurses per level and fails seconds later with a RecursionError)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > DEPTH.limit:
+                raise yaml.YAMLError(f"nesting: must be <= {DEPTH.text} ({DEPTH.what})")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def safe_load(text: Any) -> Any:
+    """``yaml.safe_load`` with the nesting bound: the project's only YAML parser."""
+    return yaml.load(text, Loader=_Loader)
+
+
+def read_text(path: str | os.PathLike, what: str, parse: Any, kind: str = "YAML") -> Any:
+    """``parse(open file)`` for a file that exists and is at most :data:`FILE_BYTES` long.
+
+    Raises:
+      ConfigError: the file does not exist, is too long, cannot be read or decoded, or
+        ``parse`` fails in any way (named ``not valid <kind>``).
+    """
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} does not exist")
+    try:
+        FILE_BYTES.check(f"{path}: size", os.path.getsize(path))
+        with open(path, encoding="utf-8") as f:
+            return parse(f)
+    except ConfigError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({one_line(e)})") from None
+    except Exception as e:  # parsers raise many types: ValueError for a bad date, ...
+        raise ConfigError(f"{path}: not valid {kind} ({type(e).__name__}: {one_line(e)})") from None
 
 
 def read_yaml(path: str | os.PathLike, what: str) -> Any:
@@ -37,18 +109,32 @@ def read_yaml(path: str | os.PathLike, what: str) -> Any:
       what: how error messages name it (``--config 'x.yaml': file``).
 
     Raises:
-      ConfigError: the file does not exist or is not valid YAML.
+      ConfigError: the file does not exist, is too long or is not valid YAML.
     """
-    path = str(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what} does not exist")
+    return read_text(path, what, safe_load)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``section.key=value`` to nested plain data; the value is parsed as YAML
+    (text YAML cannot read stays a string: the type check decides).
+
+    Raises:
+      ConfigError: not ``section.key=value``, or the section is not a mapping.
+    """
+    if "=" not in item:
+        raise ConfigError(f"--set {short(item)}: must look like section.key=value")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {short(item)}: key must be section.key (e.g. train.steps)")
     try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({one_line(e)})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read ({one_line(e)})") from None
+        value = safe_load(text) if text.strip() else None
+    except Exception:  # YAMLError, a bad date's ValueError, deep nesting ...
+        value = text
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"--set {short(item)}: section '{parts[0]}' is not a mapping")
+    section[parts[1]] = value
 
 
 class StrictReader:
@@ -62,52 +148,79 @@ class StrictReader:
         self.source = source
 
     def fail(self, key: str, value: Any, rule: str) -> None:
-        raise ConfigError(f"{self.source}: {key}={value!r}: {rule}")
+        raise ConfigError(f"{self.source}: {key}={short(value)}: {rule}")
 
     def mapping(self, raw: Any, key: str, required=(), optional=()) -> Mapping[str, Any]:
         where = key or "top level"
         if not isinstance(raw, dict):
             self.fail(where, raw, "must be a mapping")
         allowed = tuple(required) + tuple(optional)
+        known = set(allowed)
         for k in raw:
-            if k not in allowed:
-                full = f"{key}.{k}" if key else str(k)
-                self.fail(full, raw[k], f"unknown key (allowed: {', '.join(allowed)})")
+            if k not in known:
+                full = f"{key}.{key_name(k)}" if key else key_name(k)
+                self.fail(full, raw[k], f"unknown key (allowed: {_names(allowed)})")
         for k in required:
             if k not in raw:
                 self.fail(f"{key}.{k}" if key else k, None, "required key is missing")
         return raw
 
-    def string(self, v: Any, key: str, allow_empty: bool = False) -> str:
+    def string(self, v: Any, key: str, allow_empty: bool = False, lines: bool = False) -> str:
+        """A non-empty string on one printable line (``lines``: any text)."""
         if not isinstance(v, str) or (not allow_empty and not v.strip()):
             self.fail(key, v, "must be a non-empty string")
+        if not lines and not v.isprintable():
+            self.fail(key, v, "must be one line of printable characters")
         return v
 
-    def number(self, v: Any, key: str, minimum: float = 0.0, strict: bool = True) -> float:
+    def number(
+        self,
+        v: Any,
+        key: str,
+        minimum: float = 0.0,
+        strict: bool = True,
+        bound: Bound | None = None,
+    ) -> float:
         if isinstance(v, bool) or not isinstance(v, int | float):
             self.fail(key, v, "must be a number")
-        if v != v or v in (float("inf"), float("-inf")):
+        if isinstance(v, int) and abs(v) > 1e300 or v != v or v in (math.inf, -math.inf):
             self.fail(key, v, "must be finite")
         if (strict and v <= minimum) or (not strict and v < minimum):
             self.fail(key, v, f"must be {'>' if strict else '>='} {minimum:g}")
+        self._bound(bound, key, v)
         return float(v)
 
-    def integer(self, v: Any, key: str, minimum: int) -> int:
+    def integer(self, v: Any, key: str, minimum: int, bound: Bound | None = None) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             self.fail(key, v, "must be an integer")
         if v < minimum:
             self.fail(key, v, f"must be >= {minimum}")
+        self._bound(bound, key, v)
         return v
+
+    def _bound(self, bound: Bound | None, key: str, v: float) -> None:
+        if bound is not None:
+            try:
+                bound.check(key, v)
+            except ConfigError as e:
+                raise ConfigError(f"{self.source}: {e}") from None
+
+
+def _names(allowed: tuple[str, ...], most: int = 12) -> str:
+    """Allowed keys for a message; a long list is cut (a profile of many islands)."""
+    if len(allowed) <= most:
+        return ", ".join(allowed)
+    return f"{', '.join(allowed[:most])}, ... ({len(allowed)} in all)"
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'config'}: must be a mapping, got {raw!r}")
+        raise ConfigError(f"{prefix or 'config'}: must be a mapping, got {short(raw)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(raw) - names, key=str)
     if unknown:
-        key = f"{prefix}{unknown[0]}"
+        key = f"{prefix}{key_name(unknown[0])}"
         raise ConfigError(f"unknown key '{key}' (allowed: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in raw.items():
@@ -118,6 +231,10 @@ def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
         else:
             kwargs[name] = _coerce(value, hint, key)
     return cls(**kwargs)
+
+
+class _ValueRule(ConfigError):
+    """A value of the right type that breaks a rule (NaN for a float, a newline in a str)."""
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -132,14 +249,16 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 continue
             try:
                 return _coerce(value, option, key)
+            except _ValueRule:  # the right type, a wrong value: that is the message
+                raise
             except ConfigError:
                 continue
         names = " | ".join(_type_name(o) for o in options)
-        raise ConfigError(f"{key}={value!r}: expected {names}")
+        raise ConfigError(f"{key}={short(value)}: expected {names}")
     if origin is tuple:
         (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}={value!r}: expected a list of {_type_name(item)}")
+            raise ConfigError(f"{key}={short(value)}: expected a list of {_type_name(item)}")
         return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     if hint is bool:
         if isinstance(value, bool):
@@ -148,20 +267,24 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        number = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            number = float(value) if abs(value) <= 1e300 else math.inf  # no OverflowError
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
                 number = float(value)
             except ValueError:
                 pass
-            else:
-                if math.isfinite(number):
-                    return number
+        if number is not None:
+            if not math.isfinite(number):
+                raise _ValueRule(f"{key}={short(value)}: must be a finite number")
+            return number
     elif hint is str:
         if isinstance(value, str):
+            if not value.isprintable():
+                raise _ValueRule(f"{key}={short(value)}: must be one line of printable characters")
             return value
-    raise ConfigError(f"{key}={value!r}: expected {_type_name(hint)}")
+    raise ConfigError(f"{key}={short(value)}: expected {_type_name(hint)}")
 
 
 def _type_name(hint: Any) -> str:

@@ -33,7 +33,13 @@ scales to other shapes by FLOPs. Links: a probe measuring per-ring bus bandwidth
 axis multiplies by the number of rings that shared the host NIC (``tensor`` needs no
 conversion: it is per device). A runtime may not run a reduce-scatter or all-gather as
 half an all-reduce (gloo on CPUs takes nearly a whole one): the ``:reduce-scatter`` and
-``:all-gather`` links then price ZeRO-1's collectives. Pure Python; no jax import.
+``:all-gather`` links then price ZeRO-1's collectives.
+
+Bounds (one home: :mod:`holmes_jax.core.spec`): the file is at most 16777216 bytes; the
+``measured_with`` shape obeys the model's bounds (hidden <= 262144, heads <= 16384, seq <=
+16777216, mlp_ratio <= 64, microbatch_size <= 1048576 sequences, tensor <= 1024 devices,
+act_bytes <= 8); layer times are in [1e-12, 1e+06] s; links obey the topology's bounds.
+Pure Python; no jax import.
 """
 
 from __future__ import annotations
@@ -44,14 +50,33 @@ import os
 
 from holmes_jax.core.axes import DATA, STAGE, TENSOR
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import ModelSpec, layer_fwd_flops
+from holmes_jax.core.spec import (
+    ACT_BYTES,
+    BATCH,
+    DEVICES_PER_HOST,
+    HEADS,
+    HIDDEN,
+    LAYER_S,
+    MLP_RATIO,
+    SEQ,
+    ModelSpec,
+    layer_fwd_flops,
+)
+from holmes_jax.core.yamlio import read_text
 from holmes_jax.planner.formulas import layer_activation_bytes
 from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.topology import Link, Topology, TopologyReader
 
 PROFILE_VERSION = 1
 DATA_OPS = ("reduce-scatter", "all-gather")  # collectives a profile may time on their own
-_SHAPE_KEYS = ("hidden_size", "seq_len", "num_heads", "mlp_ratio", "microbatch_size", "tensor")
+_SHAPE = {  # measured_with: the key and its bound
+    "hidden_size": HIDDEN,
+    "seq_len": SEQ,
+    "num_heads": HEADS,
+    "mlp_ratio": MLP_RATIO,
+    "microbatch_size": BATCH,
+    "tensor": DEVICES_PER_HOST,
+}
 
 
 def load_profile(
@@ -69,17 +94,11 @@ def load_profile(
       (topology with measured links, calibration with measured island speeds).
 
     Raises:
-      ConfigError: unreadable file, unknown key, wrong type, or an island/pair the
-        topology does not have.
+      ConfigError: missing, unreadable or too long file, bad JSON, unknown key, wrong
+        type, a value out of bounds, or an island/pair the topology does not have.
     """
     path = str(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"--profile '{path}': file does not exist")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+    raw = read_text(path, f"--profile '{path}': file", json.load, "JSON")
     return profile_from_dict(raw, topology, source=path, efficiency=efficiency)
 
 
@@ -91,25 +110,28 @@ def profile_from_dict(
     top = r.mapping(
         raw, "", required=("version", "measured_with"), optional=("topology", "compute", "links")
     )
-    if top["version"] != PROFILE_VERSION:
+    if type(top["version"]) is not int or top["version"] != PROFILE_VERSION:
         r.fail("version", top["version"], f"must be {PROFILE_VERSION}")
     if "topology" in top and top["topology"] != topology.name:
         r.fail(
             "topology", top["topology"], f"profile is for another topology than '{topology.name}'"
         )
     shape = r.mapping(
-        top["measured_with"], "measured_with", required=_SHAPE_KEYS, optional=("act_bytes",)
+        top["measured_with"], "measured_with", required=tuple(_SHAPE), optional=("act_bytes",)
     )
-    dims = {k: r.integer(shape[k], f"measured_with.{k}", 1) for k in _SHAPE_KEYS}
+    dims = {k: r.integer(shape[k], f"measured_with.{k}", 1, b) for k, b in _SHAPE.items()}
     # The timed layer's element-wise traffic is subtracted at the precision it ran in
     # (fp32: 4); the cost model adds it back at the planned run's precision.
-    act_bytes = r.integer(shape.get("act_bytes", 2), "measured_with.act_bytes", 1)
+    act_bytes = r.integer(shape.get("act_bytes", 2), "measured_with.act_bytes", 1, ACT_BYTES)
     names = [isl.name for isl in topology.islands]
 
     base = Calibration() if efficiency is None else Calibration(efficiency)
-    measured = ModelSpec(
-        1, dims["hidden_size"], dims["num_heads"], dims["seq_len"], 1, dims["mlp_ratio"]
-    )
+    try:
+        measured = ModelSpec(
+            1, dims["hidden_size"], dims["num_heads"], dims["seq_len"], 1, dims["mlp_ratio"]
+        )
+    except ConfigError as e:  # heads that do not divide the hidden size
+        raise ConfigError(f"{source}: measured_with: {e}") from None
     b, t = dims["microbatch_size"], dims["tensor"]
     flops = layer_fwd_flops(measured, b) / t
     traffic = layer_activation_bytes(measured, b, t, act_bytes)
@@ -119,8 +141,8 @@ def profile_from_dict(
     for name, item in compute.items():
         key = f"compute.{name}"
         m = r.mapping(item, key, required=("layer_fwd_s", "layer_bwd_s"))
-        fwd_s = r.number(m["layer_fwd_s"], f"{key}.layer_fwd_s")
-        bwd_s = r.number(m["layer_bwd_s"], f"{key}.layer_bwd_s")
+        fwd_s = r.number(m["layer_fwd_s"], f"{key}.layer_fwd_s", bound=LAYER_S)
+        bwd_s = r.number(m["layer_bwd_s"], f"{key}.layer_bwd_s", bound=LAYER_S)
         mem_bw = topology.islands[names.index(name)].memory_bytes_per_s
         # Net of the element-wise term the cost model adds (1x forward, 2x backward).
         fwd_net = max(fwd_s - traffic / mem_bw, 0.25 * fwd_s)

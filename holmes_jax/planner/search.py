@@ -8,6 +8,9 @@ only the split (what ``layers_per_stage: auto`` uses).
 :func:`search_plan` enumerates placements (replica or not, tensor and data degrees hence
 stages per island, micro-batch count), lower-bounds each one and solves them in bound
 order (branch and bound). Placement conventions are in :mod:`holmes_jax.planner.placement`.
+The exact split builds (stages, layers+1, layers+1) tables: a placement above
+:data:`~holmes_jax.core.spec.SPLIT_CELLS` cells (far above any real model's, e.g. 96 layers
+on 96 stages: 0.9M) is not searched, and asked for by itself it is a one-line error.
 Pure Python + NumPy; no jax import.
 """
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import REMAT_POLICIES, Layout, ModelSpec
+from holmes_jax.core.spec import REMAT_POLICIES, SPLIT_CELLS, Layout, ModelSpec
 from holmes_jax.planner.cost import Prediction, RunSpec, StageCosts, predict, stage_costs
 from holmes_jax.planner.partition import holmes_split, optimal_split, slot_fits, uniform_split
 from holmes_jax.planner.placement import (
@@ -113,6 +116,12 @@ def plan_for_layout(
       ConfigError: a layout that does not fit the topology, an unknown method, or (for
         ``optimal``) no split that fits in device memory.
     """
+    if method == "optimal" and _split_cells(layout, model) > SPLIT_CELLS.limit:
+        raise ConfigError(
+            f"parallel.stages={layout.stages}, model.num_layers={model.num_layers}: the exact "
+            f"split needs {_split_cells(layout, model)} table cells; must be <= "
+            f"{SPLIT_CELLS.text} ({SPLIT_CELLS.what}); try --partition holmes"
+        )
     costs = _costs(topology, model, run, layout, calibration)
     if isinstance(method, str):
         split = _split(costs, method)
@@ -224,10 +233,13 @@ def search_plan(
       ConfigError: unknown method, or no candidate placement fits in memory.
     """
     _check_method(method)
-    bounded, hardware = [], {}
+    bounded, hardware, too_big = [], {}, 0
     for layout in candidate_layouts(
         topology, model, run, schedule, stages, data, tensor, microbatches, replica
     ):
+        if method == "optimal" and _split_cells(layout, model) > SPLIT_CELLS.limit:
+            too_big += 1
+            continue
         key = (layout.replica, layout.data, layout.tensor)  # hardware does not depend on m
         if key not in hardware:
             hardware[key] = stage_hardware(topology, layout, calibration, run.memory_fraction)
@@ -247,9 +259,10 @@ def search_plan(
         if plan.prediction.fits and (best is None or plan.predicted_step_s < best.predicted_step_s):
             best = plan
     if best is None:
+        over = f"; {too_big} skipped: over {SPLIT_CELLS.text} {SPLIT_CELLS.what}" if too_big else ""
         raise ConfigError(
             f"topology '{topology.name}': no placement of the {model.num_params / 1e9:.2f}B-"
-            f"parameter model fits in device memory (method={method})"
+            f"parameter model fits in device memory (method={method}{over})"
         )
     return best
 
@@ -340,5 +353,11 @@ def _check_method(method: str) -> None:
         raise ConfigError(f"--partition '{method}': must be one of {', '.join(METHODS)}")
 
 
+def _split_cells(layout: Layout, model: ModelSpec) -> int:
+    return layout.stages * (model.num_layers + 1) ** 2
+
+
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """Divisors of ``n`` in increasing order, in O(sqrt n) (a global batch may be 10^6)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]

@@ -18,28 +18,33 @@ Bandwidth conventions (what the cost model assumes):
 Devices are numbered island → host → device; :meth:`Topology.device_places` gives that
 order, which the mesh builder and the planner both follow. Plain Python: no jax import.
 
-Schema (every key is checked; optional keys marked)::
+Schema (every key is checked; optional keys marked). Counts and figures have bounds far
+beyond any real cluster (one home: :mod:`holmes_jax.core.spec`), checked before anything
+is built from them, so a typo is a one-line error, not an allocation without end::
 
     name: str
-    description: str                     # optional
+    description: str                     # optional, may span lines
     intra_host: {bandwidth_gbps: float, latency_us: float}
     inter_island:                        # required when there is more than one island
       default: {bandwidth_gbps: float, latency_us: float}
       overrides:                         # optional
         - {between: [island_a, island_b], bandwidth_gbps: float, latency_us: float}
-    islands:
+    islands:                             # <= 256 islands; <= 1048576 devices in all
       - name: str
         nic: infiniband | roce | ethernet
         link: {bandwidth_gbps: float, latency_us: float}
-        hosts: [str, ...] | int          # names, or a count (named <island>-<i>)
-        devices_per_host: int
+        hosts: [str, ...] | int          # names, or a count (named <island>-<i>); <= 100000
+        devices_per_host: int            # <= 1024
         device_kind: str
-        peak_tflops: float               # per device, dense 16-bit (or fp32 on CPU)
-        memory_gb: float                 # per device, 1e9 bytes
-        memory_bandwidth_gbs: float      # optional, per device GB/s (optimizer step)
+        peak_tflops: float               # per device, dense 16-bit (or fp32 on CPU); <= 1e+09
+        memory_gb: float                 # per device, 1e9 bytes; <= 1e+09
+        memory_bandwidth_gbs: float      # optional, per device GB/s (optimizer step); <= 1e+09
         hcas: [str, ...]                 # optional, infiniband/roce only (NCCL_IB_HCA)
-        gid_index: int                   # optional, roce only (NCCL_IB_GID_INDEX)
+        gid_index: int                   # optional, roce only (NCCL_IB_GID_INDEX); <= 65535
         interface: str                   # optional (NCCL_SOCKET_IFNAME)
+
+Every ``bandwidth_gbps`` is <= 1e+09 (and >= 1e-06), every ``latency_us`` <= 1e+09;
+strings are one printable line (``description`` excepted).
 """
 
 from __future__ import annotations
@@ -49,6 +54,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import (
+    BANDWIDTH,
+    DEVICES,
+    DEVICES_PER_HOST,
+    GID_INDEX,
+    HOSTS,
+    ISLANDS,
+    LATENCY,
+    MEMORY_GB,
+    MEMORY_GBS,
+    TFLOPS,
+)
 from holmes_jax.core.yamlio import StrictReader, read_yaml
 
 NIC_TYPES = ("infiniband", "roce", "ethernet")
@@ -258,7 +275,12 @@ def topology_from_dict(raw: Any, source: str = "<dict>") -> Topology:
     islands_raw = top["islands"]
     if not isinstance(islands_raw, list) or not islands_raw:
         r.fail("islands", islands_raw, "must be a non-empty list of islands")
-    islands = tuple(r.island(item, f"islands[{i}]") for i, item in enumerate(islands_raw))
+    r.integer(len(islands_raw), "len(islands)", 1, ISLANDS)
+    islands, total = [], 0
+    for i, item in enumerate(islands_raw):  # the running total stops a huge one early
+        islands.append(r.island(item, f"islands[{i}]"))
+        total += islands[-1].num_devices
+        r.integer(total, f"devices of islands[0..{i}]", 1, DEVICES)
     _check_unique(r, [isl.name for isl in islands], "islands[{}].name")
     hosts = [h for isl in islands for h in isl.hosts]
     _check_unique(r, hosts, "host name {}", by_value=True)
@@ -269,11 +291,11 @@ def topology_from_dict(raw: Any, source: str = "<dict>") -> Topology:
         r.fail("inter_island", None, f"required with {len(islands)} islands")
     return Topology(
         name=name,
-        islands=islands,
+        islands=tuple(islands),
         intra_host=r.link(top["intra_host"], "intra_host"),
         inter_island_default=default,
         inter_island_overrides=overrides,
-        description=r.string(top.get("description", ""), "description", allow_empty=True),
+        description=r.string(top.get("description", ""), "description", True, lines=True),
     )
 
 
@@ -291,8 +313,12 @@ class TopologyReader(StrictReader):
     def link(self, raw: Any, key: str, extra: tuple[str, ...] = ()) -> Link:
         m = self.mapping(raw, key, required=("bandwidth_gbps", "latency_us"), optional=extra)
         return Link(
-            bandwidth_gbps=self.number(m["bandwidth_gbps"], f"{key}.bandwidth_gbps"),
-            latency_us=self.number(m["latency_us"], f"{key}.latency_us", strict=False),
+            bandwidth_gbps=self.number(
+                m["bandwidth_gbps"], f"{key}.bandwidth_gbps", bound=BANDWIDTH
+            ),
+            latency_us=self.number(
+                m["latency_us"], f"{key}.latency_us", strict=False, bound=LATENCY
+            ),
         )
 
     def island(self, raw: Any, key: str) -> Island:
@@ -317,13 +343,22 @@ class TopologyReader(StrictReader):
         nic = m["nic"]
         if nic not in NIC_TYPES:
             self.fail(f"{key}.nic", nic, f"must be one of {', '.join(NIC_TYPES)}")
-        hosts_raw = m["hosts"]
-        if isinstance(hosts_raw, int) and not isinstance(hosts_raw, bool):
-            hosts = tuple(f"{name}-{i}" for i in range(self.integer(hosts_raw, f"{key}.hosts", 1)))
+        per_host = self.integer(
+            m["devices_per_host"], f"{key}.devices_per_host", 1, DEVICES_PER_HOST
+        )
+        hosts_raw = m["hosts"]  # bounded before a name is made: hosts: 10**12 is an error
+        counted = isinstance(hosts_raw, int) and not isinstance(hosts_raw, bool)
+        if counted:
+            count = self.integer(hosts_raw, f"{key}.hosts", 1, HOSTS)
         elif isinstance(hosts_raw, list) and hosts_raw:
-            hosts = tuple(self.string(h, f"{key}.hosts[{i}]") for i, h in enumerate(hosts_raw))
+            count = self.integer(len(hosts_raw), f"len({key}.hosts)", 1, HOSTS)
         else:
             self.fail(f"{key}.hosts", hosts_raw, "must be a non-empty list of names or a count")
+        self.integer(count * per_host, f"{key}: hosts x devices_per_host", 1, DEVICES)
+        if counted:
+            hosts = tuple(f"{name}-{i}" for i in range(count))
+        else:
+            hosts = tuple(self.string(h, f"{key}.hosts[{i}]") for i, h in enumerate(hosts_raw))
         hcas: tuple[str, ...] = ()
         if "hcas" in m:
             if nic == "ethernet":
@@ -335,10 +370,12 @@ class TopologyReader(StrictReader):
         if "gid_index" in m:
             if nic != "roce":
                 self.fail(f"{key}.gid_index", m["gid_index"], "only for nic roce")
-            gid = self.integer(m["gid_index"], f"{key}.gid_index", 0)
+            gid = self.integer(m["gid_index"], f"{key}.gid_index", 0, GID_INDEX)
         mem_bw = None
         if "memory_bandwidth_gbs" in m:
-            mem_bw = self.number(m["memory_bandwidth_gbs"], f"{key}.memory_bandwidth_gbs")
+            mem_bw = self.number(
+                m["memory_bandwidth_gbs"], f"{key}.memory_bandwidth_gbs", bound=MEMORY_GBS
+            )
         interface = None
         if "interface" in m:
             interface = self.string(m["interface"], f"{key}.interface")
@@ -347,10 +384,10 @@ class TopologyReader(StrictReader):
             nic=nic,
             link=self.link(m["link"], f"{key}.link"),
             hosts=hosts,
-            devices_per_host=self.integer(m["devices_per_host"], f"{key}.devices_per_host", 1),
+            devices_per_host=per_host,
             device_kind=self.string(m["device_kind"], f"{key}.device_kind"),
-            peak_tflops=self.number(m["peak_tflops"], f"{key}.peak_tflops"),
-            memory_gb=self.number(m["memory_gb"], f"{key}.memory_gb"),
+            peak_tflops=self.number(m["peak_tflops"], f"{key}.peak_tflops", bound=TFLOPS),
+            memory_gb=self.number(m["memory_gb"], f"{key}.memory_gb", bound=MEMORY_GB),
             memory_bandwidth_gbs=mem_bw,
             hcas=hcas,
             gid_index=gid,
@@ -371,6 +408,8 @@ class TopologyReader(StrictReader):
             if not isinstance(pair, list) or len(pair) != 2:
                 self.fail(f"{key}.between", pair, "must be a list of two island names")
             for n in pair:
+                if not isinstance(n, str):  # not a name (a mapping is not even hashable)
+                    self.fail(f"{key}.between", pair, "must be a list of two island names")
                 if n not in names:
                     self.fail(f"{key}.between", pair, f"island '{n}' is not defined")
             if pair[0] == pair[1]:

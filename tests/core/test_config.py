@@ -115,3 +115,66 @@ def test_readme_documents_every_key():
         for f in dataclasses.fields(getattr(Config(), section.name)):
             key = f"{section.name}.{f.name}"
             assert f"`{key}`" in readme, f"README's configuration reference lacks {key}"
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.num_layers=1000000000000", "model.num_layers=1000000000000: must be <= 4096"),
+        ("model.hidden_size=2**40", "model.hidden_size='2**40': expected int"),
+        ("model.hidden_size=1099511627776", "must be <= 262144 (hidden size)"),
+        ("train.global_batch_size=1000000000000", "must be <= 1048576 (sequences per step)"),
+        ("parallel.microbatches=1000000000000", "must be <= 1048576 (sequences per step)"),
+        ("parallel.tensor=100000", "parallel.tensor=100000: must be <= 1024 (devices per host)"),
+        ("parallel.replica=1000", "parallel.replica=1000: must be <= 256 (islands per topology)"),
+        ("train.eval_batches=10000000", "must be <= 100000 (evaluation batches)"),
+        ("train.seed=-1", "train.seed=-1: must be >= 0"),
+        ("train.seed=4294967296", "train.seed=4294967296: must be <= 4294967295 (a 32-bit seed)"),
+        ("distributed.heartbeat_timeout_s=10000000", "must be <= 1000000 (seconds; jax"),
+        ("optimizer.learning_rate=.nan", "optimizer.learning_rate=nan: must be a finite number"),
+        ("optimizer.eps=.inf", "optimizer.eps=inf: must be a finite number"),
+        ("optimizer.grad_clip=1e999", "optimizer.grad_clip='1e999': must be a finite number"),
+        ("optimizer.weight_decay=" + "9" * 400, "optimizer.weight_decay=999999"),
+        ('model.remat="a\\nb"', "model.remat='a\\nb': must be one line of printable"),
+        ('train.metrics_path="\\t"', "train.metrics_path='\\t': must be one line of printable"),
+        ("model.num_layers=2020-13-45", "model.num_layers='2020-13-45': expected int"),
+        ("model.num_layers=" + "[" * 5000, "model.num_layers='[[[[[[["),
+    ],
+)
+def test_sizes_are_bounded_and_numbers_finite(override, message):
+    # load_config, not train's main: were a check missing, main would train.
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_files_no_parser_accepts_are_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    for text, message in [
+        (b"model: {num_layers: 2020-13-45}\n", "not valid YAML (ValueError: month must be"),
+        (b"[" * 100_000, "nesting: must be <= 100 (levels of YAML nesting)"),
+        (b"model:\n  \xff\xfe: 1\n", "cannot be read"),
+        (b"model: {1: 2, x: 3}\n", "unknown key 'model.1'"),
+        (b"model: {num_layers: &a [*a, *a]}\n", "model.num_layers=[[[[...], [...]], [[...],"),
+    ]:
+        path.write_bytes(text)
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert "\n" not in str(err.value) and message in str(err.value), str(err.value)
+
+
+def test_every_bound_is_quoted_at_its_field():
+    """The bounds live in core/spec.py; each config field's comment quotes its own."""
+    import inspect
+
+    from holmes_jax.core.spec import CONFIG_LIMITS
+
+    cfg = Config()
+    for key, bound in CONFIG_LIMITS.items():
+        section, name = key.split(".")
+        source = inspect.getsource(type(getattr(cfg, section)))
+        (line,) = [line for line in source.splitlines() if line.startswith(f"    {name}: ")]
+        assert f"<= {bound.text}" in line, f"{key}: its comment must say '<= {bound.text}'"

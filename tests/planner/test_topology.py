@@ -173,3 +173,92 @@ def test_single_host_topology_for_runs_without_a_mesh():
     assert {p.host for p in topo.device_places()} == {0}
     with pytest.raises(ConfigError, match="devices_per_host=0"):
         single_host_topology(0)
+
+
+# --------------------------------------------------------------------------- bounds
+
+BOUNDED = {  # edit -> the whole message after the file name
+    "hosts count": (
+        lambda r: r["islands"][0].update(hosts=10**12),
+        "islands[0].hosts=1000000000000: must be <= 100000 (hosts per island)",
+    ),
+    "hosts list": (
+        lambda r: r["islands"][0].update(hosts=[f"h{i}" for i in range(100_001)]),
+        "len(islands[0].hosts)=100001: must be <= 100000 (hosts per island)",
+    ),
+    "devices per host": (
+        lambda r: r["islands"][1].update(devices_per_host=10**9),
+        "islands[1].devices_per_host=1000000000: must be <= 1024 (devices per host)",
+    ),
+    "one island's devices": (
+        lambda r: r["islands"][0].update(hosts=100_000, devices_per_host=11),
+        "islands[0]: hosts x devices_per_host=1100000: must be <= 1048576 (devices in all)",
+    ),
+    "devices in all": (
+        lambda r: [i.update(hosts=1024, devices_per_host=1024) for i in r["islands"]],
+        "devices of islands[0..1]=2097152: must be <= 1048576 (devices in all)",
+    ),
+    "islands": (
+        lambda r: r.update(islands=[dict(r["islands"][0], name=f"i{k}") for k in range(257)]),
+        "len(islands)=257: must be <= 256 (islands per topology)",
+    ),
+    "bandwidth": (
+        lambda r: r["intra_host"].update(bandwidth_gbps=1e12),
+        "intra_host.bandwidth_gbps=1000000000000.0: must be <= 1e+09 (Gbit/s per link)",
+    ),
+    "tiny bandwidth": (
+        lambda r: r["intra_host"].update(bandwidth_gbps=1e-300),
+        "intra_host.bandwidth_gbps=1e-300: must be >= 1e-06 (Gbit/s per link)",
+    ),
+    "nan": (
+        lambda r: r["islands"][0].update(memory_gb=float("nan")),
+        "memory_gb=nan: must be finite",
+    ),
+    "inf": (lambda r: r["islands"][0].update(peak_tflops=float("inf")), "=inf: must be finite"),
+    "huge int": (lambda r: r["islands"][0].update(memory_gb=10**400), "must be finite"),
+    "gid index": (
+        lambda r: r["islands"][1].update(gid_index=2**40),
+        "islands[1].gid_index=1099511627776: must be <= 65535 (RoCE GID table index)",
+    ),
+    # Found as a TypeError: unhashable type: 'dict' before the check.
+    "mapping in between": (
+        lambda r: r["inter_island"].update(
+            overrides=[{"between": [{"ib": 1}, "roce"], "bandwidth_gbps": 1, "latency_us": 1}]
+        ),
+        "inter_island.overrides[0].between=[{'ib': 1}, 'roce']: must be a list of two island",
+    ),
+    "newline in a name": (
+        lambda r: r["islands"][0].update(name="i\nb"),
+        "islands[0].name='i\\nb': must be one line of printable characters",
+    ),
+    "non-string key": (lambda r: r.update({7: "x", None: 1}), "unknown key"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOUNDED))
+def test_counts_and_figures_are_bounded_before_anything_is_built(case):
+    edit, message = BOUNDED[case]
+    with pytest.raises(ConfigError) as err:
+        topology_from_dict(_edit(edit), source="m.yaml")
+    assert "\n" not in str(err.value) and str(err.value).startswith("m.yaml: ")
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (b"a: 2020-13-45\n", "not valid YAML (ValueError: month must be in 1..12)"),
+        (b"a: " + b"9" * 5000, "not valid YAML (ValueError: Exceeds the limit"),
+        (b"a: " + b"[" * 100_000, "nesting: must be <= 100 (levels of YAML nesting)"),
+        (b"\xff\xfe\x00binary", "cannot be read ('utf-8' codec can't decode"),
+        (b"a: !!timestamp 99999-01-01\n", "not valid YAML (AttributeError"),
+        (b"x" * (16 * 2**20 + 1), "size=16777217: must be <= 16777216 (bytes per config"),
+    ],
+    ids=["bad date", "huge int", "deep", "not utf-8", "bad timestamp", "too long"],
+)
+def test_files_no_parser_accepts_are_one_line(tmp_path, text, message):
+    path = tmp_path / "m.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError) as err:
+        load_topology(path)
+    assert "\n" not in str(err.value) and message in str(err.value)
