@@ -27,10 +27,18 @@ from holmes_jax.core.spec import Degrees  # noqa: E402
 
 QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
 NO_IO = ["checkpoint.dir=null", "train.metrics_path=null", "logging.tensorboard_dir=null"]
+# The quickstart's model, as plain data parallelism (no topology, one stage): each variant
+# below sets its own stages, split and micro-batches on top.
+DATA_PARALLEL = [
+    "parallel.mesh=null",
+    "parallel.stages=1",
+    "parallel.layers_per_stage=null",
+    "parallel.microbatches=1",
+]
 
 
 def cfg(*overrides):
-    return load_config(QUICKSTART, NO_IO + list(overrides))
+    return load_config(QUICKSTART, NO_IO + DATA_PARALLEL + list(overrides))
 
 
 def pipe(stages, split, microbatches, schedule="1f1b", batch=32, layers=None):

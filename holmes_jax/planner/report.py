@@ -1,13 +1,22 @@
 """A plan as text and as JSON, with the alternative splits of its placement.
 
 What ``python -m holmes_jax.plan`` prints (:func:`format_plan`) and ``--json`` writes
-(:func:`plan_json`). Pure Python; no jax import.
+(:func:`plan_json`); what the trainer prints before training (:func:`format_run_plan`: the
+islands, the mesh, stages per island, layers per stage, schedule, micro-batches and the
+predicted step, with what the prediction assumes) and after it (:func:`format_step_check`:
+the predicted against the measured median step and their ratio). Pure Python; no jax
+import.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
+from holmes_jax.core.spec import Degrees
+from holmes_jax.planner.cost import Prediction
+from holmes_jax.planner.placement import stage_blocks, stages_per_island
 from holmes_jax.planner.plans import specs_from_config
 from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology
@@ -39,25 +48,7 @@ def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cf
     """Human-readable report."""
     model, run = specs_from_config(cfg)
     lay, pr = plan.layout, plan.prediction
-    lines = [
-        f"topology {topology.name}: {len(topology.islands)} islands, "
-        f"{topology.num_hosts} hosts, {topology.num_devices} devices"
-    ]
-    for isl in topology.islands:
-        lines.append(
-            f"  {isl.name:<10} {isl.nic:<10} {isl.link.bandwidth_gbps:g} Gbit/s/host  "
-            f"{isl.num_hosts} hosts x {isl.devices_per_host} {isl.device_kind} "
-            f"({isl.peak_tflops:g} TFLOP/s, {isl.memory_gb:g} GB)"
-        )
-    if topology.inter_island_default is not None:
-        link = topology.inter_island_default
-        extra = "".join(
-            f"; {a}-{b} {lk.bandwidth_gbps:g} Gbit/s"
-            for a, b, lk in topology.inter_island_overrides
-        )
-        lines.append(
-            f"  between islands: {link.bandwidth_gbps:g} Gbit/s/host, {link.latency_us:g} us{extra}"
-        )
+    lines = _topology_lines(topology)
     lines.append(
         f"model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
         f"seq {model.seq_len}, vocab {model.vocab_size} ({model.num_params / 1e6:.2f}M "
@@ -72,12 +63,7 @@ def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cf
         f"{isl.name}={n}" for isl, n in zip(topology.islands, plan.stages_per_island, strict=True)
     )
     lines.append(f"  stages per island: {per_island}")
-    lines.append("  stage  island      layers   fwd ms   bwd ms   memory GB (limit)")
-    for s, n in enumerate(plan.layers_per_stage):
-        lines.append(
-            f"  {s:<6} {plan.stage_islands[s]:<11} {n:<8} {pr.stage_fwd_s[s] * 1e3:<8.2f} "
-            f"{pr.stage_bwd_s[s] * 1e3:<8.2f} {pr.memory_gb[s]:.2f} ({pr.memory_limit_gb[s]:.1f})"
-        )
+    lines += _stage_table(pr, plan.stage_islands)
     lines.append(
         f"predicted step {pr.step_s:.4g} s: {pr.samples_per_s:.4g} samples/s, "
         f"{pr.tflops_per_device:.4g} TFLOP/s per device (model FLOPs "
@@ -97,4 +83,120 @@ def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cf
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- drawing
+def format_run_plan(
+    cfg: Any,
+    shape: Degrees,
+    topology: Topology,
+    prediction: Prediction,
+    *,
+    sync_collectives: bool,
+    split: str,
+) -> list[str]:
+    """The plan the trainer is about to run, as lines for its log.
+
+    Args:
+      cfg: the resolved config (concrete ``parallel.layers_per_stage`` and ``model.remat``;
+        :func:`holmes_jax.planner.plans.resolve_auto`).
+      shape: the resolved degrees.
+      topology: the cluster the run is placed on.
+      prediction: :func:`holmes_jax.planner.plans.predict_config` of ``cfg`` on ``topology``.
+      sync_collectives: what the prediction assumed about collectives (stated in the text).
+      split: who chose the layers per stage, e.g. ``"the planner's optimal split
+        (parallel.layers_per_stage: auto)"``.
+
+    Returns:
+      Lines: the topology, the mesh with the stages per island, the pipeline, the stage
+      table, the predicted step with its terms, and what the prediction assumes.
+    """
+    par = cfg.parallel
+    layout = par.layout(shape)
+    mb = layout.microbatch_size(cfg.train.global_batch_size)
+    topo = _topology_lines(topology)
+    lines = [f"plan on {topo[0]}", *topo[1:]]
+    if par.enforce_islands:
+        islands = [topology.islands[i].name for i, _ in stage_blocks(topology, layout)[0]]
+        counts = stages_per_island(topology, layout)
+        where = "stages per island " + " ".join(
+            f"{isl.name}={n}" for isl, n in zip(topology.islands, counts, strict=True)
+        )
+    else:  # the naive baseline: one stage whose data groups span the islands
+        islands = ["all"] * layout.stages
+        where = "naive placement (parallel.enforce_islands: false): data groups span islands"
+    lines.append(
+        f"  mesh replica {layout.replica} x stage {layout.stages} x data {layout.data} x "
+        f"tensor {layout.tensor}; {where}"
+    )
+    lines.append(
+        f"  pipeline {layout.schedule}, {layout.microbatches} micro-batches of {mb} per data "
+        f"rank, remat {cfg.model.remat}; layers per stage "
+        f"{list(par.layers_per_stage)}: {split}"
+    )
+    lines += _stage_table(prediction, islands)
+    terms = ", ".join(f"{k} {v:.3g}" for k, v in prediction.breakdown.items() if v)
+    lines.append(f"  predicted step {prediction.step_s:.3g} s ({terms})")
+    collectives = (
+        "collectives that block the device (CPU runtimes)"
+        if sync_collectives
+        else "collectives overlapping compute (GPU runtimes)"
+    )
+    lines.append(
+        f"  the prediction assumes the topology's device speeds and links (no measured "
+        f"profile) and {collectives}; it leaves out host work (batches, logging)"
+    )
+    return lines
+
+
+def format_step_check(predicted_s: float, measured_s: list[float]) -> str:
+    """One line: the predicted step against the median of the measured ones.
+
+    Args:
+      predicted_s: the predicted step time.
+      measured_s: measured step times, the compiling first step already left out (the
+        trainer's logging windows: each the mean step of the steps since the last log).
+    """
+    if not measured_s:
+        return (
+            f"step time: predicted {predicted_s:.3g} s; nothing measured (only the "
+            f"compiling first step ran)"
+        )
+    median = statistics.median(measured_s)
+    return (
+        f"step time: predicted {predicted_s:.3g} s, measured {median:.3g} s (median of "
+        f"{len(measured_s)} logging windows, the compiling first step left out); "
+        f"measured/predicted {median / predicted_s:.2f}"
+    )
+
+
+def _topology_lines(topology: Topology) -> list[str]:
+    """The topology's header, one line per island, and the links between islands."""
+    lines = [
+        f"topology {topology.name}: {len(topology.islands)} islands, "
+        f"{topology.num_hosts} hosts, {topology.num_devices} devices"
+    ]
+    for isl in topology.islands:
+        lines.append(
+            f"  {isl.name:<10} {isl.nic:<10} {isl.link.bandwidth_gbps:g} Gbit/s/host  "
+            f"{isl.num_hosts} hosts x {isl.devices_per_host} {isl.device_kind} "
+            f"({isl.peak_tflops:g} TFLOP/s, {isl.memory_gb:g} GB)"
+        )
+    if topology.inter_island_default is not None:
+        link = topology.inter_island_default
+        extra = "".join(
+            f"; {a}-{b} {lk.bandwidth_gbps:g} Gbit/s"
+            for a, b, lk in topology.inter_island_overrides
+        )
+        lines.append(
+            f"  between islands: {link.bandwidth_gbps:g} Gbit/s/host, {link.latency_us:g} us{extra}"
+        )
+    return lines
+
+
+def _stage_table(pr: Prediction, islands: Sequence[str]) -> list[str]:
+    """Per stage: its island, layers, forward and backward time of one micro-batch, memory."""
+    lines = ["  stage  island      layers   fwd ms   bwd ms   memory GB (limit)"]
+    for s, n in enumerate(pr.layers_per_stage):
+        lines.append(
+            f"  {s:<6} {islands[s]:<11} {n:<8} {pr.stage_fwd_s[s] * 1e3:<8.2f} "
+            f"{pr.stage_bwd_s[s] * 1e3:<8.2f} {pr.memory_gb[s]:.2f} ({pr.memory_limit_gb[s]:.1f})"
+        )
+    return lines

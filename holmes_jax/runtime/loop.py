@@ -2,13 +2,23 @@
 
 Read top to bottom, :func:`run` does:
 
-1. resolve the mesh degrees against the visible devices and build the mesh;
+1. resolve the mesh degrees against the visible devices, let the planner fill in what the
+   config leaves open, and build the mesh; on a topology (``parallel.mesh``), predict the
+   step with the planner's cost model;
 2. load the corpus and build the (seed, step) → batch sampler and fixed eval batches;
 3. build the :class:`~holmes_jax.runtime.program.Program` (shardings, jitted steps);
 4. restore the newest checkpoint in ``checkpoint.dir`` or initialise sharded state;
 5. loop: make this process's part of the batch, step, and on log steps fetch metrics
    (only then does the host wait for the device), evaluate, checkpoint;
 6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
+
+Printed through the metrics logger (process 0 only): before training, on a topology, the
+plan (:func:`holmes_jax.planner.report.format_run_plan`: islands, stages per island,
+layers per stage, schedule, micro-batches, the predicted step and what the prediction
+assumes); after training, the predicted against the measured median step
+(:func:`holmes_jax.planner.report.format_step_check`). The measured steps are the logging
+windows' mean step times (host wait included, evaluation and checkpoints excluded), the
+window of the compiling first step left out.
 
 ``run`` returns the history: one dict per logged step (the same records as the JSON lines).
 """
@@ -25,10 +35,13 @@ import numpy as np
 
 from holmes_jax.cluster.distributed import any_process
 from holmes_jax.core.config import Config
-from holmes_jax.core.spec import flops_per_token
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import Degrees, flops_per_token
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
-from holmes_jax.planner.plans import memory_inputs_from_config, resolve_auto
+from holmes_jax.planner.plans import memory_inputs_from_config, predict_config, resolve_auto
+from holmes_jax.planner.report import format_run_plan, format_step_check
+from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime.checkpoint import Checkpointer
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.runtime.mesh import build_mesh
@@ -86,10 +99,11 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     devices = jax.devices()
     topology = load_mesh_topology(cfg)
     shape = resolve_shape(cfg, len(devices), topology)
-    asked_remat = cfg.model.remat
+    asked_remat, asked_split = cfg.model.remat, cfg.parallel.layers_per_stage
     cfg = resolve_auto(cfg, shape, topology)
     mesh = build_mesh(shape, devices)
     check_memory(cfg, shape, topology, devices)
+    plan_lines, predicted_s = describe_plan(cfg, shape, topology, devices, asked_split)
     is_main = jax.process_index() == 0
     multi_process = jax.process_count() > 1
 
@@ -127,11 +141,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
         f"{devices[0].platform} devices | {corpus.description}"
     )
-    if cfg.parallel.stages > 1 or cfg.parallel.microbatches > 1:
+    for line in plan_lines:
+        logger.message(line)
+    if not plan_lines and (cfg.parallel.stages > 1 or cfg.parallel.microbatches > 1):
         logger.message(
             f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
             f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
-            + (f", topology {topology.name}" if topology else "")
         )
     if asked_remat == "auto":
         logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
@@ -172,11 +187,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     history.append(rec)
                     logger.write(rec, advance=step - logged_at)
                     logged_at, first = step, False
-                    window_start, window_steps = time.perf_counter(), 0
 
                 if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
                     last_saved = step
+                if log_step or stopping:  # the next window starts after eval and saving
+                    window_start, window_steps = time.perf_counter(), 0
                 if stopping:
                     why = f"received {stop.name}" if stop.signum else f"stop_at_step={stop_at_step}"
                     if requested and not stop.signum:
@@ -201,7 +217,53 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             f"done: step {step}, loss {final['loss']:.4f}"
             + (f", eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
         )
+    if predicted_s is not None and history:
+        measured = [r["step_time_s"] for r in history if not r.get("includes_compile")]
+        logger.message(format_step_check(predicted_s, measured))
     return history
+
+
+def describe_plan(
+    cfg: Config,
+    shape: Degrees,
+    topology: Topology | None,
+    devices: list,
+    asked_split: tuple[int, ...] | str | None,
+) -> tuple[list[str], float | None]:
+    """The plan's lines for the log and its predicted step; nothing without a topology.
+
+    The prediction is the planner's (:func:`holmes_jax.planner.plans.predict_config`) for
+    ``cfg`` as resolved, with blocking collectives on CPU runtimes, where a collective
+    occupies the device until it is done. A run the cost model cannot price (the naive
+    placement with stages) still trains: its plan is one line saying why.
+
+    Args:
+      cfg: the config after :func:`~holmes_jax.planner.plans.resolve_auto`.
+      shape: the resolved degrees.
+      topology: the cluster (``parallel.mesh``), or None.
+      devices: the visible devices (their platform decides the collectives priced).
+      asked_split: ``parallel.layers_per_stage`` as the user gave it (before resolving).
+
+    Returns:
+      (lines, predicted step in seconds or None).
+    """
+    if topology is None:
+        return [], None
+    sync = devices[0].platform == "cpu"
+    try:
+        prediction = predict_config(cfg, topology, sync_collectives=sync)
+    except ConfigError as e:
+        return [f"plan on topology {topology.name}: no prediction ({e})"], None
+    if cfg.parallel.stages == 1:
+        split = "one stage"
+    elif asked_split == "auto":
+        split = "the planner's optimal split (parallel.layers_per_stage: auto)"
+    elif isinstance(asked_split, tuple):
+        split = "as configured (parallel.layers_per_stage)"
+    else:
+        split = "even (parallel.layers_per_stage unset)"
+    lines = format_run_plan(cfg, shape, topology, prediction, sync_collectives=sync, split=split)
+    return lines, prediction.step_s
 
 
 def device_limit_bytes(topology, devices) -> float | None:

@@ -12,7 +12,7 @@ from holmes_jax.core.spec import Degrees
 from holmes_jax.runtime.checkpoint import Checkpointer
 from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch
 from holmes_jax.runtime.loop import run
-from tests.common import ROOT, TINY_RUN, as_flags
+from tests.common import ROOT, TINY_RUN, as_flags, mesh_path
 
 # A tiny model with every feature that changes the math: untied head, weight decay, clipping
 # that bites (grad_clip small), dropout off (dropout masks depend on the sharding).
@@ -138,3 +138,84 @@ def test_forced_cudnn_attention_is_refused_before_compiling(tiny_cfg, monkeypatc
     with pytest.raises(ConfigError, match=r"^model\.attention=cudnn: needs a CUDA GPU") as err:
         trainer.run(cfg)
     assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- plan printout
+
+TWO_ISLANDS = [
+    f"parallel.mesh={mesh_path('cpu8-two-islands.yaml')}",
+    "parallel.stages=2",
+    "parallel.layers_per_stage=auto",
+    "parallel.microbatches=2",
+    "parallel.schedule=1f1b",
+]
+
+
+def test_plan_before_training_and_predicted_vs_measured_after(tiny_config, capsys):
+    """On a topology the trainer prints the plan it runs, then predicted vs measured step."""
+    from holmes_jax.planner.grid import load_mesh_topology
+    from holmes_jax.planner.plans import predict_config
+
+    cfg = tiny_config(
+        *TWO_ISLANDS,
+        "train.steps=3",
+        "train.eval_every=0",
+        "logging.log_every=1",
+        "logging.progress=plain",
+    )
+    history = run(cfg)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+
+    for text in (
+        "plan on topology cpu8-two-islands: 2 islands, 4 hosts, 8 devices",
+        "mesh replica 1 x stage 2 x data 4 x tensor 1; stages per island ib=1 roce=1",
+        "pipeline 1f1b, 2 micro-batches of 1 per data rank",
+        "layers per stage [1, 1]: the planner's optimal split",
+        "collectives that block the device (CPU runtimes)",
+    ):
+        assert text in out, text
+    assert any(x.split()[:3] == ["0", "ib", "1"] for x in lines)  # stage table: stage 0 on ib
+    assert any(x.split()[:3] == ["1", "roce", "1"] for x in lines)
+
+    # The predicted step is the planner's with blocking collectives (CPU), not the GPU one.
+    topo = load_mesh_topology(cfg)
+    sync = predict_config(cfg, topo, sync_collectives=True).step_s
+    overlapped = predict_config(cfg, topo).step_s
+    assert f"{sync:.3g}" != f"{overlapped:.3g}"
+    assert f"  predicted step {sync:.3g} s (" in out
+
+    # After training: the median of the logged windows after the compiling first step.
+    measured = sorted(r["step_time_s"] for r in history[1:])
+    assert [r["step"] for r in history] == [1, 2, 3] and len(measured) == 2
+    median = (measured[0] + measured[1]) / 2
+    check = (
+        f"step time: predicted {sync:.3g} s, measured {median:.3g} s (median of 2 logging "
+        f"windows, the compiling first step left out); measured/predicted {median / sync:.2f}"
+    )
+    assert check in lines
+    order = [
+        next(i for i, x in enumerate(lines) if x.startswith(prefix))
+        for prefix in ("plan on topology", "step 1 |", "done:", "step time:")
+    ]
+    assert order == sorted(order)
+
+
+def test_plan_lines_without_a_topology_or_a_prediction(tiny_config):
+    """No topology: nothing (the trainer keeps its one pipeline line). A placement the cost
+    model cannot price (the naive one with two stages): one line saying why."""
+    import jax
+
+    from holmes_jax.planner.grid import load_mesh_topology
+    from holmes_jax.planner.report import format_step_check
+    from holmes_jax.runtime.loop import describe_plan
+
+    cfg = tiny_config("parallel.stages=2")
+    assert describe_plan(cfg, Degrees(2, 4, 1), None, jax.devices(), None) == ([], None)
+    naive = tiny_config(*TWO_ISLANDS, "parallel.enforce_islands=false")
+    lines, predicted = describe_plan(
+        naive, Degrees(2, 4, 1), load_mesh_topology(naive), jax.devices(), "auto"
+    )
+    assert predicted is None and len(lines) == 1
+    assert lines[0].startswith("plan on topology cpu8-two-islands: no prediction (")
+    assert "nothing measured" in format_step_check(1.0, [])

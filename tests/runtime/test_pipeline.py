@@ -238,7 +238,8 @@ def test_show_mesh_and_placement_errors(capsys):
     assert "stage 1  island ib" in out and "stage 2  island roce" in out
     assert "dev 5@roce-0" in out
     # A data-parallel group of 8 would span both islands: one line, exit 2.
-    assert train_main(["--config", quick, "--mesh", two, "--set", "parallel.data=8"]) == 2
+    flat = ["--set", "parallel.stages=1", "--set", "parallel.data=8"]
+    assert train_main(["--config", quick, "--mesh", two, *flat]) == 2
     err = capsys.readouterr().err
     assert "must divide the 4 devices of island 'ib'" in err and err.count("\n") == 1
 
