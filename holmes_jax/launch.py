@@ -6,6 +6,7 @@ The entry point: it parses the command line and calls
     python -m holmes_jax.launch --mesh meshes/cpu8-two-islands.yaml -- \\
         --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20
     python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate [--scale 1] -- ...
+    python -m holmes_jax.launch --verbose --mesh ...   # with gloo's and jax's own chatter
     sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
         --program probe -- --set train.global_batch_size=8 --out runs/probe/emu.json
     python -m holmes_jax.launch --print-env --mesh meshes/paper-ib-roce-4x8.yaml --host roce-0
@@ -56,6 +57,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         help=f"seconds the others get after a failure (default {DEFAULT_GRACE_S:g})",
     )
     parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show library chatter (gloo's connection reports, jax's error echoes)",
+    )
+    parser.add_argument(
         "--print-env", action="store_true", help="print --host's transport profile and exit"
     )
     parser.add_argument("--host", help="with --print-env: the host")
@@ -99,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scale=args.scale,
             grace_s=args.grace,
             program=args.program,
+            verbose=args.verbose,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,14 +15,32 @@ once: that process says it is failing, keeps beating and waits up to one timeout
 verdict, so a crash that cascades through the collectives is blamed on the process that
 went silent, not on its victims; only with no peer lost does it publish the error as its
 own (the others then exit naming it). If the coordinator (process 0, which holds the
-store) stops answering, it is the lost peer; if it is killed outright, jax's client aborts
-the others at once with its own message. jax's own heartbeat timeout is
+store) stops answering, it is the lost peer. jax's own heartbeat timeout is
 :func:`backstop_timeout` (3x + 10 s), behind the watchdog.
 
+**A dead coordinator.** When process 0 dies its sockets close, and within a second every
+other process's jax client fails a call to the coordination service. jax's default
+reaction is ``LOG(FATAL)``: a C++ stack trace and exit 134 before the watchdog can speak.
+:func:`initialize` therefore gives the client a ``missed_heartbeat_callback`` (which
+``jax.distributed.initialize`` does not expose: the client is made through a wrapper of
+jaxlib's module, :class:`_WithCallback`) that calls :meth:`Watchdog.coordinator_lost`:
+one line, ``error: lost peer process 0 (host ib-0): the coordination service it held at
+... is gone``, exit 3. jaxlib 0.10 cannot convert the callback's ``absl::Status`` argument
+to Python and throws ``std::bad_cast`` in its thread instead of calling it, which ends in
+``std::terminate``; so a terminate handler (:func:`_on_terminate`, installed through
+libstdc++'s ``std::set_terminate``) makes that one exception call the same function, and
+leaves every other one to the previous handler. Where the handler cannot be installed, the
+callback is not passed and jax's abort remains.
+
+**Leaving.** At exit jax's shutdown is a barrier of every process. A process that failed
+(its watchdog closed with a non-zero code; its peers were told and are ending) skips it
+and exits with its code at once (:func:`_leave`); a barrier that fails otherwise (a peer
+gone) ends the process with its watchdog's code, not with a traceback.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -30,7 +48,7 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from holmes_jax.cluster.detect import Settings, resolve
-from holmes_jax.cluster.watchdog import FAILED_EXIT, Watchdog
+from holmes_jax.cluster.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
 from holmes_jax.core.errors import ConfigError, one_line
 
 
@@ -108,7 +126,7 @@ def run_joined(cfg: Any, body: Callable[[], int], environ=None) -> int:
             raise
         return watchdog.fail(e)
     if watchdog is not None:
-        watchdog.close()
+        watchdog.close(exit_code=code)
     return code
 
 
@@ -188,8 +206,9 @@ def initialize(
     )
     waiting.daemon = True
     waiting.start()
+    guard = _CoordinatorGuard(where)
     try:
-        jax.distributed.initialize(**kwargs)
+        _join(kwargs, guard)
     except Exception as e:  # jax raises several types; name the settings instead
         raise JoinError(
             f"could not join the job at {where} as process {settings.process_id} of "
@@ -209,6 +228,8 @@ def initialize(
         label=process_label(pid, topology, count),
         coordinator=jax_distributed.global_state.coordinator_address or "?",
     )
+    guard.watchdog = watchdog
+    atexit.register(_leave, watchdog)  # runs before jax's own shutdown (last in, first out)
     watchdog.start()
     if pid == 0:
         say = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -217,6 +238,116 @@ def initialize(
             f"{watchdog.coordinator}, peer timeout {d.heartbeat_timeout_s} s"
         )
     return watchdog
+
+
+class _CoordinatorGuard:
+    """What jax's client calls when it loses the coordination service (not jax's abort)."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.watchdog: Watchdog | None = None  # set once joined
+
+    def __call__(self, *status: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.coordinator_lost()  # does not return
+            return
+        print(f"error: lost the coordinator at {self.where} while joining", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(PEER_LOST_EXIT)
+
+
+class _WithCallback:
+    """jaxlib's ``_jax`` module as ``jax.distributed`` sees it; clients get ``callback``."""
+
+    def __init__(self, module: Any, callback: Callable[..., None]):
+        self._module, self._callback = module, callback
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def get_distributed_runtime_client(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("missed_heartbeat_callback", self._callback)
+        return self._module.get_distributed_runtime_client(*args, **kwargs)
+
+
+def _join(kwargs: dict[str, Any], guard: _CoordinatorGuard) -> None:
+    """``jax.distributed.initialize(**kwargs)``, its client calling ``guard`` on a lost
+    service (see the module doc); plain jax where jax's internals or the terminate handler
+    are not what this expects."""
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    module = getattr(jax_distributed, "_jax", None)
+    if not hasattr(module, "get_distributed_runtime_client") or not _on_terminate(guard):
+        jax.distributed.initialize(**kwargs)
+        return
+    jax_distributed._jax = _WithCallback(module, guard)
+    try:
+        jax.distributed.initialize(**kwargs)
+    finally:
+        jax_distributed._jax = module
+
+
+def _leave(watchdog: Watchdog) -> None:
+    """At exit: jax's shutdown (a barrier of every process), quietly, and only if it can work.
+
+    A process that failed (its watchdog closed with a non-zero code) has told its peers,
+    who are ending: it exits with its code at once instead of waiting in a barrier they
+    will not reach. Otherwise a failed barrier (a peer gone) would end in a traceback from
+    jax's exit hook (the client's callback, in this thread a ``RuntimeError``): exit
+    with the watchdog's code instead; the process has said what there was to say.
+    """
+    import jax
+
+    try:
+        if watchdog.exit_code == 0:
+            jax.distributed.shutdown()
+            return
+    except Exception:  # noqa: BLE001, S110 (any failure here means a peer did not come)
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(watchdog.exit_code)
+
+
+_HOOKS: list[Any] = []  # the installed terminate handler, alive as long as the process
+
+
+def _on_terminate(callback: Callable[[], None]) -> bool:
+    """Make ``std::terminate`` for a ``bad_cast`` call ``callback``; True once installed.
+
+    The one ``bad_cast`` a joined process expects is jaxlib's failed call of the client's
+    callback (module doc). Any other exception goes to the previous handler, as before.
+    """
+    if _HOOKS:
+        return True
+    try:
+        import ctypes
+
+        libstdcxx = ctypes.CDLL("libstdc++.so.6")
+        set_terminate = libstdcxx._ZSt13set_terminatePFvvE  # std::set_terminate
+        exception_type = libstdcxx.__cxa_current_exception_type
+    except (OSError, AttributeError):
+        return False
+    handler = ctypes.CFUNCTYPE(None)
+    set_terminate.restype, set_terminate.argtypes = ctypes.c_void_p, [handler]
+    exception_type.restype = ctypes.c_void_p
+    previous: list[int | None] = []
+
+    def on_terminate() -> None:  # runs in the throwing C++ thread (ctypes takes the GIL)
+        info = exception_type()  # a std::type_info*: [vtable, const char* mangled name]
+        word = ctypes.sizeof(ctypes.c_void_p)
+        name = ctypes.c_char_p.from_address(info + word).value if info else None
+        if name and (b"bad_cast" in name or b"cast_error" in name):
+            callback()
+        if previous[0]:
+            handler(previous[0])()  # libstdc++'s default: name the exception, abort
+        os.abort()
+
+    hook = handler(on_terminate)
+    previous.append(set_terminate(hook))
+    _HOOKS.append(hook)
+    return True
 
 
 def check_layout(topology: Any) -> None:

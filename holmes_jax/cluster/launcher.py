@@ -14,10 +14,13 @@ command line and calls :func:`launch`).
 Starts ``python -m holmes_jax.train <train arguments>`` once per host of the topology, in
 topology order (process ``i`` = host ``i``), each with that host's CPU device count
 (``--cpu-devices``; ``JAX_PLATFORMS=cpu``), its transport profile
-(:mod:`holmes_jax.cluster.transport`) and ``--coordinator/--num-processes/--process-id``. Every
-output line is prefixed with the host name. The first process to fail ends the launch:
-the others get ``--grace`` seconds to report (a survivor's watchdog names the lost peer)
-and are then killed; the launcher exits with the failed process's code. Ctrl-C or SIGTERM
+(:mod:`holmes_jax.cluster.transport`) and ``--coordinator/--num-processes/--process-id``.
+Every output line is prefixed with the host name; library chatter (:func:`quiet`: gloo's
+connection reports, jax's echoes of a lost peer) is hidden unless ``--verbose``, and a
+closing line counts it. A ``--mesh`` among the train arguments naming the launcher's file
+(by real path) is dropped; one naming another file is refused. The first process to fail
+ends the launch: the others get ``--grace`` seconds to report (a survivor's watchdog names
+the lost peer) and are then killed; the launcher exits with its code. Ctrl-C or SIGTERM
 is forwarded as SIGTERM (the processes agree on a step, checkpoint and exit 0); a second
 Ctrl-C kills them. ``--program probe`` runs ``python -m holmes_jax.probe`` the same way, so
 the links are measured as training sees them (process 0 writes the profile).
@@ -54,6 +57,36 @@ STOP_GRACE_S = 300.0  # after a forwarded stop: time to finish the step and chec
 EMULATED_PORT = 29500  # free in a fresh namespace
 # What a launch can run: the trainer, or the probe (to measure the links as training sees them).
 PROGRAMS = {"train": "holmes_jax.train", "probe": "holmes_jax.probe"}
+
+# Library chatter, hidden without --verbose: what the processes' C++ side prints that the
+# launch's own lines already say. gloo reports each communicator it connects (a line per
+# rank and clique, on std::cout, no switch to turn it off), written in pieces by several
+# threads, so two reports can interleave mid-line: a line of nothing but those pieces is
+# chatter, and a whole report inside another line is cut out. jax's client logs the loss
+# of the coordinator ("Polled an error", the preemption service's failed calls with their
+# gRPC detail) just before the watchdog's one line naming the lost peer.
+_GLOO_REPORT = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+"
+)
+_GLOO_PIECES = re.compile(
+    r"(?:\[Gloo\] Rank | is connected to | peer ranks\. "
+    r"|Expected number of connected peer ranks is : |\d+)+"
+)
+_JAX_ECHO = re.compile(
+    r"E\d{4} .* coordination_service_agent\.cc:\d+\] Polled an error .*"
+    r"|[WE]\d{4} .* preemption_sync_manager\.cc:\d+\] .*"
+    r"|Additional GRPC error information from remote target coordination_service .*"
+    r"|:UNKNOWN:Error received from peer .*"
+)
+
+
+def quiet(line: str) -> str | None:
+    """One output line (no newline) without library chatter; None when nothing is left."""
+    if _JAX_ECHO.fullmatch(line) or (_GLOO_PIECES.fullmatch(line) and not line.isdigit()):
+        return None
+    rest = _GLOO_REPORT.sub("", line)
+    return rest if rest == line or rest.strip() else None
 
 
 @dataclass(frozen=True)
@@ -116,6 +149,7 @@ def plan_workers(
     """
     if program not in PROGRAMS:
         raise ConfigError(f"--program={program}: must be one of {', '.join(PROGRAMS)}")
+    train_args = without_own_mesh(train_args, mesh_path)
     for arg in train_args:
         name = arg.split("=", 1)[0]
         if name in OWNED_FLAGS:
@@ -126,21 +160,44 @@ def plan_workers(
     hosts = [(h, isl) for isl in topology.islands for h in isl.hosts]
     workers = []
     for pid, (host, island) in enumerate(hosts):
-        command = [python, "-m", PROGRAMS[program], "--mesh", mesh_path] + [
-            "--coordinator",
-            coordinator,
-            "--num-processes",
-            str(len(hosts)),
-            "--process-id",
-            str(pid),
-            "--cpu-devices",
-            str(island.devices_per_host),
-            *train_args,
-        ]
+        command = [python, "-m", PROGRAMS[program], "--mesh", mesh_path]
+        command += ["--coordinator", coordinator, "--num-processes", str(len(hosts))]
+        command += ["--process-id", str(pid), "--cpu-devices", str(island.devices_per_host)]
+        command += train_args
         if prefix is not None:
             command = prefix(host) + command
         workers.append(Worker(host, pid, command, worker_env(topology, host, base)))
     return workers
+
+
+def without_own_mesh(train_args: Sequence[str], mesh_path: str) -> list[str]:
+    """``train_args`` without ``--mesh M`` / ``--mesh=M`` repeating the launcher's file.
+
+    Files compare by real path. ``--set parallel.mesh=M`` naming it stays (it agrees).
+
+    Raises:
+      ConfigError: a ``--mesh`` or ``parallel.mesh`` naming another file (the trainer's
+        ``--mesh`` would override the latter without a word).
+    """
+    own, kept, args = os.path.realpath(mesh_path), [], list(train_args)
+    while args:
+        arg, given = args.pop(0), None
+        if arg == "--mesh" and args:
+            given = args.pop(0)
+            arg = f"--mesh {given}"
+        elif arg.startswith("--mesh="):
+            given = arg.split("=", 1)[1]
+        else:
+            kept.append(arg)
+            key, _, value = args[0].partition("=") if arg == "--set" and args else ("", "", "")
+            if key.strip() == "parallel.mesh":
+                given, arg = value.strip(), f"--set {args[0]}"
+        if given is not None and os.path.realpath(given) != own:
+            raise ConfigError(
+                f"train argument '{arg}': the launcher runs --mesh {mesh_path}; a different "
+                f"topology after '--' is refused (give one --mesh, before '--')"
+            )
+    return kept
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -164,12 +221,22 @@ class Launch:
       workers: from :func:`plan_workers`.
       grace_s: how long the others may take to exit after the first failure.
       out: where prefixed lines go (default stdout).
+      verbose: pass library chatter through (default: :func:`quiet` drops it).
     """
 
-    def __init__(self, workers: list[Worker], *, grace_s: float = DEFAULT_GRACE_S, out=None):
+    def __init__(
+        self,
+        workers: list[Worker],
+        *,
+        grace_s: float = DEFAULT_GRACE_S,
+        out=None,
+        verbose: bool = False,
+    ):
         self.workers = workers
         self.grace_s = grace_s
         self.out: IO[str] = out or sys.stdout
+        self.verbose = verbose
+        self.hidden = 0  # chatter lines dropped
         self.procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
@@ -182,9 +249,13 @@ class Launch:
 
     def _pump(self, worker: Worker, stream: IO[str]) -> None:
         tag = f"[{worker.host:<{self._width}}] "
-        for line in stream:
+        for raw in stream:
+            line = raw.rstrip("\n") if self.verbose else quiet(raw.rstrip("\n"))
             with self._lock:
-                self.out.write(tag + line if line.endswith("\n") else tag + line + "\n")
+                if line is None:
+                    self.hidden += 1
+                    continue
+                self.out.write(tag + line + "\n")
                 self.out.flush()
 
     def _on_signal(self, signum, frame) -> None:
@@ -240,6 +311,8 @@ class Launch:
                     pass
             for t in self._readers:
                 t.join(timeout=2)
+            if self.hidden:
+                self.say(f"{self.hidden} lines of library output hidden (--verbose shows them)")
 
     def _wait(self) -> int:
         failed: tuple[Worker, int] | None = None
@@ -307,6 +380,7 @@ def launch(
     out=None,
     env: dict[str, str] | None = None,
     program: str = "train",
+    verbose: bool = False,
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -319,6 +393,7 @@ def launch(
       out: where the prefixed output goes (default stdout).
       env: base environment of the processes (default ``os.environ``).
       program: ``train`` (default) or ``probe`` (:data:`PROGRAMS`).
+      verbose: show library chatter (:func:`quiet`) too.
 
     Returns:
       The exit code (see :meth:`Launch.run`); 130 when stopped before anything started.
@@ -344,7 +419,7 @@ def launch(
             workers = plan_workers(
                 topology, mesh_path, train_args, coordinator, base_env=env, program=program
             )
-            launcher = Launch(workers, grace_s=grace_s, out=out)
+            launcher = Launch(workers, grace_s=grace_s, out=out, verbose=verbose)
             return launcher.run()
         from holmes_jax.cluster import netns
 
@@ -354,27 +429,11 @@ def launch(
         with netns.EmulatedNetwork(plan) as network:
             coordinator = f"{plan.hosts[0].address}:{EMULATED_PORT}"
             workers = plan_workers(
-                topology,
-                mesh_path,
-                train_args,
-                coordinator,
-                base_env=env,
+                topology, mesh_path, train_args, coordinator, base_env=env, program=program,
                 prefix=network.exec_prefix,
-                program=program,
-            )
-            launcher = Launch(workers, grace_s=grace_s, out=out)
-            launcher.say(
-                f"emulating '{topology.name}': {len(plan.hosts)} namespaces, "
-                + ", ".join(
-                    f"{isl.name} {isl.link.bandwidth_gbps * 1e3 * scale:g} Mbit/s"
-                    for isl in topology.islands
-                )
-                + (
-                    f", between islands {_inter_rates(topology, scale)}"
-                    if len(topology.islands) > 1
-                    else ""
-                )
-            )
+            )  # fmt: skip
+            launcher = Launch(workers, grace_s=grace_s, out=out, verbose=verbose)
+            launcher.say(_emulation_summary(topology, len(plan.hosts), scale))
             return launcher.run()
     except _Stop:
         return 130
@@ -383,15 +442,15 @@ def launch(
             signal.signal(sig, handler)
 
 
-def _inter_rates(topology: Topology, scale: float) -> str:
-    rates = sorted(
+def _emulation_summary(topology: Topology, namespaces: int, scale: float) -> str:
+    islands = topology.islands
+    rates = ", ".join(f"{i.name} {i.link.bandwidth_gbps * 1e3 * scale:g} Mbit/s" for i in islands)
+    inter = sorted(
         {
             topology.inter_island(a.name, b.name).bandwidth_gbps * 1e3 * scale
-            for i, a in enumerate(topology.islands)
-            for b in topology.islands[i + 1 :]
+            for n, a in enumerate(islands)
+            for b in islands[n + 1 :]
         }
     )
-    return "/".join(f"{r:g}" for r in rates) + " Mbit/s"
-
-
-# --------------------------------------------------------------------------- CLI
+    between = f", between islands {'/'.join(f'{r:g}' for r in inter)} Mbit/s" if inter else ""
+    return f"emulating '{topology.name}': {namespaces} namespaces, {rates}{between}"

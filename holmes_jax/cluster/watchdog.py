@@ -2,13 +2,17 @@
 
 Every process of a job runs one (:func:`holmes_jax.cluster.distributed.initialize` starts it).
 A peer whose heartbeat stops for the timeout is lost, and every remaining process ends
-with one line naming it instead of hanging in a collective. See :class:`Watchdog` for
-the keys and the verdicts, and :mod:`holmes_jax.cluster.distributed` for how it is wired in.
+with one line naming it instead of hanging in a collective. When jax's client loses the
+coordination service itself (process 0 died: its sockets closed), the distributed layer
+calls :meth:`Watchdog.coordinator_lost`, which names process 0 at once. See
+:class:`Watchdog` for the keys and the verdicts, and :mod:`holmes_jax.cluster.distributed`
+for how it is wired in.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -35,7 +39,8 @@ class Watchdog:
     Verdicts, in order: the coordinator (which holds the store) has not answered for
     ``timeout_s``; a peer published ``failed``; a peer that is not done has been silent
     for ``timeout_s``. Process 0 lingers a few beats before exiting so the others, who
-    lose the store with it, reach their own verdict first.
+    lose the store with it, reach their own verdict first. A process whose jax client
+    loses the store says so through :meth:`coordinator_lost` (process 0 is gone).
 
     Args:
       client: jax's distributed runtime client (``key_value_set``, ``key_value_dir_get``).
@@ -87,6 +92,9 @@ class Watchdog:
         self._failed: dict[int, str] = {}
         self._done: set[int] = set()
         self._counter = 0
+        self._dying = threading.Lock()  # one verdict line, whichever thread gets there first
+        self._dead = threading.Event()  # set only when ``exit`` returns (a test's)
+        self.exit_code = FAILED_EXIT  # what the process exits with, once closed
         self.verdict_message: str | None = None
 
     # -- threads
@@ -174,6 +182,34 @@ class Watchdog:
     def _name(self, p: int) -> str:
         return self._labels.get(p, f"process {p}")
 
+    def coordinator_lost(self) -> None:
+        """jax's client lost the coordination service: one line, exit (does not return).
+
+        Called from jax's client thread (see :mod:`holmes_jax.cluster.distributed`) the
+        moment a call to the service fails. A closed watchdog exits silently with the code
+        it was closed with (the process already said its piece; jax's shutdown barrier
+        failed because a peer is gone). Else the verdict already reached, if any, wins
+        (a peer that failed, then process 0 exiting); else a coordinator that no longer
+        accepts connections is the lost peer: process 0, which held the service. A
+        coordinator still there means the service itself reported an error.
+        """
+        if self._stop.is_set():  # closed: its line is said, it is on its way out (jax's
+            self._exit(self.exit_code)  # shutdown barrier failed): exit as it meant to
+            return
+        message = self.verdict()
+        if message is None and self.process_id != 0 and not reachable(self.coordinator):
+            message = (
+                f"lost peer {self._name(0)}: the coordination service it held at "
+                f"{self.coordinator} is gone"
+            )
+        if message is None:
+            message = (
+                f"{self.label}: jax's coordination service reported an error before any "
+                f"peer was found lost (its log line above says which)"
+            )
+        if not self._die(message, PEER_LOST_EXIT):  # another thread is printing and exiting:
+            self._dead.wait(self.timeout_s + 10)  # returning now would let jax abort first
+
     # -- the main thread's side
 
     def fail(self, error: BaseException | str, *, exit_code: int = FAILED_EXIT) -> int:
@@ -205,21 +241,24 @@ class Watchdog:
         self.publish_failure(reason)
         self._print(f"error: {self.label} failed: {reason}")
         self._linger()
-        self.close(done=False)
+        self.close(done=False, exit_code=exit_code)
         return exit_code
 
     def publish_failure(self, reason: str) -> None:
         """Tell peers this process stops for its own error (they exit naming it)."""
         self._set(f"failed/{self.process_id}", reason[:400])
 
-    def abort(self, reason: str) -> None:
-        """Stop at once for an error known to be this process's own (e.g. a bad setting)."""
+    def abort(self, reason: str, exit_code: int = 2) -> None:
+        """Stop at once for an error known to be this process's own (default: a bad
+        setting, exit code 2)."""
         self.publish_failure(reason)
         self._linger()
-        self.close(done=False)
+        self.close(done=False, exit_code=exit_code)
 
-    def close(self, done: bool = True) -> None:
-        """Stop both threads; with ``done``, tell peers this process finished normally."""
+    def close(self, done: bool = True, exit_code: int = 0) -> None:
+        """Stop both threads; with ``done``, tell peers this process finished normally.
+        ``exit_code``: what the process is about to exit with."""
+        self.exit_code = exit_code
         self._stop.set()
         for t in self._threads:
             if t is not threading.current_thread():
@@ -227,11 +266,16 @@ class Watchdog:
         if done:
             self._set(f"done/{self.process_id}", "1")
 
-    def _die(self, message: str, code: int) -> None:
+    def _die(self, message: str, code: int) -> bool:
+        """Print the verdict and exit; False when another thread already does."""
+        if not self._dying.acquire(blocking=False):
+            return False
         self.verdict_message = message
         self._print(f"error: {message}")
         self._linger()
         self._exit(code)
+        self._dead.set()
+        return True
 
     def _linger(self) -> None:
         """Process 0 holds the store: give the others a few beats to read it first."""
@@ -263,3 +307,22 @@ class Watchdog:
             print(line, file=stream, flush=True)
         except Exception:
             pass
+
+
+def reachable(address: str, tries: int = 4, spacing_s: float = 0.25) -> bool:
+    """Whether ``host:port`` accepts TCP connections ``tries`` times, ``spacing_s`` apart.
+
+    One success proves little: a process being killed may still complete a handshake on
+    its listening socket while the kernel closes its connections (the moment jax's client
+    reports the loss).
+    """
+    host, _, port = address.rpartition(":")
+    for i in range(tries):
+        if i:
+            time.sleep(spacing_s)
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                pass
+        except (OSError, ValueError):
+            return False
+    return True

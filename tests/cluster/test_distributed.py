@@ -242,3 +242,40 @@ def test_fail_owns_up_when_every_peer_raised_too():
     )
     beat(dogs, 1, clock, alive={0})
     assert dogs[0].verdict() == "peer process 1 (host h1) failed: same bug everywhere"
+
+
+def test_a_lost_coordinator_service_names_process_0_at_once():
+    """jax's client lost the service (process 0's sockets closed): no waiting for a timeout."""
+    import socket
+
+    from holmes_jax.cluster.launcher import free_port
+
+    _, clock, dogs, exits = job(3)
+    beat(dogs, 2, clock)
+    dogs[1].coordinator = f"127.0.0.1:{free_port()}"  # nobody listens: process 0 is gone
+    dogs[1].coordinator_lost()
+    assert exits == [PEER_LOST_EXIT]
+    assert dogs[1]._stream.getvalue() == (
+        f"error: lost peer process 0 (host h0): the coordination service it held at "
+        f"{dogs[1].coordinator} is gone\n"
+    )
+    dogs[1].coordinator_lost()  # a second client thread: no second line
+    assert dogs[1]._stream.getvalue().count("\n") == 1
+
+    with socket.create_server(("127.0.0.1", 0)) as server:  # the coordinator still answers
+        dogs[2].coordinator = f"127.0.0.1:{server.getsockname()[1]}"
+        dogs[2].coordinator_lost()
+    assert dogs[2]._stream.getvalue() == (
+        "error: process 2 (host h2): jax's coordination service reported an error before any "
+        "peer was found lost (its log line above says which)\n"
+    )
+
+
+def test_a_known_verdict_wins_over_a_lost_coordinator():
+    _, clock, dogs, exits = job(2)
+    dogs[0].publish_failure("ValueError: bad batch")  # then process 0 exits, taking the store
+    beat(dogs, 1, clock)
+    dogs[1].coordinator_lost()
+    assert dogs[1]._stream.getvalue() == (
+        "error: peer process 0 (host h0) failed: ValueError: bad batch\n"
+    )

@@ -137,7 +137,17 @@ def test_print_env_cli(capsys):
         (["--mesh", "meshes/cpu8-two-islands.yaml", "--host", "ib-0"], "only used with"),
         (["--mesh", "meshes/nope.yaml"], "does not exist"),
         (["--mesh", "meshes/cpu8-two-islands.yaml", "--", "--process-id", "1"], "set by the"),
-        (["--mesh", "meshes/cpu8-two-islands.yaml", "--", "--mesh=x.yaml"], "set by the"),
+        (["--mesh", "meshes/cpu8-two-islands.yaml", "--", "--mesh=x.yaml"], "a different top"),
+        (
+            ["--mesh", "meshes/cpu8-two-islands.yaml", "--"]
+            + ["--mesh", "meshes/cpu8-one-island.yaml"],
+            "train argument '--mesh meshes/cpu8-one-island.yaml': the launcher runs --mesh "
+            "meshes/cpu8-two-islands.yaml; a different topology after '--' is refused",
+        ),
+        (
+            ["--mesh", "meshes/cpu8-two-islands.yaml", "--", "--set", "parallel.mesh=m.yaml"],
+            "train argument '--set parallel.mesh=m.yaml': the launcher runs",
+        ),
         (["--mesh", "meshes/cpu8-two-islands.yaml", "--emulate", "--scale", "0"], "--scale=0"),
     ],
 )
@@ -193,6 +203,62 @@ def test_one_worker_per_host_with_its_devices_and_profile():
         launcher.plan_workers(topo, "m.yaml", [], "h:1", base_env={}, program="bench")
 
 
+def test_a_repeated_mesh_naming_the_same_file_is_dropped(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    topo = load_topology(os.path.join(MESHES, "cpu8-two-islands.yaml"))
+    (tmp_path / "link.yaml").symlink_to(os.path.join(MESHES, "cpu8-two-islands.yaml"))
+    same = [
+        "--mesh", os.path.join(MESHES, "cpu8-two-islands.yaml"),  # absolute
+        "--set", "train.steps=2",
+        f"--mesh={tmp_path / 'link.yaml'}",  # a symlink to it
+        "--set", "parallel.mesh=./meshes/../meshes/cpu8-two-islands.yaml",
+    ]  # fmt: skip
+    workers = launcher.plan_workers(
+        topo, "meshes/cpu8-two-islands.yaml", same, "127.0.0.1:1", base_env={}, python="py"
+    )
+    command = workers[1].command
+    assert command.count("--mesh") == 1
+    assert command[3:5] == ["--mesh", "meshes/cpu8-two-islands.yaml"]
+    assert command[-4:] == same[2:4] + same[5:7]
+    other = ["--mesh=meshes/cpu8-one-island.yaml"]
+    with pytest.raises(ConfigError, match=r"^train argument '--mesh=meshes/cpu8-one-island.yaml'"):
+        launcher.plan_workers(topo, "meshes/cpu8-two-islands.yaml", other, "h:1", base_env={})
+
+
+@pytest.mark.parametrize(
+    "line, shown",
+    [
+        ("step 5 | loss 4.4818 | 3591 ms/step", "step 5 | loss 4.4818 | 3591 ms/step"),
+        ("", ""),  # a blank line stays
+        ("12", "12"),
+        ("[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks "
+         "is : 3", None),
+        # two threads' reports interleaved mid-line, as seen from a 4-process launch
+        ("[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected "
+         "peer ranks is : 1", None),
+        ("1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", None),
+        ("step 2 | loss 5.1[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
+         "connected peer ranks is : 1", "step 2 | loss 5.1"),
+        ("E1123 19:16:30.137854   23941 coordination_service_agent.cc:289] Polled an error from "
+         "coordination service (this can be an error from this or another task).", None),
+        # what jax's client logs as process 0 dies, before the watchdog's line
+        ("W1123 19:54:20.509770   30177 preemption_sync_manager.cc:147] Failed to retrieve "
+         "preemption notice from coordination service: UNAVAILABLE: Socket closed", None),
+        ("Additional GRPC error information from remote target coordination_service while "
+         "calling /xla.coordination.CoordinationService/GetKeyValue:", None),
+        (':UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"Socket closed"}. '
+         "This is only expected if one of the tasks is unhealthy.", None),
+        ("E1123 19:54:20.509829   30177 preemption_sync_manager.cc:159] Failed to cancel "
+         "preemption barrier: FAILED_PRECONDITION: Tried to cancel non-existent barrier", None),
+        ("error: lost peer process 0 (host ib-0): the coordination service it held at h:1 is "
+         "gone", "error: lost peer process 0 (host ib-0): the coordination service it held at "
+         "h:1 is gone"),
+    ],
+)  # fmt: skip
+def test_library_chatter_is_recognised(line, shown):
+    assert launcher.quiet(line) == shown
+
+
 # The launcher forks (to arm PR_SET_PDEATHSIG); jax, loaded in this test process by other
 # tests, warns about any fork. The launcher's own process never imports jax.
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
@@ -212,6 +278,25 @@ def test_first_failure_stops_the_rest_and_sets_the_exit_code(tmp_path):
     assert code == 7
     assert "[bb] bad" in text and "[a ] up" in text
     assert "launch: bb (process 1) exited with code 7; stopping the others" in text
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+@pytest.mark.parametrize("verbose", [False, True])
+def test_chatter_is_hidden_unless_verbose(verbose):
+    import io
+
+    report = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
+    report += "ranks is : 1"
+    talker = [sys.executable, "-c", f"print({report!r}); print('step 1'); print({report!r})"]
+    out = io.StringIO()
+    worker = launcher.Worker("a", 0, talker, dict(os.environ))
+    assert launcher.Launch([worker], out=out, verbose=verbose).run() == 0
+    lines = out.getvalue().splitlines()
+    if verbose:
+        assert lines == [f"[a] {report}", "[a] step 1", f"[a] {report}"]
+    else:
+        hidden = "launch: 2 lines of library output hidden (--verbose shows them)"
+        assert lines == ["[a] step 1", hidden]
 
 
 # --------------------------------------------------------------------------- network plan

@@ -1,0 +1,155 @@
+"""Process faults: process 0 (the coordinator) killed, and kill -9 at random steps then resume.
+
+Real ``python -m holmes_jax.train`` processes on localhost (``tests/cluster/procs.py``),
+sharing one persistent compilation cache. A survivor of a dead peer exits non-zero within
+60 s with one line naming it; a run killed and restarted until it finishes logs, at every
+step, the loss of the run that was never interrupted.
+"""
+
+import random
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from holmes_jax.cluster.launcher import free_port
+from tests.cluster.procs import FOUR, TWO, compare, losses, start_job, wait, wait_for_step
+from tests.common import ROOT
+
+pytestmark = pytest.mark.slow
+
+ABORT_TRACE = re.compile(
+    r"^(F\d{4} |\*\*\* Check failure|terminate called|\s+@\s+0x)|std::bad_cast", re.M
+)
+
+
+# Process 0: jax's own join, nothing else (it holds the coordination service).
+COORDINATOR = """
+import sys, time, jax
+jax.distributed.initialize(sys.argv[1], 2, 0, initialization_timeout=60)
+jax.process_index()  # the CPU backend's start is itself a rendezvous of the processes
+time.sleep(300)
+"""
+# Process 1: joined the way the trainer joins (client callback, terminate handler, watchdog).
+MEMBER = """
+import sys, time
+from holmes_jax.cluster import distributed
+from holmes_jax.core.config import load_config
+cfg = load_config(None, [f"distributed.coordinator_address={sys.argv[1]}",
+    "distributed.num_processes=2", "distributed.process_id=1",
+    "distributed.initialization_timeout_s=60"])
+distributed.initialize(cfg)
+print("joined", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_killed_coordinator_is_named_in_one_line(tmp_path, proc_env):
+    """The mechanism alone, no training (seconds): SIGKILL the process holding jax's
+    coordination service; the other, joined by :func:`distributed.initialize`, prints one
+    line naming it and exits 3 instead of jax's ``LOG(FATAL)`` trace (exit 134)."""
+    address = f"127.0.0.1:{free_port()}"
+    log = tmp_path / "member.log"
+
+    def run(code, path):
+        with open(path, "w") as out:
+            return subprocess.Popen(
+                [sys.executable, "-c", code, address], cwd=ROOT, env=proc_env, stdout=out,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    coordinator, member = run(COORDINATOR, tmp_path / "coordinator.log"), run(MEMBER, log)
+    try:
+        deadline = time.time() + 120
+        while "joined" not in log.read_text() and member.poll() is None:
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.1)
+        coordinator.kill()
+        code = member.wait(timeout=30)
+    finally:
+        wait([coordinator, member], timeout=1)
+    out = log.read_text()
+    assert code == 3, out
+    named = [line for line in out.splitlines() if "lost peer" in line]
+    # (process 0 ran no watchdog here, so it published no label naming its host)
+    assert named == [
+        f"error: lost peer process 0: the coordination service it held at {address} is gone"
+    ], out
+    assert not ABORT_TRACE.search(out), out
+
+
+def test_killing_process_0_names_it_on_every_survivor(tmp_path, proc_env):
+    """Four processes (the launcher's topology); SIGKILL process 0, which holds jax's
+    coordination service: the other three exit with code 3 within 60 s, each with one line
+    naming process 0, and none with jax's C++ abort trace."""
+    metrics = tmp_path / "m.jsonl"
+    job = [o for o in FOUR if not o.startswith("train.steps")] + [
+        "train.steps=200",
+        "distributed.heartbeat_timeout_s=5",
+        f"train.metrics_path={metrics}",
+    ]
+    procs = start_job(4, job, tmp_path, "p", proc_env)
+    try:
+        wait_for_step(procs, metrics, 2, timeout=240)
+        procs[0].kill()
+        killed = time.time()
+        codes = wait(procs[1:], timeout=60)
+        took = time.time() - killed
+    finally:
+        wait(procs, timeout=1)
+    for pid, code in enumerate(codes, start=1):
+        log = (tmp_path / f"p-{pid}.log").read_text()
+        named = [line for line in log.splitlines() if "lost peer" in line]
+        assert code == 3, f"process {pid}: exit {code}\n{log[-3000:]}"
+        assert len(named) == 1 and named[0].startswith(
+            "error: lost peer process 0 (host ib-0): the coordination service it held at "
+        ), log[-3000:]
+        assert not ABORT_TRACE.search(log), log[-3000:]
+    assert took < 60
+
+
+def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, proc_env):
+    """Two processes, a pipeline stage each, ZeRO-1, a checkpoint every step. SIGKILL at
+    three seeded random steps: both processes, process 0 (the coordinator) and process 1
+    (each of which ends the other), in a seeded order; the same command restarted until it
+    finishes. Every loss any attempt logged equals the uninterrupted run's at that step."""
+    steps = 8
+    base = TWO + ["optimizer.zero1=true", "checkpoint.every=1", "distributed.heartbeat_timeout_s=5"]
+
+    def command(name, metrics):
+        return base + [f"checkpoint.dir={tmp_path / name}", f"train.metrics_path={metrics}"]
+
+    metrics = tmp_path / "straight.jsonl"
+    job = command("straight", metrics)
+    assert wait(start_job(2, job, tmp_path, "straight", proc_env)) == [0, 0]
+    reference = losses(metrics)
+    assert sorted(reference) == list(range(1, steps + 1))
+
+    rng = random.Random(15)
+    kill_at = sorted(rng.sample(range(2, steps), 3))
+    victims = rng.sample(["all", 0, 1], 3)  # each kind of death once, in a random order
+    attempts = []
+    for attempt in range(len(kill_at) + 1):
+        metrics = tmp_path / f"chaos-{attempt}.jsonl"  # one file per attempt, one checkpoint dir
+        job = command("chaos", metrics)
+        procs = start_job(2, job, tmp_path, f"chaos-{attempt}", proc_env)
+        if attempt < len(kill_at):
+            try:
+                wait_for_step(procs, metrics, kill_at[attempt])
+                for p in procs if victims[attempt] == "all" else [procs[victims[attempt]]]:
+                    p.kill()
+                codes = wait(procs, timeout=60)
+            finally:
+                wait(procs, timeout=1)
+            assert all(c != 0 for c in codes), (attempt, codes)
+        else:
+            codes = wait(procs)
+            log = (tmp_path / f"chaos-{attempt}-0.log").read_text()
+            assert codes == [0, 0], log[-3000:]
+        attempts.append(losses(metrics) if metrics.exists() else {})
+    logged = {s for got in attempts for s in got}
+    assert logged == set(range(1, steps + 1)), (kill_at, victims, attempts)
+    for got in attempts:
+        compare(got, reference, atol=1e-6)
