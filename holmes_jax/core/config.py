@@ -34,6 +34,7 @@ from holmes_jax.core.spec import (
     Layout,
     ModelSpec,
     check_choice,
+    check_pipeline,
 )
 from holmes_jax.core.yamlio import apply_override, build_dataclass, plain, read_yaml
 
@@ -137,7 +138,8 @@ class ParallelConfig:
     stages: int = 1  # pipeline stages; <= 4096
     layers_per_stage: tuple[int, ...] | str | None = None  # e.g. [1, 3] or "auto"
     microbatches: int = 1  # <= 1048576
-    schedule: str = "gpipe"  # gpipe | 1f1b
+    schedule: str = "gpipe"  # gpipe | 1f1b | interleaved | zb
+    virtual_stages: int = 1  # model chunks per device (interleaved only, >= 2); <= 64
     replica: int = 1  # data-parallel copies across islands (hierarchical reduction); <= 256
     enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
 
@@ -150,6 +152,7 @@ class ParallelConfig:
             replica=degrees.replica,
             microbatches=self.microbatches,
             schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
         )
 
     def validate(self, model: ModelConfig) -> None:
@@ -157,18 +160,25 @@ class ParallelConfig:
             raise ConfigError(f"parallel.devices={self.devices}: must be >= 0 (0 = all)")
         if self.data < 0:
             raise ConfigError(f"parallel.data={self.data}: must be >= 0 (0 = auto)")
-        _positive(self, "parallel", ("tensor", "stages", "microbatches", "replica"))
+        _positive(
+            self, "parallel", ("tensor", "stages", "microbatches", "replica", "virtual_stages")
+        )
         check_choice(self.schedule, "parallel.schedule", SCHEDULES)
+        check_pipeline(self.schedule, self.stages, self.virtual_stages)
+        # Interleaved: one entry per virtual stage (chunk c of stage s is virtual stage
+        # c*stages + s, the order a micro-batch visits them).
+        chunks = self.stages * self.virtual_stages
         lps = self.layers_per_stage
         if isinstance(lps, str) and lps != "auto":
             raise ConfigError(
                 f"parallel.layers_per_stage='{lps}': must be a list of ints or 'auto'"
             )
         if isinstance(lps, tuple):
-            if len(lps) != self.stages:
+            if len(lps) != chunks:
+                what = "stage" if self.virtual_stages == 1 else "stage x virtual stage"
                 raise ConfigError(
-                    f"parallel.layers_per_stage={list(lps)}: needs one entry per stage "
-                    f"(parallel.stages={self.stages})"
+                    f"parallel.layers_per_stage={list(lps)}: needs one entry per {what} "
+                    f"({chunks})"
                 )
             if min(lps) < 1:
                 raise ConfigError(
@@ -179,10 +189,10 @@ class ParallelConfig:
                     f"parallel.layers_per_stage={list(lps)}: must sum to "
                     f"model.num_layers={model.num_layers}"
                 )
-        elif self.stages > model.num_layers:
+        elif chunks > model.num_layers:
             raise ConfigError(
-                f"parallel.stages={self.stages}: more stages than "
-                f"model.num_layers={model.num_layers}"
+                f"parallel.stages={self.stages} x virtual_stages={self.virtual_stages}: more "
+                f"pipeline chunks than model.num_layers={model.num_layers}"
             )
         if model.num_heads % self.tensor or model.mlp_size % self.tensor:
             raise ConfigError(

@@ -34,7 +34,7 @@ from dataclasses import KW_ONLY, dataclass
 
 from holmes_jax.core.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (holmes_jax.runtime.schedule)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # pipeline schedules (holmes_jax.planner.schedule)
 REMAT_POLICIES = ("none", "full", "selective")  # what the model runs
 REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fits
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")
@@ -51,6 +51,26 @@ def check_choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
     """Raise a one-line :class:`ConfigError` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
         raise ConfigError(f"{key}='{value}': must be one of {', '.join(allowed)}")
+
+
+def check_pipeline(schedule: str, stages: int, virtual_stages: int) -> None:
+    """The schedule / stages / virtual-stages rules, one line each.
+
+    ``interleaved`` needs >= 2 stages and ``virtual_stages`` >= 2 (with 1 it is ``1f1b``);
+    every other schedule runs one chunk per device (``virtual_stages`` 1).
+    """
+    if schedule == "interleaved":
+        if stages < 2 or virtual_stages < 2:
+            raise ConfigError(
+                f"parallel.schedule='interleaved': needs parallel.stages >= 2 and "
+                f"parallel.virtual_stages >= 2 (got stages={stages}, "
+                f"virtual_stages={virtual_stages}; with 1 chunk per device use 1f1b)"
+            )
+    elif virtual_stages != 1:
+        raise ConfigError(
+            f"parallel.virtual_stages={virtual_stages}: only parallel.schedule='interleaved' "
+            f"runs more than one chunk per device (schedule='{schedule}')"
+        )
 
 
 # --------------------------------------------------------------------------- model
@@ -226,7 +246,7 @@ class Layout(Degrees):
     microbatches: int
     schedule: str = "1f1b"
     # Interleaved 1F1B (Narayanan et al. 2021): v model chunks per device shrink the bubble
-    # v-fold and multiply p2p traffic by v. Modelled for fidelity; the planner uses 1.
+    # v-fold and multiply p2p traffic by v. Only with schedule "interleaved" (v >= 2).
     virtual_stages: int = 1
 
     def __post_init__(self):
@@ -234,10 +254,7 @@ class Layout(Degrees):
         for name in ("microbatches", "virtual_stages"):
             check_positive(f"parallel.{name}", getattr(self, name))
         check_choice(self.schedule, "parallel.schedule", SCHEDULES)
-        if self.virtual_stages > 1 and (self.schedule != "1f1b" or self.stages < 2):
-            raise ConfigError(
-                f"virtual_stages={self.virtual_stages}: needs schedule 1f1b and >= 2 stages"
-            )
+        check_pipeline(self.schedule, self.stages, self.virtual_stages)
 
     def microbatch_size(self, global_batch_size: int) -> int:
         """Sequences per micro-batch per data-parallel rank.
@@ -301,6 +318,7 @@ MLP_RATIO = Bound(64, "MLP width per hidden unit")
 SEQ = Bound(16_777_216, "tokens per sequence")
 VOCAB = Bound(16_777_216, "vocabulary size")
 BATCH = Bound(1_048_576, "sequences per step")
+VIRTUAL_STAGES = Bound(64, "model chunks per device")
 STEPS = Bound(1_000_000_000, "steps")
 EVAL_BATCHES = Bound(100_000, "evaluation batches")
 KEEP = Bound(10_000, "checkpoints kept")
@@ -333,6 +351,7 @@ CONFIG_LIMITS: dict[str, Bound] = {
     "parallel.tensor": DEVICES_PER_HOST,
     "parallel.stages": STAGES,
     "parallel.microbatches": BATCH,
+    "parallel.virtual_stages": VIRTUAL_STAGES,
     "parallel.replica": ISLANDS,
     "optimizer.warmup_steps": STEPS,
     "train.steps": STEPS,

@@ -125,7 +125,7 @@ def predict_run(run: MegatronRun, efficiency: float = DEFAULT_EFFICIENCY) -> flo
         run.data,
         run.tensor,
         microbatches=run.batch // run.data,
-        schedule="1f1b",
+        schedule="interleaved" if run.virtual_stages > 1 else "1f1b",
         virtual_stages=run.virtual_stages,
     )
     split = uniform_split(run.num_layers, run.stages)
