@@ -1,7 +1,7 @@
 """The pipeline tick loop's buffers: in-place guards, 16-bit bit patterns, slot access, residuals.
 
 The engine (:mod:`holmes_jax.runtime.pipeline`) carries its big buffers through a
-``lax.scan`` over ticks; per stage, with K = ``Schedule.buffer_slots`` and an activation
+tick loop; per stage, with K = ``Schedule.buffer_slots`` and an activation
 ``[mb, T, H]``:
 
     res      [K, slots, ...]   one per buffered leaf of a layer's vjp (``Residuals``)

@@ -1,40 +1,55 @@
-"""Pipeline parallelism over the ``stage`` axis: uneven stages, GPipe and 1F1B, one program.
+"""Pipeline parallelism over the ``stage`` axis: uneven stages, four schedules, one program.
 
 Parameters arrive in the pipeline layout of :mod:`holmes_jax.runtime.stages` (a leading
-stage axis; ``blocks [S, slots, ...]``, stage s using slots 0 .. layers[s]-1). The loop's
-buffers and their in-place rules (``when``, uint16 bit patterns, ``Residuals``) are in
-:mod:`holmes_jax.runtime.buffers`.
+stage axis; ``blocks [S, v·slots, ...]``, chunk c of stage s using slots c·slots ..
+c·slots + layers - 1). The loop's buffers and their in-place rules (``when``, uint16 bit
+patterns, ``Residuals``) are in :mod:`holmes_jax.runtime.buffers`; the schedules' tables
+(GPipe, 1F1B, interleaved 1F1B, ZB-H1) in :mod:`holmes_jax.planner.schedule`.
 
 The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``replica``,
 ``stage`` and ``data`` (``tensor`` stays automatic: GSPMD does tensor parallelism in a stage):
 
 1. Split the local batch ``[B/d, T+1]`` into M microbatches ``[M, B/(dM), T+1]``.
-2. Tick loop (``lax.scan`` over the tables of :mod:`holmes_jax.runtime.schedule`); per tick each
-   stage runs the op its table names, each guarded by ``when`` (a 0-or-1-trip while loop,
-   which XLA updates in place where ``lax.cond`` / ``lax.switch`` copied every buffer):
-   - FWD: embed (stage 0) or take the activation from the inbox; run the stage's layers
-     with a ``fori_loop`` whose trip count is this stage's layer count (padded slots are
-     never executed), keeping each layer's ``jax.vjp`` residuals in the buffer slot —
-     exactly what the ``model.remat`` policy saves; on the last stage also the head: loss
-     and its gradient right away.
-   - BWD: walk the layers backwards from the stored residuals (explicit vjp, recomputing
-     only what the policy did not save), accumulating fp32 parameter gradients; in the
-     last microbatch's backward each layer's gradient is reduced over ``data`` as soon as
-     it is complete (ZeRO-1 reduce-scatter, :mod:`holmes_jax.runtime.zero` phase 1); embedding
-     backward on stage 0.
+2. Tick loop over the schedule's tables; per tick each stage runs the op its table names,
+   each guarded by ``when`` (a 0-or-1-trip while loop, which XLA updates in place where
+   ``lax.cond`` / ``lax.switch`` copied every buffer):
+   - FWD: embed (first virtual stage) or take the activation from the inbox; run the
+     chunk's layers with a ``fori_loop`` whose trip count is the chunk's layer count (padded
+     slots never run), keeping each layer's ``jax.vjp`` residuals in the residual slot —
+     exactly what the ``model.remat`` policy saves; on the last virtual stage also the head:
+     loss and its gradient right away.
+   - BWD: walk the chunk's layers backwards from the stored residuals (explicit vjp,
+     recomputing only what the policy did not save), accumulating fp32 parameter gradients;
+     the op that completes a chunk's gradients (the table's ``last``) reduces each layer's
+     gradient over ``data`` as soon as it is complete (ZeRO-1 reduce-scatter,
+     :mod:`holmes_jax.runtime.zero` phase 1); embedding backward on the first virtual stage.
+     Under ``zb`` BWD is only the input gradient, and WGT, later, the weight gradient
+     (:mod:`holmes_jax.runtime.wgrad` splits the layer's backward in the two; what WGT needs
+     from BWD waits in the stash buffer).
    - IDLE: nothing. Bubble ticks cost no compute and never touch real data.
-   Then ``ppermute`` the forward output to s+1 and the input gradient to s−1.
+   Then the tick's sends: one ``ppermute`` for activations and one for gradients, each
+   naming exactly the stage pairs that send at this tick (``Schedule.fwd_pairs`` /
+   ``bwd_pairs``), issued together; ticks with nothing to send run no collective. Each
+   micro-batch so crosses each (virtual) stage boundary once forward and once backward.
+   Arrivals go straight into their inbox slot.
 3. Embedding and head gradients reduced over ``data`` (and ``replica``), inside an island
    (:mod:`holmes_jax.runtime.zero` phases 2–3).
 4. Sums across stages (loss, squared gradient norm, tied-embedding gradient) go through
    ``stages.chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
    traffic between neighbouring stages ever crosses an island boundary.
 
-In code: ``_body`` is the ``shard_map`` body; ``_local`` traces what one stage holds,
-``_carry0`` the loop state, ``_tick`` one tick (``_receive``, ``_forward``, ``_backward``),
-``_reduce`` steps 3–4.
+Tick loop shape. A tick's sends are static (their pairs are part of the program), so ticks
+cannot all share one ``scan`` body. ``tick_segments`` compresses the schedule instead: runs
+of ticks whose static shape (send pairs, which ops occur) repeats with a short period become
+one ``lax.scan`` over that period (1F1B's steady state: period 2), the rest are unrolled. The
+program stays a few tick bodies long for any M, and the compiled HLO states each send with
+its trip count (tests/hlo.py counts the bytes that cross each boundary).
 
-16-bit buffers (residuals, inbox, head cotangents) are stored as uint16 bit patterns
+In code: ``_body`` is the ``shard_map`` body; ``_local`` traces what one stage holds,
+``_carry0`` the loop state, ``_tick`` one tick (``_forward``, ``_backward``, ``_weights``,
+``_send``), ``_reduce`` steps 3–4.
+
+16-bit buffers (residuals, inboxes, head cotangents, stash) are stored as uint16 bit patterns
 (``buffers.to_bits``): free on GPU, and it keeps XLA:CPU from holding f32 copies of them, so
 the compiled memory analysis the memory model is checked against matches a GPU's.
 
@@ -52,12 +67,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA, STAGE
 from holmes_jax.core.config import ModelConfig
+from holmes_jax.planner.schedule import BWD, FWD, WGT, Schedule, make_schedule
 from holmes_jax.runtime.buffers import (
     Residuals,
     dyn_index,
@@ -69,8 +84,8 @@ from holmes_jax.runtime.buffers import (
     when,
 )
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES, remat_block
-from holmes_jax.runtime.schedule import BWD, FWD, Schedule, make_schedule
-from holmes_jax.runtime.stages import PipelineLayout, chain_sum, shift
+from holmes_jax.runtime.stages import PipelineLayout, chain_sum
+from holmes_jax.runtime.wgrad import SplitBackward, split_backward
 from holmes_jax.runtime.zero import reduce_bucket, shard_shape, sharded_spec, squared_norm
 
 # Inside the pipeline ``data`` is a manual axis: the batch is already split, so the
@@ -89,9 +104,9 @@ class _Local:
     stage: jax.Array  # int32 scalar: this device's stage s
     is_first: jax.Array  # bool scalar: s == 0
     is_last: jax.Array  # bool scalar: s == S-1
-    n_layers: jax.Array  # int32 scalar: this stage's layer count (its fori_loop trip count)
-    first_layer: jax.Array  # int32 scalar: global index of this stage's slot 0
-    params: Any  # this stage's parameters, local stage axis dropped; blocks [slots, ...]
+    n_layers: jax.Array  # [v] int32: layer count of each chunk (its fori_loop trip count)
+    first_layer: jax.Array  # [v] int32: global index of each chunk's first layer
+    params: Any  # this stage's parameters, local stage axis dropped; blocks [v*slots, ...]
     tokens: jax.Array  # [M, mb, T] int32
     targets: jax.Array  # [M, mb, T] int32
     act: jax.ShapeDtypeStruct  # [mb, T, H] in the compute dtype
@@ -99,8 +114,21 @@ class _Local:
     dims: Any  # local ZeRO dims per leaf (stage axis gone), -1 = not scattered
     slot_dims: Any  # ZeRO dims of one block slot (the per-layer bucket)
     res: Residuals  # which leaves of a layer's vjp the residual buffers hold
+    split: SplitBackward | None  # zb: the layer's backward as B and W
     fill: float  # bubble value of the send / receive buffers (NaN with nan_bubbles)
-    tables: dict  # schedule tables "op", "mb", "slot": [ticks, S] int32
+    tables: dict  # schedule tables (Schedule fields "op", "mb", ...): [ticks, S] int32
+
+    def at(self, name: str, t):
+        """This stage's entry of table ``name`` at tick ``t``."""
+        return self.tables[name][t, self.stage]
+
+    def first_vs(self, chunk):
+        """Whether (this stage, ``chunk``) is virtual stage 0 (embeds)."""
+        return self.is_first & (chunk == 0)
+
+    def last_vs(self, chunk, v: int):
+        """Whether (this stage, ``chunk``) is the last virtual stage (the head)."""
+        return self.is_last & (chunk == v - 1)
 
     @property
     def embed(self):
@@ -108,7 +136,7 @@ class _Local:
 
     @property
     def blocks(self):
-        return self.params["blocks"]  # [slots, ...] per leaf
+        return self.params["blocks"]  # [v*slots, ...] per leaf
 
     @property
     def head(self):
@@ -148,7 +176,9 @@ class PipelineEngine:
         self.layout = layout
         self.mesh = mesh
         self.M = microbatches
-        self.schedule: Schedule = make_schedule(schedule, layout.stages, microbatches)
+        self.v = layout.virtual
+        self.schedule: Schedule = make_schedule(schedule, layout.stages, microbatches, self.v)
+        self.segments = tick_segments(self.schedule)
         self.seed = seed
         self.data = mesh.shape[DATA]
         self.replica = mesh.shape[REPLICA]
@@ -211,8 +241,19 @@ class PipelineEngine:
     def _body(self, params, batch, step):
         """One device's step: ``(loss, grads, grad_norm)``, grads with a stage axis of 1."""
         st = self._local(params, batch, step)
-        carry0 = self._carry0(st)
-        c, _ = lax.scan(lambda c, t: self._tick(st, c, t), carry0, jnp.arange(self.schedule.ticks))
+        c = self._carry0(st)
+        for start, period, repeats in self.segments:
+            shapes = [tick_shape(self.schedule, start + q) for q in range(period)]
+
+            def ticks(c, r, start=start, period=period, shapes=shapes):
+                for q in range(period):
+                    c = self._tick(st, c, start + r * period + q, shapes[q])
+                return c, None
+
+            if repeats == 1:
+                c, _ = ticks(c, 0)
+            else:
+                c, _ = lax.scan(ticks, c, jnp.arange(repeats, dtype=jnp.int32))
         return self._reduce(st, c)
 
     def _local(self, params, batch, step) -> _Local:
@@ -224,10 +265,8 @@ class PipelineEngine:
         slot_dims = jax.tree.map(lambda k: k - 1 if k >= 0 else -1, dims["blocks"])
         stage = lax.axis_index(STAGE)
         is_first, is_last = stage == 0, stage == S - 1
-        n_layers = jnp.asarray(self.layout.layers_per_stage, jnp.int32)[stage]
-        first_layer = jnp.asarray(np.cumsum((0,) + self.layout.layers_per_stage[:-1]), jnp.int32)[
-            stage
-        ]
+        n_layers = jnp.asarray(self.layout.chunk_layers())[stage]  # [v]
+        first_layer = jnp.asarray(self.layout.chunk_first_layer())[stage]  # [v]
 
         p = jax.tree.map(lambda a: a[0], params)  # drop the local stage axis (size 1)
         local = batch.reshape(M, batch.shape[0] // M, batch.shape[1])  # [M, mb, T+1]
@@ -243,6 +282,14 @@ class PipelineEngine:
             w0,
             jnp.zeros(act.shape, act.dtype),
         )
+        res = Residuals(vjp0, w0)
+        split = None
+        if self.schedule.split_backward:
+            split = split_backward(
+                lambda w, saved, ct: res.join(saved, w)(ct), w0, res.buffered, act
+            )
+        sched = self.schedule
+        names = ("op", "mb", "chunk", "slot", "wslot", "xin", "gin", "xarr", "garr", "last")
         return _Local(
             stage=stage,
             is_first=is_first,
@@ -256,26 +303,32 @@ class PipelineEngine:
             base_key=base_key,
             dims=dims,
             slot_dims=slot_dims,
-            res=Residuals(vjp0, w0),
+            res=res,
+            split=split,
             fill=jnp.nan if self.nan_bubbles else 0.0,
-            tables={k: jnp.asarray(getattr(self.schedule, k)) for k in ("op", "mb", "slot")},
+            tables={k: jnp.asarray(getattr(sched, k)) for k in names},
         )
 
     def _carry0(self, st: _Local) -> dict:
         """The tick loop's state before tick 0."""
-        K, L = self.schedule.buffer_slots, self.layout.slots
+        sched, L = self.schedule, self.layout.slots
         act, fill = st.act, st.fill
         # Loop state. Big buffers are only ever updated in place: every "if" of the tick
         # loop is a 0-or-1-trip while loop (when), which XLA aliases, where lax.cond/switch
         # would copy each buffer that one branch writes and another passes through, every tick.
-        return dict(
-            # forward activations waiting for FWD
-            inbox=to_bits(jnp.full((2, *act.shape), fill, act.dtype)),  # [2, mb, T, H]
-            recv_x=jnp.full(act.shape, fill, act.dtype),  # [mb, T, H] from stage s-1
-            recv_g=jnp.full(act.shape, fill, act.dtype),  # [mb, T, H] from stage s+1
-            head_ct=to_bits(jnp.zeros((K, *act.shape), act.dtype)),  # last stage: dloss/dx
+        c = dict(
+            # activations waiting for FWD / gradients waiting for BWD, by inbox slot
+            xbox=to_bits(jnp.full((sched.x_slots, *act.shape), fill, act.dtype)),
+            gbox=to_bits(jnp.full((sched.g_slots, *act.shape), fill, act.dtype)),
+            send_x=jnp.full(act.shape, fill, act.dtype),  # this tick's activation out
+            send_g=jnp.full(act.shape, fill, act.dtype),  # this tick's gradient out
+            # last virtual stage: dloss/dx per residual slot
+            head_ct=to_bits(jnp.zeros((sched.buffer_slots, *act.shape), act.dtype)),
             # [K, slots, ...] per buffered residual
-            res=[to_bits(jnp.zeros((K, L, *r.shape), r.dtype)) for r in st.res.buffered],
+            res=[
+                to_bits(jnp.zeros((sched.buffer_slots, L, *r.shape), r.dtype))
+                for r in st.res.buffered
+            ],
             grads=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), st.params),  # fp32 sums
             # Reduced (1/d with ZeRO-1) block gradients, filled bucket by bucket.
             shards=jax.tree.map(
@@ -285,69 +338,82 @@ class PipelineEngine:
             ),
             loss=jnp.zeros((), jnp.float32),
         )
+        if st.split is not None:  # zb: [Kw, slots, ...] per stashed value of B for W
+            c["stash"] = [
+                to_bits(jnp.zeros((sched.stash_slots, L, *r.shape), r.dtype))
+                for r in st.split.stash
+            ]
+        return c
 
     # --------------------------------------------------------------- one tick
 
-    def _tick(self, st: _Local, c: dict, t):
-        """Tick ``t``: receive, run this stage's op (FWD / BWD / IDLE), send both ways."""
-        op, i, k = (st.tables[n][t, st.stage] for n in ("op", "mb", "slot"))
-        inbox = self._receive(st, c, t)
-        act = st.act
-        c = dict(
-            c,
-            inbox=inbox,
-            send_x=jnp.full(act.shape, st.fill, act.dtype),
-            send_g=jnp.full(act.shape, st.fill, act.dtype),
-        )
-        c = when(op == FWD, lambda c: self._forward(st, c, i, k), c)  # IDLE ticks run neither
-        c = when(op == BWD, lambda c: self._backward(st, c, i, k), c)
-        c["recv_x"] = shift(c.pop("send_x"), self.layout.stages, +1)
-        c["recv_g"] = shift(c.pop("send_g"), self.layout.stages, -1)
-        return c, None
+    def _tick(self, st: _Local, c: dict, t, shape: TickShape):
+        """Tick ``t``: run this stage's op (FWD / BWD / WGT / IDLE), then the tick's sends.
 
-    def _receive(self, st: _Local, c: dict, t):
-        """The inbox ``[2, mb, T, H]`` after this tick's arrival, if any."""
-        # An activation sent by stage s-1 at tick t-1 lands in the inbox slot of its
-        # microbatch (the tables guarantee it is not overwritten before use).
-        prev_t, prev_s = jnp.maximum(t - 1, 0), jnp.maximum(st.stage - 1, 0)
-        arrived = (st.stage > 0) & (t > 0) & (st.tables["op"][prev_t, prev_s] == FWD)
-        arr_i = st.tables["mb"][prev_t, prev_s]
-        return when(
-            arrived,
-            lambda box: lax.dynamic_update_index_in_dim(box, to_bits(c["recv_x"]), arr_i % 2, 0),
-            c["inbox"],
-        )
+        ``shape`` is what all stages do at this tick (static): ops that no stage runs are
+        not traced, and only the stage pairs in ``shape`` send.
+        """
+        op = st.at("op", t)
+        if shape.forward:
+            c = when(op == FWD, lambda c: self._forward(st, c, t), c)
+        if shape.backward:
+            c = when(op == BWD, lambda c: self._backward(st, c, t), c)
+        if shape.weights:
+            c = when(op == WGT, lambda c: self._weights(st, c, t), c)
+        return self._send(st, c, t, shape)
+
+    def _send(self, st: _Local, c: dict, t, shape: TickShape) -> dict:
+        """The tick's two ``ppermute``s (only the pairs that send); arrivals to their slot."""
+        c = dict(c)
+        for pairs, out, box, arr in (
+            (shape.fwd_pairs, "send_x", "xbox", "xarr"),
+            (shape.bwd_pairs, "send_g", "gbox", "garr"),
+        ):
+            if not pairs:
+                continue
+            got = lax.ppermute(c[out], STAGE, list(pairs))  # [mb, T, H]; zeros elsewhere
+            k = st.at(arr, t)
+            c[box] = when(
+                k < c[box].shape[0],  # the scratch index: nothing arrives here
+                lambda b, g, k=k: lax.dynamic_update_index_in_dim(b, to_bits(g), k, 0),
+                c[box],
+                got,
+            )
+        return c
 
     # --------------------------------------------------------------- forward
 
-    def _forward(self, st: _Local, c: dict, i, k) -> dict:
-        """FWD of microbatch i: layers (residuals to slot k), then the head if last."""
+    def _forward(self, st: _Local, c: dict, t) -> dict:
+        """FWD of (micro-batch, chunk) at tick t: layers (residuals to their slot), then the
+        head on the last virtual stage."""
+        i, ch, k = st.at("mb", t), st.at("chunk", t), st.at("slot", t)
         x = lax.cond(
-            st.is_first,
+            st.first_vs(ch),
             lambda: self._embed(st.embed, st.tokens[i], st.key(i, self.cfg.num_layers)),
-            lambda: from_bits(c["inbox"][i % 2], st.act.dtype),
+            lambda: from_bits(c["xbox"][st.at("xin", t)], st.act.dtype),
         )  # [mb, T, H]
         x, bufs = lax.fori_loop(
-            0, st.n_layers, lambda j, s: self._forward_layer(st, i, k, j, s), (x, c["res"])
+            0, st.n_layers[ch], lambda j, s: self._forward_layer(st, i, ch, k, j, s), (x, c["res"])
         )
         g = c["grads"]
         h = (c["loss"], g["embed"], g["head"], c["head_ct"])
         loss, g_embed, g_head, head_ct = when(
-            st.is_last, lambda h, x: self._head(st, i, k, h, x), h, x
+            st.last_vs(ch, self.v), lambda h, x: self._head(st, i, k, h, x), h, x
         )
         grads = dict(g, embed=g_embed, head=g_head)
         return dict(c, res=bufs, grads=grads, loss=loss, head_ct=head_ct, send_x=x)
 
-    def _forward_layer(self, st: _Local, i, k, j, state):
-        """Slot j's layer on x ``[mb, T, H]``; its residuals go to ``res[.][k, j]``."""
+    def _forward_layer(self, st: _Local, i, ch, k, j, state):
+        """Chunk ch's layer j on x ``[mb, T, H]``; its residuals go to ``res[.][k, j]``."""
         x, bufs = state
-        w = dyn_index(st.blocks, j)
-        y, vjp_fn = jax.vjp(lambda w, x: self._layer(w, x, st.key(i, st.first_layer + j)), w, x)
+        w = dyn_index(st.blocks, ch * self.layout.slots + j)
+        layer = st.first_layer[ch] + j
+        y, vjp_fn = jax.vjp(lambda w, x: self._layer(w, x, st.key(i, layer)), w, x)
         saved = st.res.split(vjp_fn, w)
         return y, [put(b, r, k, j) for b, r in zip(bufs, saved, strict=True)]
 
     def _head(self, st: _Local, i, k, h, x):
-        """Last stage: loss of microbatch i and its gradients, each already divided by M.
+        """Last virtual stage: loss of microbatch i and its gradients, each divided by M.
 
         ``h`` = (loss, embed grads, head grads, head_ct ``[K, mb, T, H]``); dloss/dx goes to
         ``head_ct[k]``. Runs under ``when(is_last, ..., h, x)``: x comes in as the guard's
@@ -365,46 +431,100 @@ class PipelineEngine:
 
     # --------------------------------------------------------------- backward
 
-    def _backward(self, st: _Local, c: dict, i, k) -> dict:
-        """BWD of microbatch i from slot k's residuals; embedding backward on stage 0."""
-        # dloss/dx of this microbatch [mb, T, H]: the head's (last stage) or from stage s+1
-        ct = lax.select(st.is_last, from_bits(c["head_ct"][k], st.act.dtype), c["recv_g"])
-        ct, g_blocks, shards = lax.fori_loop(
-            0,
-            st.n_layers,
-            lambda n, s: self._backward_layer(st, c["res"], i, k, n, s),
-            (ct, c["grads"]["blocks"], c["shards"]),
+    def _backward(self, st: _Local, c: dict, t) -> dict:
+        """BWD of (micro-batch, chunk) at tick t from its residuals; embedding backward on
+        the first virtual stage. Under zb only the input gradient (the rest to the stash)."""
+        i, ch, k = st.at("mb", t), st.at("chunk", t), st.at("slot", t)
+        # dloss/dx of this micro-batch [mb, T, H]: the head's or from the next virtual stage
+        ct = lax.select(
+            st.last_vs(ch, self.v),
+            from_bits(c["head_ct"][k], st.act.dtype),
+            from_bits(c["gbox"][st.at("gin", t)], st.act.dtype),
         )
+        if st.split is None:
+            ct, g_blocks, shards = lax.fori_loop(
+                0,
+                st.n_layers[ch],
+                lambda n, s: self._backward_layer(st, c["res"], t, n, s),
+                (ct, c["grads"]["blocks"], c["shards"]),
+            )
+            c = dict(c, grads=dict(c["grads"], blocks=g_blocks), shards=shards)
+        else:
+            ct, stash = lax.fori_loop(
+                0,
+                st.n_layers[ch],
+                lambda n, s: self._input_grad_layer(st, c["res"], t, n, s),
+                (ct, c["stash"]),
+            )
+            c = dict(c, stash=stash)
         g_embed = when(
-            st.is_first,
+            st.first_vs(ch),
             lambda g, ct: self._embed_backward(st, i, g, ct),
             c["grads"]["embed"],
             ct,
         )
-        grads = dict(c["grads"], blocks=g_blocks, embed=g_embed)
-        return dict(c, grads=grads, shards=shards, send_g=ct)
+        return dict(c, grads=dict(c["grads"], embed=g_embed), send_g=ct)
 
-    def _backward_layer(self, st: _Local, res, i, k, n, state):
-        """The n-th layer from the top (slot j = n_layers-1-n), from ``res[.][k, j]``.
+    def _saved(self, st: _Local, res, k, j):
+        """The residuals of slot j's layer in residual slot k."""
+        return [from_bits(get(b, k, j), r.dtype) for b, r in zip(res, st.res.buffered, strict=True)]
 
-        ``state`` = (ct ``[mb, T, H]``, fp32 block grads ``[slots, ...]``, reduced shards).
+    def _backward_layer(self, st: _Local, res, t, n, state):
+        """The n-th layer from the top of the chunk (j = layers-1-n), from ``res[.][k, j]``.
+
+        ``state`` = (ct ``[mb, T, H]``, fp32 block grads ``[v*slots, ...]``, reduced shards).
         """
         ct, g_blocks, shards = state
-        j = st.n_layers - 1 - n
-        w = dyn_index(st.blocks, j)
-        saved = [
-            from_bits(get(b, k, j), r.dtype) for b, r in zip(res, st.res.buffered, strict=True)
-        ]
-        dw, dx = st.res.join(saved, w)(ct)
-        g_j = jax.tree.map(jnp.add, dyn_index(g_blocks, j), dw)
-        # Phase 1: the last microbatch completes layer j's gradient: reduce it now.
+        ch, k = st.at("chunk", t), st.at("slot", t)
+        j = st.n_layers[ch] - 1 - n
+        w = dyn_index(st.blocks, ch * self.layout.slots + j)
+        dw, dx = st.res.join(self._saved(st, res, k, j), w)(ct)
+        slot = ch * self.layout.slots + j
+        g_blocks, shards = self._add_layer_grad(st, t, slot, dw, g_blocks, shards)
+        return dx, g_blocks, shards
+
+    def _add_layer_grad(self, st: _Local, t, slot, dw, g_blocks, shards):
+        """Add a layer's gradient; the op that completes it reduces it (ZeRO-1 phase 1)."""
+        g_j = jax.tree.map(jnp.add, dyn_index(g_blocks, slot), dw)
         shards = when(
-            i == self.M - 1,
-            lambda sh, g: dyn_set(sh, j, reduce_bucket(g, st.slot_dims, self.data, self.replica)),
+            st.at("last", t) == 1,
+            lambda sh, g: dyn_set(
+                sh, slot, reduce_bucket(g, st.slot_dims, self.data, self.replica)
+            ),
             shards,
             g_j,
         )
-        return dx, dyn_set(g_blocks, j, g_j), shards
+        return dyn_set(g_blocks, slot, g_j), shards
+
+    def _input_grad_layer(self, st: _Local, res, t, n, state):
+        """zb B: the n-th layer from the top, input gradient only; W's inputs to the stash."""
+        ct, stash = state
+        ch, k, kw = st.at("chunk", t), st.at("slot", t), st.at("wslot", t)
+        j = st.n_layers[ch] - 1 - n
+        w = dyn_index(st.blocks, ch * self.layout.slots + j)
+        dx, kept = st.split.input_grad(w, self._saved(st, res, k, j), ct)
+        return dx, [put(b, x, kw, j) for b, x in zip(stash, kept, strict=True)]
+
+    def _weights(self, st: _Local, c: dict, t) -> dict:
+        """zb W of (micro-batch, chunk) at tick t: every layer's weight gradient from its
+        residuals and stash."""
+        ch, k, kw = st.at("chunk", t), st.at("slot", t), st.at("wslot", t)
+
+        def layer(j, state):
+            g_blocks, shards = state
+            slot = ch * self.layout.slots + j
+            w = dyn_index(st.blocks, slot)
+            kept = [
+                from_bits(get(b, kw, j), r.dtype)
+                for b, r in zip(c["stash"], st.split.stash, strict=True)
+            ]
+            dw = st.split.weight_grad(w, self._saved(st, c["res"], k, j), kept)
+            return self._add_layer_grad(st, t, slot, dw, g_blocks, shards)
+
+        g_blocks, shards = lax.fori_loop(
+            0, st.n_layers[ch], layer, (c["grads"]["blocks"], c["shards"])
+        )
+        return dict(c, grads=dict(c["grads"], blocks=g_blocks), shards=shards)
 
     def _embed_backward(self, st: _Local, i, g_embed, ct):
         """Stage 0: embedding gradient of microbatch i added to ``g_embed``; ct [mb, T, H]."""
@@ -439,3 +559,45 @@ class PipelineEngine:
         loss, norm = chain_sum((jnp.where(st.is_last, loss, 0.0), owned), S)
         norm = jnp.sqrt(norm)
         return loss, jax.tree.map(lambda g: g[None], grads), norm
+
+
+# --------------------------------------------------------------------------- tick shapes
+
+
+@dataclass(frozen=True)
+class TickShape:
+    """What a tick does across all stages (static, part of the program)."""
+
+    fwd_pairs: tuple  # ((src, dst), ...) stages sending an activation
+    bwd_pairs: tuple  # ((src, dst), ...) stages sending a gradient
+    forward: bool  # some stage runs FWD
+    backward: bool  # some stage runs BWD
+    weights: bool  # some stage runs WGT (zb)
+
+
+def tick_shape(sched: Schedule, t: int) -> TickShape:
+    ops = set(int(o) for o in sched.op[t])
+    return TickShape(sched.fwd_pairs[t], sched.bwd_pairs[t], FWD in ops, BWD in ops, WGT in ops)
+
+
+def tick_segments(sched: Schedule, max_period: int = 6) -> list[tuple[int, int, int]]:
+    """The tick loop as ``(start, period, repeats)`` runs covering every tick once.
+
+    Greedy: from each tick, the period (<= ``max_period``) whose tick shapes repeat the
+    most ticks; a run of ``repeats`` >= 2 becomes one ``lax.scan`` over a ``period``-tick
+    body, a single tick is unrolled. Any cover is correct (tables drive each tick); this
+    one keeps the program short: O(S·v) bodies for warm-up and drain, one for steady state.
+    """
+    shapes = [tick_shape(sched, t) for t in range(sched.ticks)]
+    T, out, t = sched.ticks, [], 0
+    while t < T:
+        best = (1, 1)  # (period, repeats)
+        for p in range(1, max_period + 1):
+            r = 1
+            while t + (r + 1) * p <= T and shapes[t + r * p : t + (r + 1) * p] == shapes[t : t + p]:
+                r += 1
+            if r >= 2 and p * r > best[0] * best[1]:
+                best = (p, r)
+        out.append((t, *best))
+        t += best[0] * best[1]
+    return out

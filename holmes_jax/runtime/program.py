@@ -90,7 +90,9 @@ class Program:
         )
 
         if self.pipelined:
-            self.layout = layout_from_config(par.layers_per_stage, par.stages, m.num_layers)
+            self.layout = layout_from_config(
+                par.layers_per_stage, par.stages, m.num_layers, par.virtual_stages
+            )
             self.param_sharding = pipeline_shardings(self.layout, logical_sharding, mesh)
             abstract_params = jax.eval_shape(self._params_from_logical, abstract_logical)
             # ZeRO-1: which dim of each leaf is split over data (-1: none); the stage axis

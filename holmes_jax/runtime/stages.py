@@ -3,9 +3,9 @@
 Parameter layout (``PipelineLayout``). The logical parameters ``{'embed', 'blocks' [L, ...],
 'head'}`` become, with a leading stage axis sharded over ``stage``:
 
-    embed  [S, ...]          stage 0 uses its copy (and stage S-1 the tied wte)
-    blocks [S, slots, ...]   stage s uses slots 0 .. layers[s]-1; slots = max(layers)
-    head   [S, ...]          stage S-1 uses its copy
+    embed  [S, ...]            stage 0 uses its copy (and stage S-1 the tied wte)
+    blocks [S, v·slots, ...]   chunk c of stage s uses slots c·slots .. c·slots + layers - 1
+    head   [S, ...]            stage S-1 uses its copy
 
 Unused copies and padded slots receive exactly zero gradient; checkpoints always hold the
 logical layout (``to_logical`` / ``from_logical``), so a run can resume under another split.
@@ -40,29 +40,48 @@ from holmes_jax.core.axes import STAGE
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """Where each logical layer lives: ``layers_per_stage`` padded to ``slots``."""
+    """Where each logical layer lives.
+
+    ``layers_per_stage`` has one entry per virtual stage, in the order a micro-batch visits
+    them (S·v entries; with ``virtual`` v = 1 one per stage). Chunk c of stage s is virtual
+    stage ``c·S + s`` and occupies block slots ``c·slots .. c·slots + layers - 1`` of that
+    stage, ``slots`` being the largest chunk (the rest is padding).
+    """
 
     layers_per_stage: tuple[int, ...]
+    virtual: int = 1
 
     @property
     def stages(self) -> int:
-        return len(self.layers_per_stage)
+        return len(self.layers_per_stage) // self.virtual
 
     @property
     def slots(self) -> int:
+        """Block slots per chunk (the largest chunk)."""
         return max(self.layers_per_stage)
 
     @property
     def num_layers(self) -> int:
         return sum(self.layers_per_stage)
 
+    def chunk_layers(self) -> np.ndarray:
+        """[stages, virtual]: layer count of chunk c on stage s."""
+        return np.asarray(self.layers_per_stage, np.int32).reshape(self.virtual, self.stages).T
+
+    def chunk_first_layer(self) -> np.ndarray:
+        """[stages, virtual]: global index of the first layer of chunk c on stage s."""
+        first = np.cumsum((0,) + self.layers_per_stage[:-1]).astype(np.int32)
+        return first.reshape(self.virtual, self.stages).T
+
     def layer_table(self) -> np.ndarray:
-        """[stages, slots] global layer index, or -1 for a padded slot."""
-        table = -np.ones((self.stages, self.slots), np.int32)
+        """[stages, virtual·slots] global layer index, or -1 for a padded slot."""
+        S, n = self.stages, self.slots
+        table = -np.ones((S, self.virtual * n), np.int32)
         first = 0
-        for s, n in enumerate(self.layers_per_stage):
-            table[s, :n] = np.arange(first, first + n)
-            first += n
+        for vs, count in enumerate(self.layers_per_stage):
+            c, s = divmod(vs, S)
+            table[s, c * n : c * n + count] = np.arange(first, first + count)
+            first += count
         return table
 
     # Leaf-wise conversions; ``part`` is the top-level key: 'embed', 'blocks' or 'head'.
@@ -81,8 +100,9 @@ class PipelineLayout:
         if part == "head":
             return x[-1]
         table = self.layer_table()
-        stage_of, slot_of = np.nonzero(table >= 0)  # row-major = layer order
-        return x[stage_of, slot_of]
+        stage_of, slot_of = np.nonzero(table >= 0)
+        order = np.argsort(table[stage_of, slot_of])  # layer order
+        return x[stage_of[order], slot_of[order]]
 
     def map_parts(self, fn: Callable[[jax.Array, str], jax.Array], tree: Any) -> Any:
         """Apply ``fn(leaf, part)`` over a params-shaped dict."""
@@ -99,12 +119,16 @@ class PipelineLayout:
         return PartitionSpec(STAGE, *tuple(logical_spec))
 
 
-def layout_from_config(layers_per_stage, stages: int, num_layers: int) -> PipelineLayout:
-    """Explicit split, or an even one (earlier stages take the remainder)."""
+def layout_from_config(
+    layers_per_stage, stages: int, num_layers: int, virtual: int = 1
+) -> PipelineLayout:
+    """Explicit split (one entry per virtual stage), or an even one (earlier virtual stages
+    take the remainder)."""
     if isinstance(layers_per_stage, tuple):
-        return PipelineLayout(tuple(layers_per_stage))
-    base, extra = divmod(num_layers, stages)
-    return PipelineLayout(tuple(base + (s < extra) for s in range(stages)))
+        return PipelineLayout(tuple(layers_per_stage), virtual)
+    chunks = stages * virtual
+    base, extra = divmod(num_layers, chunks)
+    return PipelineLayout(tuple(base + (k < extra) for k in range(chunks)), virtual)
 
 
 def pipeline_shardings(layout: PipelineLayout, logical_shardings, mesh: Mesh):
