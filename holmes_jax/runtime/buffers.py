@@ -5,8 +5,10 @@ tick loop; per stage, with K = ``Schedule.buffer_slots`` and an activation
 ``[mb, T, H]``:
 
     res      [K, slots, ...]   one per buffered leaf of a layer's vjp (``Residuals``)
-    inbox    [2, mb, T, H]     forward activations waiting for FWD (slot: microbatch % 2)
-    head_ct  [K, mb, T, H]     last stage: dloss/dx of each microbatch
+    xbox     [Kx, mb, T, H]    activations waiting for FWD (slot from the schedule's tables)
+    gbox     [Kg, mb, T, H]    gradients waiting for BWD
+    head_ct  [K, mb, T, H]     last virtual stage: dloss/dx of each microbatch
+    stash    [Kw, slots, ...]  zb: what each layer's W needs from its B (``wgrad``)
 
 Invariant: they are only ever updated in place. What keeps them so:
 
