@@ -14,7 +14,14 @@ where the gradient traffic flows decides the step time. Side by side, a few step
     1F1B, 4 micro-batches;
 (b) naive:  data parallel 4 across both islands (``parallel.enforce_islands=false``): the
     gradient all-reduce ring crosses the slow link;
-(c) fast:   (a) on emu-4host-2island-fast.yaml, every link 1 Gbit/s (homogeneous reference).
+(c) fast:   (a) on emu-4host-2island-fast.yaml, every link 1 Gbit/s (homogeneous reference);
+(d) zb:     (a) with the ZB-H1 schedule (the best of the new schedules at S = 2, M = 4 by
+    its tables: bubble 0.077 vs 1F1B's 0.200, and no more p2p traffic than 1F1B).
+
+Beside each pipeline variant's time: the bytes per step that cross the island boundary,
+read from its compiled HLO (holmes_jax.runtime.traffic: every collective-permute times its
+loops' trip counts). (b) moves its gradients by an all-reduce whose ring crosses the link
+instead; its HLO has no point-to-point traffic.
 
 Step times are medians over logging windows of 5 steps after the first step (which
 compiles), from the trainer's metrics.
@@ -24,10 +31,10 @@ holmes_jax.probe measures first *through the same emulated launch* (``launch --p
 probe``, one per topology): one layer on every device while the 4 processes share the 2
 cores, and the links as gloo sees them through the namespaces (all-reduce, ZeRO-1's
 reduce-scatter and all-gather inside each island, point-to-point between the islands). The
-model prices the step as the trainer runs it (holmes_jax.planner.plans.predict_config): a
-shift each way on every pipeline tick, one collective per parameter leaf, and synchronous
-CPU collectives (``sync_collectives``: each stage's reduction inside its own last backward
-tick, added up across stages). (b) is the planner's naive placement
+model prices the step as the trainer runs it (holmes_jax.planner.plans.predict_config): each
+micro-batch's activation and gradient once per stage boundary, one collective per parameter
+leaf, and synchronous CPU collectives (``sync_collectives``: each stage's reduction inside
+its own last backward tick, added up across stages). (b) is the planner's naive placement
 (holmes_jax.planner.placement.naive_hardware): one stage, data 4, the ring bounded by its
 slowest hop (the measured inter-island link, with the measured per-byte extra of the
 reduce-scatter or all-gather over the all-reduce).
@@ -81,7 +88,13 @@ MODEL = [
 HOLMES = ["parallel.stages=2", "parallel.data=2", "parallel.microbatches=4"]
 HOLMES += ["parallel.schedule=1f1b", "parallel.layers_per_stage=[2,2]"]
 NAIVE = ["parallel.stages=1", "parallel.data=4", "parallel.enforce_islands=false"]
-VARIANTS = {"holmes": (SLOW, HOLMES), "naive": (SLOW, NAIVE), "fast": (FAST, HOLMES)}
+ZB = [o for o in HOLMES if not o.startswith("parallel.schedule")] + ["parallel.schedule=zb"]
+VARIANTS = {
+    "holmes": (SLOW, HOLMES),
+    "naive": (SLOW, NAIVE),
+    "fast": (FAST, HOLMES),
+    "zb": (SLOW, ZB),
+}
 
 
 def config(steps: int, extra: list[str], mesh: str):
@@ -147,6 +160,20 @@ def single_process(cfg, topology, calibration, steps: int) -> tuple[float, float
     return measured, predicted_step(cfg, local, calibration)
 
 
+def island_bytes(cfg, topology) -> int:
+    """Point-to-point bytes per step crossing islands in ``cfg``'s compiled train step (this
+    process's 4 simulated devices stand in for the 4 hosts; the program is the same)."""
+    from holmes_jax.core.spec import Degrees
+    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.program import Program
+    from holmes_jax.runtime.traffic import cross_island_bytes
+
+    par = cfg.parallel
+    mesh = build_mesh(Degrees(par.stages, par.data, par.tensor))
+    text = Program(cfg, mesh).lower_train_step().compile().as_text()
+    return cross_island_bytes(text, mesh, topology)
+
+
 def measured_step(mesh: str, extra: list[str], steps: int, folder: str, name: str) -> float:
     """Median step time (after the first) of an emulated launch."""
     metrics = os.path.join(folder, f"{name}.jsonl")
@@ -178,7 +205,7 @@ def main(argv=None) -> int:
         help="config override for every variant, e.g. model.hidden_size=512 (repeatable)",
     )
     parser.add_argument(
-        "--only", default="holmes,naive,fast", help="comma-separated variants to run"
+        "--only", default="holmes,naive,fast,zb", help="comma-separated variants to run"
     )
     args = parser.parse_args(argv)
     MODEL.extend(args.set)
@@ -205,7 +232,7 @@ def main(argv=None) -> int:
     profiled = {"slow": probe_launch(SLOW, HOLMES, folder, "slow")}
     if "fast" in VARIANTS:
         profiled["fast"] = probe_launch(FAST, HOLMES, folder, "fast")
-    which = {"holmes": "slow", "naive": "slow", "fast": "fast"}
+    which = {"holmes": "slow", "naive": "slow", "fast": "fast", "zb": "slow"}
     predicted = {
         name: predicted_step(cfg, *profiled[which[name]][:2]) for name, cfg in cfgs.items()
     }
@@ -219,6 +246,7 @@ def main(argv=None) -> int:
         name: measured_step(mesh, extra, args.steps, folder, name)
         for name, (mesh, extra) in VARIANTS.items()
     }
+    p2p = {name: island_bytes(cfg, slow) for name, cfg in cfgs.items() if name in ("holmes", "zb")}
     ratio = lambda a, b: measured[a] / measured[b] if a in measured and b in measured else 0.0
     b_a, a_c = ratio("naive", "holmes"), ratio("holmes", "fast")
     errors = {k: (predicted[k] - measured[k]) / measured[k] for k in measured}
@@ -240,6 +268,13 @@ def main(argv=None) -> int:
         "step_ms": {k: round(v * 1e3, 1) for k, v in measured.items()},
         "predicted_ms": {k: round(v * 1e3, 1) for k, v in predicted.items()},
         "prediction_error": {k: round(v, 3) for k, v in errors.items()},
+        "zb_over_holmes": round(ratio("zb", "holmes"), 3),
+        "cross_island_p2p_bytes_per_step": p2p,
+        "cross_island_p2p_activations_per_step": {
+            # expected 16: 2 data ranks x (forward + backward) x 4 micro-batches of one row
+            k: round(v / act, 2)
+            for k, v in p2p.items()
+        },
         "probe_layer_fwd_bwd_ms": {k: v[2] for k, v in profiled.items()},
         "diagnostic_holmes_plan_one_process": {
             "step_ms": round(one_measured * 1e3, 1),

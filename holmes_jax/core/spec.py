@@ -6,10 +6,12 @@ Everything that more than one layer needs to agree on is defined here once:
 - :class:`ModelSpec`, the model's shape, with its parameter counts (per layer, embedding,
   head, total) and the number of parameter leaves the trainer reduces one by one;
 - the FLOP counts (notation of ``docs/design.md``: L layers, hidden h, seq s, vocab V,
-  mlp width f = r·h, b sequences):
+  mlp width f, b sequences; k = num_kv_heads·head_dim the key/value width, k = h without
+  grouped-query attention; m = 2 MLP matmuls for GPT-2's GELU MLP, 3 for Llama's SwiGLU):
 
-  - one layer forward ``2(4 + 2r)·b·s·h² + 4·b·s²·h`` (QKV, projection, MLP; q·kᵀ and A·V
-    over the full, not causal-halved, square);
+  - one layer forward ``2·b·s·(2h² + 2h·k) + 2·m·b·s·h·f + 4·b·s²·h`` (q and output
+    projections, k and v projections, the MLP; q·kᵀ and A·V over the full, not
+    causal-halved, square); for GPT-2 (k = h, m = 2, f = r·h) ``2(4 + 2r)·b·s·h² + 4·b·s²·h``;
   - LM head forward ``2·b·s·h·V``; backward = 2x forward;
   - remat ``full`` reruns a forward per layer, ``selective`` the scores q·kᵀ
     (``2·b·s²·h`` per layer);
@@ -34,10 +36,12 @@ from dataclasses import KW_ONLY, dataclass
 
 from holmes_jax.core.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # pipeline schedules (holmes_jax.planner.schedule)
+# pipeline schedules (holmes_jax.planner.schedule)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 REMAT_POLICIES = ("none", "full", "selective")  # what the model runs
 REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fits
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")
+ARCHS = ("gpt2", "llama")  # model.arch (holmes_jax.runtime.model)
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -78,7 +82,17 @@ def check_pipeline(schedule: str, stages: int, virtual_stages: int) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a GPT model (learned positions, pre-LayerNorm, biases, GELU MLP)."""
+    """Shape of a decoder of one of the :data:`ARCHS`.
+
+    - ``gpt2``: learned positions, pre-LayerNorm (scale and bias), biases on every matmul,
+      fused QKV, GELU MLP ``proj(gelu(fc(x)))``.
+    - ``llama``: rotary positions (no position table), pre-RMSNorm (scale only), no
+      biases, grouped-query attention (``num_kv_heads`` key/value heads), SwiGLU MLP
+      ``down(silu(gate(x)) * up(x))``.
+
+    ``num_kv_heads`` 0 means ``num_heads``; ``mlp_size`` 0 means ``mlp_ratio x hidden``
+    (both resolved at construction, so the attributes always hold the real values).
+    """
 
     num_layers: int
     hidden_size: int
@@ -87,15 +101,35 @@ class ModelSpec:
     vocab_size: int
     mlp_ratio: int = 4
     tied_embeddings: bool = True
+    arch: str = "gpt2"
+    num_kv_heads: int = 0
+    mlp_size: int = 0  # MLP width f; 0 = mlp_ratio x hidden
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size"):
             check_positive(f"model.{name}", getattr(self, name))
         check_positive("model.mlp_ratio", self.mlp_ratio)
+        check_choice(self.arch, "model.arch", ARCHS)
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model.num_heads={self.num_heads}: must divide model.hidden_size="
                 f"{self.hidden_size}"
+            )
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.mlp_size == 0:
+            object.__setattr__(self, "mlp_size", self.mlp_ratio * self.hidden_size)
+        check_positive("model.num_kv_heads", self.num_kv_heads)
+        check_positive("model.mlp_size", self.mlp_size)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads}: must divide model.num_heads="
+                f"{self.num_heads}"
+            )
+        if self.arch == "gpt2" and self.num_kv_heads != self.num_heads:
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads}: grouped-query attention needs "
+                f"model.arch=llama (gpt2 has num_heads={self.num_heads} key/value heads)"
             )
 
     @property
@@ -103,26 +137,52 @@ class ModelSpec:
         return self.hidden_size // self.num_heads
 
     @property
-    def mlp_size(self) -> int:
-        """MLP width f = mlp_ratio x hidden."""
-        return self.mlp_ratio * self.hidden_size
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection: num_kv_heads x head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU (three MLP matmuls) rather than GELU (two)."""
+        return self.arch == "llama"
+
+    @property
+    def mlp_matmuls(self) -> int:
+        return 3 if self.gated else 2
 
     @property
     def layer_params(self) -> int:
-        """QKV + output projection + MLP weights and biases + two LayerNorms."""
-        h, r = self.hidden_size, self.mlp_ratio
-        return (4 + 2 * r) * h * h + (9 + r) * h
+        """Attention (q, k, v, output) + MLP weights (+ biases for gpt2) + two norms.
+
+        gpt2: ``4h² + 2hf`` weights, ``3h + h + f + h`` biases, two LayerNorms ``4h``;
+        llama: ``2h² + 2hk + 3hf`` weights, two RMSNorms ``2h``.
+        """
+        h, f, k = self.hidden_size, self.mlp_size, self.kv_size
+        weights = 2 * h * h + 2 * h * k + self.mlp_matmuls * h * f
+        if self.arch == "llama":
+            return weights + 2 * h
+        return weights + (h + 2 * k) + h + f + h + 4 * h
+
+    @property
+    def position_params(self) -> int:
+        """Learned positions (gpt2); rotary positions have none."""
+        return self.seq_len * self.hidden_size if self.arch == "gpt2" else 0
+
+    @property
+    def norm_params(self) -> int:
+        """One norm: LayerNorm scale + bias (gpt2) or RMSNorm scale (llama)."""
+        return (2 if self.arch == "gpt2" else 1) * self.hidden_size
 
     @property
     def embedding_params(self) -> int:
-        """Token and learned position embeddings."""
-        return (self.vocab_size + self.seq_len) * self.hidden_size
+        """Token embedding (+ learned positions for gpt2)."""
+        return self.vocab_size * self.hidden_size + self.position_params
 
     @property
     def head_params(self) -> int:
-        """Final LayerNorm, plus the LM head matrix when it is not tied."""
+        """Final norm, plus the LM head matrix when it is not tied."""
         head = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
-        return 2 * self.hidden_size + head
+        return self.norm_params + head
 
     @property
     def num_params(self) -> int:
@@ -130,23 +190,34 @@ class ModelSpec:
         return self.num_layers * self.layer_params + self.embedding_params + self.head_params
 
     # Parameter leaves (one collective call each in the trainer's gradient reduction and
-    # parameter all-gather): LayerNorm scale+bias x2, QKV, attention output, MLP in and out
-    # kernels+biases; token + position embeddings; final LayerNorm (+ untied head).
-    layer_leaves = 12
-    embedding_leaves = 2
+    # parameter all-gather). gpt2: LayerNorm scale+bias x2, QKV, attention output, MLP in
+    # and out kernels+biases (12); token + position embeddings; final LayerNorm (+ untied
+    # head). llama: two norm scales, q, k, v, output, gate, up, down (9); token embedding;
+    # final norm scale (+ untied head).
+    @property
+    def layer_leaves(self) -> int:
+        return 12 if self.arch == "gpt2" else 9
+
+    @property
+    def embedding_leaves(self) -> int:
+        return 2 if self.arch == "gpt2" else 1
 
     @property
     def head_leaves(self) -> int:
-        return 2 + (0 if self.tied_embeddings else 1)
+        norm = 2 if self.arch == "gpt2" else 1
+        return norm + (0 if self.tied_embeddings else 1)
 
 
 # --------------------------------------------------------------------------- FLOPs
 
 
 def layer_fwd_flops(model: ModelSpec, b: int) -> float:
-    """Forward FLOPs of one transformer layer on ``b`` sequences (whole layer, all t)."""
-    h, s, r = model.hidden_size, model.seq_len, model.mlp_ratio
-    return 2 * (4 + 2 * r) * b * s * h * h + 4 * b * s * s * h
+    """Forward FLOPs of one transformer layer on ``b`` sequences (whole layer, all t):
+    ``2·b·s·(2h² + 2h·k) + 2·m·b·s·h·f + 4·b·s²·h`` (k: key/value width, m: MLP matmuls)."""
+    h, s, f, k = model.hidden_size, model.seq_len, model.mlp_size, model.kv_size
+    projections = 2 * b * s * (2 * h * h + 2 * h * k)
+    mlp = 2 * model.mlp_matmuls * b * s * h * f
+    return projections + mlp + 4 * b * s * s * h
 
 
 def head_fwd_flops(model: ModelSpec, b: int) -> float:
@@ -315,6 +386,7 @@ STAGES = Bound(LAYERS.limit, "pipeline stages: one layer each at least")
 HIDDEN = Bound(262_144, "hidden size")
 HEADS = Bound(16_384, "attention heads")
 MLP_RATIO = Bound(64, "MLP width per hidden unit")
+MLP = Bound(HIDDEN.limit * MLP_RATIO.limit, "MLP width")
 SEQ = Bound(16_777_216, "tokens per sequence")
 VOCAB = Bound(16_777_216, "vocabulary size")
 BATCH = Bound(1_048_576, "sequences per step")
@@ -345,6 +417,8 @@ CONFIG_LIMITS: dict[str, Bound] = {
     "model.num_heads": HEADS,
     "model.hidden_size": HIDDEN,
     "model.mlp_ratio": MLP_RATIO,
+    "model.num_kv_heads": HEADS,
+    "model.mlp_size": MLP,
     "data.max_bytes": DATA_BYTES,
     "parallel.devices": DEVICES,
     "parallel.data": DEVICES,

@@ -381,9 +381,9 @@ def _tables(name, S, M, v, ops) -> Schedule:
                 res[s].give(slot[t, s])
                 stash[s].give(wslot[t, s])
                 last[t, s] = int(i == n_last - 1)
-        for src, dst, i, c in fp:  # lands at the end of tick t
+        for _, dst, i, c in fp:  # lands at the end of tick t
             xarr[t, dst] = held[("x", dst, i, c)] = xbox[dst].take()
-        for src, dst, i, c in bp:
+        for _, dst, i, c in bp:
             garr[t, dst] = held[("g", dst, i, c)] = gbox[dst].take()
         fwd_pairs.append(tuple((a, b) for a, b, _, _ in fp))
         bwd_pairs.append(tuple((a, b) for a, b, _, _ in bp))

@@ -14,9 +14,10 @@ logical layout (``to_logical`` / ``from_logical``), so a run can resume under an
 unsharded in place of the layer axis).
 
 Traffic between stages (inside the engine's ``shard_map``, where ``stage`` is manual) is
-adjacent-stage ``ppermute`` only: ``shift`` sends one hop, and ``chain_sum`` sums over
-``stage`` in 2(S−1) such hops instead of a ``psum``, so nothing but point-to-point traffic
-between neighbouring stages ever crosses an island boundary.
+adjacent-stage ``ppermute`` only (the engine's per-tick sends name their pairs), and
+``chain_sum`` sums over ``stage`` in 2(S−1) single-pair hops instead of a ``psum``, so
+nothing but point-to-point traffic between neighbouring stages ever crosses an island
+boundary.
 
 The engine itself is :mod:`holmes_jax.runtime.pipeline`.
 """
@@ -146,29 +147,24 @@ def pipeline_shardings(layout: PipelineLayout, logical_shardings, mesh: Mesh):
 # --------------------------------------------------------------------------- traffic
 
 
-def shift(x, stages: int, direction: int):
-    """Send to the neighbouring stage (``+1`` downstream, ``-1`` upstream); ends get 0."""
-    if direction > 0:
-        perm = [(s, s + 1) for s in range(stages - 1)]
-    else:
-        perm = [(s + 1, s) for s in range(stages - 1)]
-    return jax.tree.map(lambda a: lax.ppermute(a, STAGE, perm), x)
-
-
 def chain_sum(x, stages: int):
-    """Sum over ``stage`` using only adjacent-stage ppermutes (2(S−1) hops).
+    """Sum over ``stage`` using only adjacent-stage ppermutes: one hop per boundary and
+    direction (2(S−1) sends in all).
 
-    Accumulate downstream (stage S−1 ends with the total), then broadcast it upstream.
-    Used instead of ``psum`` so no all-reduce ever spans two islands.
+    Accumulate downstream (hop k sends stage k's running sum to stage k+1, which adds its
+    own), then broadcast the total upstream the same way. Used instead of ``psum`` so no
+    all-reduce ever spans two islands; each hop names only its one pair, so a boundary
+    carries the value once each way, never S−1 times.
     """
     if stages == 1:
         return x
     stage = lax.axis_index(STAGE)
     acc = x
-    for _ in range(stages - 1):
-        acc = jax.tree.map(jnp.add, x, shift(acc, stages, +1))
-    total = acc
-    for _ in range(stages - 1):
-        back = shift(total, stages, -1)
-        total = jax.tree.map(lambda a, b: jnp.where(stage == stages - 1, a, b), acc, back)
+    for k in range(stages - 1):
+        got = jax.tree.map(lambda a, k=k: lax.ppermute(a, STAGE, [(k, k + 1)]), acc)
+        acc = jax.tree.map(lambda a, v, g, k=k: jnp.where(stage == k + 1, v + g, a), acc, x, got)
+    total = acc  # complete on stage S-1
+    for k in reversed(range(stages - 1)):
+        got = jax.tree.map(lambda a, k=k: lax.ppermute(a, STAGE, [(k + 1, k)]), total)
+        total = jax.tree.map(lambda a, g, k=k: jnp.where(stage == k, g, a), total, got)
     return total
