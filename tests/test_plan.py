@@ -67,6 +67,12 @@ def test_json_has_the_plan_fields(capsys):
     assert d["alternatives"]["optimal"]["predicted_step_s"] == pytest.approx(d["predicted_step_s"])
     # slow Ethernet between the islands: the pipeline crosses them
     assert d["replica"] == 1 and set(d["stage_islands"]) == {"ib", "roce"}
+    # every schedule priced on the chosen degrees; the plan's is the best of them
+    assert set(d["schedules"]) == {"gpipe", "1f1b", "interleaved", "zb"}
+    steps = {k: v["predicted_step_s"] for k, v in d["schedules"].items() if v}
+    assert steps[d["schedule"]] == pytest.approx(d["predicted_step_s"])
+    assert min(steps.values()) == pytest.approx(d["predicted_step_s"])
+    assert 0 <= d["bubble_fraction"] < 1 and len(d["p2p_bytes_per_boundary"]) >= d["stages"] - 1
 
 
 def test_keep_degrees_and_partition_choice(capsys):

@@ -1,25 +1,38 @@
 """Analytic cost model of one training iteration: per-stage time and memory tables.
 
 Notation (``docs/design.md``): L layers, hidden h, seq s, vocab V, micro-batch b, m
-micro-batches, p stages, d data-parallel, t tensor-parallel, r replicas (data parallel
-across islands), β bytes per element. Times are seconds, sizes bytes, rates per second.
-The FLOP counts live in :mod:`holmes_jax.core.spec`, the closed-form collective and
-pipeline times in :mod:`holmes_jax.planner.formulas`, the memory model in
-:mod:`holmes_jax.planner.memory`; this module combines them per stage and layer count
-(:func:`stage_costs`) and predicts one split's step (:func:`predict`).
+micro-batches, p stages, v model chunks per device (interleaved), d data-parallel, t
+tensor-parallel, r replicas (data parallel across islands), β bytes per element. Times
+are seconds, sizes bytes, rates per second. The FLOP counts live in
+:mod:`holmes_jax.core.spec`, the closed-form collective and pipeline times in
+:mod:`holmes_jax.planner.formulas`, the memory model in :mod:`holmes_jax.planner.memory`;
+this module combines them per stage and layer count (:func:`stage_costs`) and predicts
+one split's step (:func:`predict`).
 
-- Compute per micro-batch: layer forward, backward 2x forward, plus what the remat
-  policy reruns; element-wise work priced as memory traffic; the LM head on the last
-  stage.
-- Pipeline (GPipe and 1F1B): ``Σ τ_s + (m−1)·max τ_s`` with τ_s a stage's time per
-  micro-batch (compute + tensor all-reduces + point-to-point shifts). The engine
-  (:mod:`holmes_jax.runtime.pipeline`) shifts activations forward and gradients backward
-  on every tick, 2 ticks per micro-batch, so each tick pays both shifts over the stage's
-  slower link (``RunSpec.engine="megatron"``, for the fidelity check: one send per
-  micro-batch and direction, and one flat gradient buffer, so one collective call).
+- Compute per micro-batch: layer forward F, backward 2x forward plus what the remat policy
+  reruns; element-wise work priced as memory traffic; the LM head on the last stage. The
+  backward splits into the input-gradient part B and the weight-gradient part W (the
+  weight matmuls and the gradient accumulation): zero-bubble (``zb``) defers W.
+- Point-to-point: each micro-batch crosses each stage boundary once forward (its
+  activations, charged to the sender's F) and once backward (its input gradient, charged
+  to the sender's B); nothing is sent on idle ticks, and the forward and backward
+  transfers of a tick are issued together (a full-duplex link carries both at once). With
+  v chunks a micro-batch crosses the link between stages s and s+1 v times and the wrap
+  link p−1 → 0 v−1 times per direction. ``RunSpec.engine="megatron"`` (the fidelity
+  check) prices the same sends.
+- Pipeline, for every schedule ``Σ_s h_s + max_s g_s`` over per-stage tables
+  (:func:`schedule_terms`, :func:`holmes_jax.planner.formulas.pipeline_terms`), τ_s =
+  F_s + B_s + W_s of one micro-batch:
+  GPipe and 1F1B ``Σ τ_s + (m−1)·max τ_s``; interleaved (chunks priced through their
+  stage's total) ``m·max τ_s + (Σ τ_s − max τ_s)/v``; ZB-H1 (Qi et al. 2023)
+  ``Σ_s (τ_s − 2W_s) + max_s [(m−1)·τ_s + 2W_s]``, which for equal stages is
+  ``m·τ + (p−1)(F + B − W)`` against 1F1B's ``m·τ + (p−1)(F + B + W)``.
+  :func:`holmes_jax.planner.draw.simulate_table` checks each against the schedule tables.
 - Iteration: pipeline + ``max_s [(rs_s − slack_s)⁺ + opt_s + ag_s]`` where rs is the
-  gradient reduction, overlapped with the last backward and the pipeline drain
-  (``slack_s = Σ_{k<=s} bwd_k``, one micro-batch's backward per stage), opt the optimizer
+  gradient reduction, overlapped with the stage's last backward and the pipeline drain
+  (``slack_s = Σ_{k<s} σ_k + ω_s``: 1F1B and GPipe σ = ω = one micro-batch's backward;
+  interleaved a chunk's, bwd/v; ZB the input-gradient passes of the earlier stages and
+  stage 0's last W, less the W's stage s deferred past its last B), opt the optimizer
   step and ag the ZeRO-1 parameter all-gather. With synchronous collectives (CPU
   runtimes) each stage reduces inside its own last backward tick and the lockstep ticks
   add the stages' reductions up: ``Σ_s rs_s + max_s (opt_s + ag_s)``.
@@ -31,6 +44,8 @@ Pure Python + NumPy; no jax import.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,14 +67,19 @@ from holmes_jax.planner.formulas import (
     exposed_tail,
     layer_activation_bytes,
     p2p_time,
-    pipeline_time,
+    pipeline_terms,
     reduce_scatter_time,
     ring_allreduce_time,
 )
-from holmes_jax.planner.memory import MemoryInputs, device_memory
+from holmes_jax.planner.memory import (
+    MemoryInputs,
+    buffer_depth,
+    device_memory,
+)
 from holmes_jax.planner.placement import StageHardware
 
 ENGINES = ("holmes_jax", "megatron")
+VIRTUAL_MAX = 4  # most chunks per device the memory tables are priced for (v·L slots)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -82,8 +102,9 @@ class RunSpec:
     # in-loop reductions add up instead of hiding behind each other (module doc).
     sync_collectives: bool = False
     # The implementation priced: "holmes_jax" (this trainer: a collective per parameter
-    # leaf, both shifts on every pipeline tick) or "megatron" (Megatron-LM, for the
-    # fidelity check: one flat gradient buffer, a send per micro-batch and direction).
+    # leaf, the layer weights sliced out of the stacked slots) or "megatron" (Megatron-LM,
+    # for the fidelity check: one flat gradient buffer, weights used in place). Both send
+    # each micro-batch once per stage boundary and direction.
     engine: str = "holmes_jax"
     memory_fraction: float = 0.9  # usable fraction of device memory
 
@@ -118,15 +139,24 @@ class StageCosts:
     microbatch_size: int
     compute: np.ndarray  # (p, L+1) fwd + bwd (+ recompute) seconds per micro-batch
     tensor: np.ndarray  # (p, L+1) tensor all-reduces per micro-batch
-    p2p: np.ndarray  # (p,) sends to the neighbours per micro-batch
-    fwd: np.ndarray  # (p, L+1) forward part of compute + tensor + p2p
-    bwd: np.ndarray  # (p, L+1) backward part
+    p2p: np.ndarray  # (p,) sends to the neighbours per micro-batch (all chunks)
+    shift_f: np.ndarray  # (p,) of which the forward sends (in fwd)
+    shift_b: np.ndarray  # (p,) and the backward ones (in bwd)
+    fwd: np.ndarray  # (p, L+1) forward part of compute + tensor + p2p (F)
+    bwd: np.ndarray  # (p, L+1) backward part (B + W)
+    weight: np.ndarray  # (p, L+1) the weight-gradient part W of bwd (zb defers it)
     reduce: np.ndarray  # (p, L+1) gradient reduction (may overlap the pipeline drain)
     optimizer: np.ndarray  # (p, L+1) optimizer step
     gather: np.ndarray  # (p, L+1) ZeRO-1 parameter all-gather
-    memory: np.ndarray  # (p, L+1) bytes per device
+    # (p, L+1) bytes per device whose largest slot group holds n layers: a stage's n
+    # layers (every stage pads to the largest), or with v chunks the largest chunk's n
+    # (every chunk pads to it: v·n slots per device).
+    memory: np.ndarray
     capacity: np.ndarray  # (p,) usable bytes per device
     islands: tuple[int, ...]  # island of each stage
+    p2p_bytes: tuple[float, ...] = ()  # per step across each boundary (all data ranks), wrap last
+    # the schedule-free memory breakdown the table came from (with_schedule re-prices it)
+    memory_base: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def tau(self) -> np.ndarray:
@@ -137,6 +167,26 @@ class StageCosts:
     def tail(self) -> np.ndarray:
         """(p, L+1) sync + optimizer after the stage's last backward, nothing overlapped."""
         return self.reduce + self.optimizer + self.gather
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per device (v; 1 but for the interleaved schedule)."""
+        return self.layout.virtual_stages
+
+    def fits(self) -> np.ndarray:
+        """(p, L+1) whether a stage may hold n layers in all: the engine pads every slot
+        group (stage, or chunk) to the largest one, so n fits only if every device fits
+        the largest group of the most even split of n (``⌈n/v⌉`` layers per chunk, and
+        every chunk needs >= 1 layer)."""
+        return self._fits
+
+    @functools.cached_property
+    def _fits(self) -> np.ndarray:
+        v, L = self.chunks, self.model.num_layers
+        every = (self.memory <= self.capacity[:, None]).all(axis=0)  # (L+1,) by group size
+        n = np.arange(L + 1)
+        ok = every[np.minimum(-(-n // v), L)] & (n >= v)
+        return np.broadcast_to(ok, self.memory.shape)
 
 
 def stage_costs(
@@ -159,7 +209,10 @@ def stage_costs(
     L, h, s, V = model.num_layers, model.hidden_size, model.seq_len, model.vocab_size
     n = np.arange(L + 1, dtype=np.float64)[None, :]  # (1, L+1)
     hw = list(hardware)
-    col = lambda f: np.array([f(x) for x in hw], dtype=np.float64)[:, None]
+    # (p, 1) columns of the stages' speeds: one pass over the hardware
+    fwd_rate, bwd_rate, mem_bw = np.array(
+        [(x.fwd_flops, x.bwd_flops, x.mem_bw) for x in hw], dtype=np.float64
+    ).T[:, :, None]
     first = np.zeros((p, 1))
     first[0] = 1.0
     last = np.zeros((p, 1))
@@ -167,7 +220,6 @@ def stage_costs(
 
     # Compute per device per micro-batch (the t tensor ranks split every matmul).
     lf, hf = layer_fwd_flops(model, b) / t, head_fwd_flops(model, b) / t
-    fwd_rate, bwd_rate = col(lambda x: x.fwd_flops), col(lambda x: x.bwd_flops)
     recompute = 1.0 if run.recompute else 0.0
     # Selective remat reruns the attention scores (q·kᵀ) and the element-wise ops.
     selective = 1.0 if run.remat == "selective" else 0.0
@@ -175,41 +227,42 @@ def stage_costs(
     # Element-wise work (norms, softmax, dropout, GELU, residuals) is memory bound: each
     # activation byte a layer stores is written in the forward, read and its gradient
     # written in the backward, and written again by a recomputed forward.
-    traffic = layer_activation_bytes(model, b, t, run.act_bytes) / col(lambda x: x.mem_bw)
+    traffic = layer_activation_bytes(model, b, t, run.act_bytes) / mem_bw
     layer_f = lf / fwd_rate + traffic
     layer_b = 2 * lf / bwd_rate + 2 * traffic + recompute * (lf / fwd_rate + traffic)
     layer_b = layer_b + selective * (scores_f / fwd_rate + traffic)
+    # The weight-gradient part W: the weight matmuls' gradients (the forward's matmul
+    # FLOPs; the attention scores have no weights). The rest of the backward is B.
+    layer_w = (lf - 2 * scores_f) / bwd_rate
     if run.engine == "holmes_jax":
         # The pipeline engine, per layer and micro-batch: the layer's weights are sliced out
         # of the stacked [slots, ...] array (read + write) in the forward and again in the
         # backward, and the backward adds the layer's gradient into its fp32 accumulator
         # (read + write). Megatron-LM uses weights in place and fuses the accumulation.
         weights = model.layer_params / t
-        mem_bw = col(lambda x: x.mem_bw)
         weight_slice = 2 * weights * run.param_bytes / mem_bw
+        accumulate = 2 * weights * run.grad_bytes / mem_bw
         layer_f = layer_f + weight_slice
-        layer_b = layer_b + weight_slice + 2 * weights * run.grad_bytes / mem_bw
+        layer_b = layer_b + weight_slice + accumulate
+        layer_w = layer_w + accumulate
     head_f, head_b = hf / fwd_rate, 2 * hf / bwd_rate
     compute = n * (layer_f + layer_b) + last * (head_f + head_b)
 
     # Tensor parallel: 2 all-reduces of [b, s, h] per layer forward, 2 backward, 2 more in
     # a recomputed forward; 1 for the vocab-parallel embedding.
     act = b * s * h * run.act_bytes
-    ar = col(lambda x: ring_allreduce_time(act, t, *x.tensor))
+    ar = ring_allreduce_time(act, t, *_paths(hw, "tensor")) + np.zeros((p, 1))
     tensor_f = n * 2 * ar + first * ar
     tensor_b = n * (2 + 2 * recompute) * ar
 
-    # Point-to-point: every tick (forward or backward) shifts activations s -> s+1 and
-    # gradients s -> s-1, each a [b, s, h] buffer; stage s waits for its slower link.
-    v = layout.virtual_stages  # every model chunk boundary sends
-    send = np.array([v * p2p_time(act, *x.send) if i < p - 1 else 0.0 for i, x in enumerate(hw)])
-    recv_grad = np.concatenate([[0.0], send[:-1]])  # stage s sends gradients over link s-1
-    if run.engine == "megatron":  # a send per micro-batch and direction
-        shift_f, shift_b = send, recv_grad
-    else:
-        shift_f = shift_b = 2 * np.maximum(send, recv_grad)  # both links, every tick
+    # Point-to-point: a micro-batch crosses each boundary once forward (its [b, s, h]
+    # activations, sent by the stage that ran the forward) and once backward (its input
+    # gradient); with v chunks, v times over the link s -> s+1 and v-1 times over the wrap
+    # link p-1 -> 0 (the last stage's chunk c feeds stage 0's chunk c+1).
+    shift_f, shift_b, p2p_bytes = _sends(layout, hw, act)
     fwd = n * layer_f + last * head_f + tensor_f + shift_f[:, None]
     bwd = n * layer_b + last * head_b + tensor_b + shift_b[:, None]
+    weight = n * layer_w + last * hf / bwd_rate
 
     # Parameters held by one device of each stage (tied head: a copy on the last stage).
     tie_copy = V * h if (model.tied_embeddings and p > 1) else 0
@@ -230,20 +283,15 @@ def stage_costs(
         # First and last stage all-reduce the tied embedding's gradient; under ZeRO-1 each
         # rank only its 1/d shard, after the data-parallel reduce-scatter.
         tie_bytes = V * h / t * run.grad_bytes / shards
-        tie = np.array([ring_allreduce_time(tie_bytes, 2, *x.tie) for x in hw])[:, None]
+        tie = ring_allreduce_time(tie_bytes, 2, *_paths(hw, "tie"))
         reduce = reduce + (first + last) * tie
     gather = np.zeros_like(params)
     if run.zero1 and d > 1:
-        gather = np.stack(
-            [
-                all_gather_time(params[i] * run.param_bytes, d, *x.gather_path, calls[i])
-                for i, x in enumerate(hw)
-            ]
-        )
+        gather = all_gather_time(params * run.param_bytes, d, *_paths(hw, "gather_path"), calls)
     touched = run.grad_bytes + 2 * run.optimizer_bytes + run.param_bytes  # read/write
-    optimizer = params / shards * touched / col(lambda x: x.mem_bw)
+    optimizer = params / shards * touched / mem_bw
 
-    memory = _memory_table(model, run, layout, b)
+    memory, memory_base = _memory_table(model, run, layout, b)
     return StageCosts(
         model=model,
         run=run,
@@ -252,14 +300,59 @@ def stage_costs(
         compute=compute,
         tensor=tensor_f + tensor_b,
         p2p=shift_f + shift_b,
+        shift_f=shift_f,
+        shift_b=shift_b,
         fwd=fwd,
         bwd=bwd,
+        weight=weight,
         reduce=reduce,
         optimizer=optimizer,
         gather=gather,
         memory=memory,
         capacity=np.array([x.memory_bytes for x in hw]),
         islands=tuple(x.island for x in hw),
+        p2p_bytes=p2p_bytes,
+        memory_base=memory_base,
+    )
+
+
+def _sends(layout: Layout, hw: list[StageHardware], act: float):
+    """Per stage, the forward and backward sends of one micro-batch (all its chunks), and
+    the bytes per step across each boundary (wrap link last)."""
+    p, v, t = layout.stages, layout.virtual_stages, layout.tensor
+    link = [p2p_time(act, *x.send) for x in hw[:-1]]  # link s -> s+1
+    # The wrap link: the last stage's path to stage 0 as one data replica's t slices see
+    # it (the tie path is per rank: t times the senders).
+    wrap = p2p_time(act, hw[-1].tie[0] * t, hw[-1].tie[1]) if v > 1 and p > 1 else 0.0
+    shift_f = np.array([v * link[i] if i < p - 1 else (v - 1) * wrap for i in range(p)])
+    shift_b = np.array([v * link[i - 1] if i > 0 else (v - 1) * wrap for i in range(p)])
+    crossings = [v] * (p - 1) + ([v - 1] if v > 1 else [])
+    m, d, r = layout.microbatches, layout.data, layout.replica
+    return shift_f, shift_b, tuple(2.0 * m * c * act * d * r for c in crossings)
+
+
+def with_schedule(
+    costs: StageCosts, layout: Layout, hardware: Sequence[StageHardware]
+) -> StageCosts:
+    """``costs`` re-priced for ``layout``, which differs only in its schedule and chunks:
+    the sends and the memory change, compute and collectives do not."""
+    old = costs.layout
+    same = (old.replica, old.stages, old.data, old.tensor, old.microbatches)
+    if same != (layout.replica, layout.stages, layout.data, layout.tensor, layout.microbatches):
+        raise ValueError(f"with_schedule: {layout} differs from {old} beyond its schedule")
+    m = costs.model
+    act = costs.microbatch_size * m.seq_len * m.hidden_size * costs.run.act_bytes
+    shift_f, shift_b, p2p_bytes = _sends(layout, list(hardware), act)
+    return dataclasses.replace(
+        costs,
+        layout=layout,
+        fwd=costs.fwd + (shift_f - costs.shift_f)[:, None],
+        bwd=costs.bwd + (shift_b - costs.shift_b)[:, None],
+        p2p=shift_f + shift_b,
+        shift_f=shift_f,
+        shift_b=shift_b,
+        p2p_bytes=p2p_bytes,
+        memory=_memory_table(m, costs.run, layout, costs.microbatch_size, costs.memory_base)[0],
     )
 
 
@@ -270,29 +363,90 @@ def _dp_reduce(
     all-reduce over ``data``; with replicas, then an all-reduce of the 1/d shards across
     islands."""
     d, r = layout.data, layout.replica
-    rows = []
-    for i, x in enumerate(hw):
-        g, c = grads[i], calls[i]
-        row = np.zeros_like(g)
-        if zero1 or r > 1:
-            row = row + reduce_scatter_time(g, d, *x.scatter_path, c)
-        else:
-            row = row + ring_allreduce_time(g, d, *x.data, c)
-        if r > 1:
-            row = row + ring_allreduce_time(g / d, r, *x.cross, c)
-            if not zero1:  # plain hierarchical all-reduce: gather the reduced shards back
-                row = row + all_gather_time(g, d, *x.gather_path, c)
-        rows.append(row)
-    return np.stack(rows)
+    out = np.zeros_like(grads)  # the collectives return a scalar 0 over one rank
+    if zero1 or r > 1:
+        out = out + reduce_scatter_time(grads, d, *_paths(hw, "scatter_path"), calls)
+    else:
+        out = out + ring_allreduce_time(grads, d, *_paths(hw, "data"), calls)
+    if r > 1:
+        out = out + ring_allreduce_time(grads / d, r, *_paths(hw, "cross"), calls)
+        if not zero1:  # plain hierarchical all-reduce: gather the reduced shards back
+            out = out + all_gather_time(grads, d, *_paths(hw, "gather_path"), calls)
+    return out
 
 
-def _memory_table(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> np.ndarray:
-    """(p, L+1) per-device peak bytes when each device holds n layer slots
-    (:func:`holmes_jax.planner.memory.device_memory`; a split pads every stage to its largest)."""
-    x = memory_inputs(model, run, layout, b)
-    n = np.arange(model.num_layers + 1, dtype=np.float64)
-    p = layout.stages
-    return np.stack([device_memory(x, n, last_stage=s == p - 1).peak for s in range(p)])
+def _paths(hw: list[StageHardware], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(p, 1) bandwidths and latencies of each stage's path ``name``."""
+    pairs = np.array([getattr(x, name) for x in hw], dtype=np.float64)
+    return pairs[:, :1], pairs[:, 1:]
+
+
+def _memory_table(
+    model: ModelSpec, run: RunSpec, layout: Layout, b: int, base: dict | None = None
+) -> tuple[np.ndarray, dict]:
+    """(p, L+1) per-device peak bytes when each device's largest slot group holds n layers
+    (:func:`holmes_jax.planner.memory.device_memory`; a split pads every stage, or with v
+    chunks every chunk, to its largest), and the schedule-free breakdown it came from
+    (``base``: pass it back to price another schedule of the same layout).
+
+    The breakdown is priced once for up to 4L slots under 1F1B's K residual sets; a
+    schedule changes only the residual sets in flight (``K`` =
+    :func:`holmes_jax.planner.memory.buffer_depth`; the residual bytes and activation
+    buffers scale with it) and the slots (v·n):
+
+    - interleaved: v·n layer slots; ``K_c`` chunk residual sets in flight, each of n layers.
+    - zb (ZB-H1): 1F1B's residual sets (a micro-batch keeps its residuals until its W,
+      and ZB-H1 keeps as many in flight as 1F1B), plus the deferred weight-gradient state:
+      for each micro-batch whose B ran but whose W has not, each layer's output cotangents
+      of its four matmuls (``b·s·(2h + 3h/t + f/t)·β``), at most
+      :func:`deferred_weight_sets` of them. Weight gradients are accumulated into the
+      fp32 accumulators as W runs (never stashed per micro-batch).
+    """
+    p, v, m, L = layout.stages, layout.virtual_stages, layout.microbatches, model.num_layers
+    if base is None or len(base[True].residuals) < v * L + 1:
+        plain = dataclasses.replace(layout, schedule="1f1b", virtual_stages=1)
+        x = memory_inputs(model, run, plain, b)
+        slots = np.arange(max(VIRTUAL_MAX, v) * L + 1, dtype=np.float64)
+        base = {last: device_memory(x, slots, last_stage=last) for last in (False, True)}
+        base["k"] = buffer_depth("1f1b", p, m)
+    k0, k = base["k"], buffer_depth(layout.schedule, p, m, v)
+    n = np.arange(L + 1)
+    extra = 0.0
+    if layout.schedule == "zb":
+        h, f, t = model.hidden_size, model.mlp_size, layout.tensor
+        cot = b * model.seq_len * (2 * h + 3 * h / t + f / t) * run.act_bytes
+        extra = deferred_weight_sets(p, m) * n * cot
+    peaks = {}
+    for last in (False, True):
+        br = base[last]
+        # a field by layer slots (v·n of them); the ones that do not grow with slots as is
+        at = lambda field, br=br: _by_slots(getattr(br, field), v * n)  # noqa: E731
+        per_set = _by_slots(br.residuals, 1) / k0  # one residual set of one layer
+        act = _by_slots(br.buffers, 0) / (6 + k0)  # one activation buffer
+        row = dataclasses.replace(
+            br,
+            params=at("params"),
+            optimizer=at("optimizer"),
+            grads=at("grads"),
+            residuals=k * n * per_set,
+            buffers=(6 + k) * act + extra,
+            working=at("working"),
+            update=at("update"),
+        )
+        peaks[last] = row.peak
+    return np.stack([peaks[st == p - 1] for st in range(p)]), base
+
+
+def _by_slots(value, slots):
+    """``value`` (a scalar or an array over slot counts) at ``slots``."""
+    return value[slots] if np.ndim(value) else value
+
+
+def deferred_weight_sets(stages: int, microbatches: int) -> int:
+    """Weight-gradient stashes (B done, W not yet) on the busiest device of ZB-H1
+    (:attr:`holmes_jax.planner.schedule.Schedule.stash_slots`): stage s defers up to s
+    W's and stashes its current B's, so the last stage holds ``min(p, m)``."""
+    return min(stages, microbatches)
 
 
 def memory_inputs(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> MemoryInputs:
@@ -330,10 +484,61 @@ class Prediction:
     tflops_per_device: float  # hardware FLOPs (Megatron's formula when recomputing)
     model_tflops_per_device: float  # model FLOPs (no recompute)
     samples_per_s: float
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    stage_weight_s: tuple[float, ...] = ()  # the weight-gradient part W of stage_bwd_s
+    bubble_fraction: float = 0.0  # idle share of the stages' pipeline time
+    p2p_bytes: tuple[float, ...] = ()  # per step across each stage boundary (wrap last)
 
     @property
     def fits(self) -> bool:
         return all(m <= c for m, c in zip(self.memory_gb, self.memory_limit_gb, strict=True))
+
+
+def schedule_terms(costs: StageCosts) -> tuple[np.ndarray, ...]:
+    """The schedule's per-stage tables ``(h, g, σ, ω)``, each (p, L+1) by the stage's layers.
+
+    Pipeline makespan ``Σ_s h_s + max_s g_s``
+    (:func:`holmes_jax.planner.formulas.pipeline_terms`); the reduction of stage s hides
+    behind ``slack_s = Σ_{k<s} σ_k + ω_s`` (:func:`holmes_jax.planner.formulas.exposed_tail`).
+    """
+    lay = costs.layout
+    f, b, w = costs.fwd, costs.bwd, costs.weight
+    h, g = pipeline_terms(
+        lay.schedule, f, b - w, w, lay.microbatches, lay.stages, lay.virtual_stages
+    )
+    v = lay.virtual_stages
+    if lay.schedule == "zb":
+        # ZB-H1 fills the drain with deferred W's: stage 0 ends with its last B and W; stage
+        # s >= 1 ends with its last B and up to min(s, m−1) deferred W's after it, so its
+        # reduction hides behind Σ_{k<s} B_k + W_0 − min(s, m−1)·W_s (its own last W
+        # included).
+        sigma = b - w
+        sigma[0] = b[0]
+        d = np.minimum(np.arange(lay.stages), lay.microbatches - 1)[:, None]
+        omega = -d * w
+        omega[0] = w[0]
+    else:  # the last (chunk's) backward propagates to stage 0 after stage s's
+        sigma = omega = b / v
+    return h, g, sigma, omega
+
+
+def stage_totals(split: Sequence[int], stages: int, chunks: int) -> list[int]:
+    """Layers on each stage of a split with one entry per virtual stage (chunk c of stage s
+    is entry ``c·stages + s``)."""
+    return [sum(split[c * stages + s] for c in range(chunks)) for s in range(stages)]
+
+
+def even_chunks(totals: Sequence[int], chunks: int) -> list[int]:
+    """The split with ``chunks`` chunks per stage, each stage's layers as even as possible
+    (the first chunks one more), in virtual-stage order."""
+    stages = len(totals)
+    out = [0] * (stages * chunks)
+    for s, n in enumerate(totals):
+        q, r = divmod(int(n), chunks)
+        for c in range(chunks):
+            out[c * stages + s] = q + (1 if c < r else 0)
+    return out
 
 
 def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
@@ -341,27 +546,37 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
 
     Args:
       costs: tables from :func:`stage_costs`.
-      layers_per_stage: one count per stage, each >= 1, summing to L.
+      layers_per_stage: one count per stage, each >= 1, summing to L; with v chunks per
+        device one per virtual stage (chunk c of stage s is entry ``c·p + s``). Time
+        depends on each stage's total; memory on the largest entry (every chunk pads to it).
 
     Returns:
       :class:`Prediction` whose breakdown has compute, tensor_comm, p2p (the bottleneck
-      stage's m micro-batches), bubble (the other stages' fill and drain), grad_sync
+      stage's m micro-batches), bubble (the rest of the pipeline: fill and drain), grad_sync
       (exposed gradient reduction + parameter all-gather) and optimizer.
 
     Raises:
       ConfigError: a split with the wrong length, an empty stage or the wrong total.
     """
-    split = check_split(layers_per_stage, costs.layout.stages, costs.model.num_layers)
-    idx = (np.arange(len(split)), np.array(split))
+    lay = costs.layout
+    p, v = lay.stages, lay.virtual_stages
+    split = check_split(layers_per_stage, p, costs.model.num_layers, v)
+    totals = stage_totals(split, p, v)
+    idx = (np.arange(p), np.array(totals))
     fwd, bwd = costs.fwd[idx], costs.bwd[idx]
     tau = fwd + bwd
-    m = costs.layout.microbatches
-    v = costs.layout.virtual_stages
-    pipe = pipeline_time(tau, m, v)
+    m = lay.microbatches
+    h, g, sigma, omega = (x[idx] for x in schedule_terms(costs))
+    pipe = float(h.sum() + g.max())
     after = costs.optimizer[idx] + costs.gather[idx]
     run = costs.run
     tail, s_tail = exposed_tail(
-        costs.reduce[idx], after, bwd, run.overlap_grad_sync, sync=run.sync_collectives
+        costs.reduce[idx],
+        after,
+        sigma,
+        run.overlap_grad_sync,
+        sync=run.sync_collectives,
+        own_s=omega,
     )
     step = pipe + tail
     k = int(np.argmax(tau))
@@ -370,11 +585,11 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
         "compute": m * float(costs.compute[idx][k]),
         "tensor_comm": m * float(costs.tensor[idx][k]),
         "p2p": m * float(costs.p2p[k]),
-        "bubble": float(tau.sum() - tau[k]) / v,
+        "bubble": pipe - m * float(tau[k]),
         "grad_sync": float(tail - opt),
         "optimizer": opt,
     }
-    n_dev = costs.layout.num_devices
+    n_dev = lay.num_devices
     batch = costs.run.global_batch_size
     hw_flops = iteration_flops(costs.model, batch, costs.run.remat)
     model_flops = iteration_flops(costs.model, batch, False)
@@ -389,19 +604,28 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
         tflops_per_device=float(hw_flops / n_dev / step / 1e12),
         model_tflops_per_device=float(model_flops / n_dev / step / 1e12),
         samples_per_s=float(batch / step),
+        schedule=lay.schedule,
+        virtual_stages=v,
+        stage_weight_s=tuple(float(x) for x in costs.weight[idx]),
+        bubble_fraction=float(1.0 - m * tau.sum() / (p * pipe)),
+        p2p_bytes=costs.p2p_bytes,
     )
 
 
-def check_split(layers_per_stage: Sequence[int], stages: int, num_layers: int) -> list[int]:
-    """Validate a split: one count >= 1 per stage, summing to the layer count.
+def check_split(
+    layers_per_stage: Sequence[int], stages: int, num_layers: int, chunks: int = 1
+) -> list[int]:
+    """Validate a split: one count >= 1 per stage (per virtual stage with ``chunks`` > 1),
+    summing to the layer count.
 
     Raises:
       ConfigError: naming the split and the rule it breaks.
     """
     split = [int(x) for x in layers_per_stage]
-    if len(split) != stages:
+    if len(split) != stages * chunks:
+        what = "stage" if chunks == 1 else f"stage x virtual stage ({stages} x {chunks})"
         raise ConfigError(
-            f"parallel.layers_per_stage={split}: needs one entry per stage (stages={stages})"
+            f"parallel.layers_per_stage={split}: needs one entry per {what} (stages={stages})"
         )
     if min(split) < 1:
         raise ConfigError(f"parallel.layers_per_stage={split}: every stage needs >= 1 layer")

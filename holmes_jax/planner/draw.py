@@ -1,68 +1,98 @@
 """A plan drawn: the pipeline schedule as a timeline per stage, and the topology.
 
-:func:`simulate_schedule` runs a GPipe or 1F1B pipeline event by event on the predicted
-per-stage times; :func:`draw_plan` draws it with the islands, hosts and links (what
+:func:`simulate_table` runs a schedule's tables (:mod:`holmes_jax.planner.schedule`) event
+by event with each op's own duration; :func:`simulate_schedule` does it with the cost
+model's per-stage times of one micro-batch (every schedule: GPipe, 1F1B, interleaved,
+ZB-H1); :func:`draw_plan` draws it with the islands, hosts and links (what
 ``python -m holmes_jax.plan --png`` writes; needs matplotlib). No jax import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.cost import stage_totals
 from holmes_jax.planner.placement import stage_blocks
+from holmes_jax.planner.schedule import BWD, FWD, IDLE, WGT, Schedule, make_schedule
 from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology
 
+_KIND = {FWD: "F", BWD: "B", WGT: "W"}
 
-def simulate_schedule(
-    fwd: Sequence[float], bwd: Sequence[float], microbatches: int, schedule: str = "1f1b"
-) -> list[tuple[int, str, int, float, float]]:
-    """Event-driven run of a GPipe or 1F1B pipeline.
+
+def simulate_table(
+    sched: Schedule, duration: Callable[[int, int, int], float]
+) -> list[tuple[int, str, int, int, float, float]]:
+    """Run each stage's table order back to back, every op as soon as its input exists.
+
+    Dependencies: F after the previous virtual stage's F of the same micro-batch, B after
+    the next virtual stage's B (the last virtual stage's after its own F), W after its own
+    B; a stage runs one op at a time, in its table order. Transfers are inside the
+    durations (the cost model charges each send to the op that sends it). The makespan is
+    :func:`holmes_jax.planner.schedule.simulate_makespan`'s.
 
     Args:
-      fwd, bwd: per-stage time of one micro-batch's forward and backward.
-      microbatches: m.
-      schedule: ``gpipe`` (all forwards, then backwards in reverse) or ``1f1b`` (stage s
-        runs p−s−1 warm-up forwards, then alternates one forward and one backward).
+      sched: the tables.
+      duration: ``duration(stage, op, chunk)`` seconds (op FWD, BWD or WGT).
 
     Returns:
-      Events ``(stage, "F" | "B", microbatch, start, end)``; the last end is the makespan
-      (``Σ τ + (m−1)·max τ`` for equal stages).
+      Events ``(stage, "F" | "B" | "W", micro-batch, chunk, start, end)``.
     """
-    p, m = len(fwd), microbatches
-    orders = []
-    for s in range(p):
-        if schedule == "gpipe":
-            ops = [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-        else:
-            warm = min(p - s - 1, m)
-            ops = [("F", i) for i in range(warm)]
-            for i in range(m - warm):
-                ops += [("F", warm + i), ("B", i)]
-            ops += [("B", i) for i in range(m - warm, m)]
-        orders.append(ops)
-    done: dict[tuple[int, str, int], float] = {}
-    free, nxt, events = [0.0] * p, [0] * p, []
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while nxt[s] < len(orders[s]):
-                kind, i = orders[s][nxt[s]]
-                dep = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
-                if kind == "B" and s == p - 1:
-                    dep = (s, "F", i)
-                if (kind == "F" and s == 0) or dep in done:
-                    start = max(free[s], done.get(dep, 0.0))
-                    end = start + (fwd[s] if kind == "F" else bwd[s])
-                    done[(s, kind, i)] = free[s] = end
-                    events.append((s, kind, i, start, end))
-                    nxt[s] += 1
-                    progress = True
-                else:
-                    break
+    S, v = sched.stages, sched.virtual
+    done: dict[tuple[int, int, int], float] = {}
+    free = [0.0] * S
+    events = []
+    for t in range(sched.ticks):  # the tables order every op after its inputs
+        for s in range(S):
+            op = int(sched.op[t, s])
+            if op == IDLE:
+                continue
+            i, c = int(sched.mb[t, s]), int(sched.chunk[t, s])
+            vs = c * S + s
+            if op == FWD:
+                ready = done[(FWD, i, vs - 1)] if vs > 0 else 0.0
+            elif op == BWD:
+                ready = done[(BWD, i, vs + 1)] if vs < S * v - 1 else done[(FWD, i, vs)]
+            else:
+                ready = done[(BWD, i, vs)]
+            start = max(free[s], ready)
+            free[s] = done[(op, i, vs)] = start + duration(s, op, c)
+            events.append((s, _KIND[op], i, c, start, free[s]))
     return events
+
+
+def simulate_schedule(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    weight: Sequence[float] | None = None,
+) -> list[tuple[int, str, int, float, float]]:
+    """Event-driven run of a pipeline schedule on per-stage times of one micro-batch.
+
+    Args:
+      fwd, bwd: per-stage time of one micro-batch's forward and backward (all chunks of
+        the stage; each chunk takes 1/v of it).
+      microbatches: m.
+      schedule: ``gpipe``, ``1f1b``, ``interleaved`` (with ``virtual_stages`` chunks) or
+        ``zb`` (the backward split into B = bwd − weight and the deferred W = weight).
+      weight: per-stage weight-gradient part of ``bwd`` (zb; default a half).
+
+    Returns:
+      Events ``(stage, "F" | "B" | "W", micro-batch, start, end)``; the last end is the
+      makespan (``Σ τ + (m−1)·max τ`` for equal 1F1B stages).
+    """
+    v = virtual_stages
+    sched = make_schedule(schedule, len(fwd), microbatches, v)
+    w = [b / 2 for b in bwd] if weight is None else list(weight)
+    if sched.split_backward:
+        times = {FWD: list(fwd), BWD: [b - x for b, x in zip(bwd, w, strict=True)], WGT: w}
+    else:
+        times = {FWD: [f / v for f in fwd], BWD: [b / v for b in bwd]}
+    events = simulate_table(sched, lambda s, op, c: times[op][s])
+    return [(s, k, i, start, end) for s, k, i, _, start, end in events]
 
 
 def host_stage_labels(plan: Plan, topology: Topology) -> dict[tuple[int, int], list[str]]:
@@ -99,8 +129,15 @@ def draw_plan(plan: Plan, topology: Topology, path: str) -> None:
     pr, lay = plan.prediction, plan.layout
     fig = Figure(figsize=(12, 4 + 0.35 * lay.stages))
     ax, topo_ax = fig.subplots(2, 1, height_ratios=[max(2, lay.stages), 3])
-    colors = {"F": "#4C72B0", "B": "#DD8452"}
-    events = simulate_schedule(pr.stage_fwd_s, pr.stage_bwd_s, lay.microbatches, lay.schedule)
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    events = simulate_schedule(
+        pr.stage_fwd_s,
+        pr.stage_bwd_s,
+        lay.microbatches,
+        lay.schedule,
+        lay.virtual_stages,
+        pr.stage_weight_s or None,
+    )
     end = max(e[4] for e in events)
     for s, kind, _, start, stop in events:
         ax.broken_barh(
@@ -109,15 +146,19 @@ def draw_plan(plan: Plan, topology: Topology, path: str) -> None:
     tail = pr.breakdown["grad_sync"] + pr.breakdown["optimizer"]
     ax.broken_barh([(end, tail)], (-0.5, lay.stages), color="#BBBBBB")
     ax.set_yticks(range(lay.stages))
-    ax.set_yticklabels(
-        [f"{s}: {plan.stage_islands[s]} ({n}L)" for s, n in enumerate(plan.layers_per_stage)]
-    )
+    totals = stage_totals(plan.layers_per_stage, lay.stages, lay.virtual_stages)
+    ax.set_yticklabels([f"{s}: {plan.stage_islands[s]} ({n}L)" for s, n in enumerate(totals)])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds (blue forward, orange backward, grey gradient sync + optimizer)")
+    ax.set_xlabel(
+        "seconds (blue forward, orange backward"
+        + (", green weight gradient" if lay.schedule == "zb" else "")
+        + ", grey gradient sync + optimizer)"
+    )
     ax.set_title(
         f"{plan.method} plan: replica {lay.replica} x stage {lay.stages} x data "
         f"{lay.data} x tensor {lay.tensor}, {lay.microbatches} micro-batches, "
-        f"{lay.schedule}; predicted step {pr.step_s:.3g} s"
+        f"{lay.schedule}{f' v{lay.virtual_stages}' if lay.virtual_stages > 1 else ''}; "
+        f"predicted step {pr.step_s:.3g} s"
     )
     nic_color = {"infiniband": "#55A868", "roce": "#8172B2", "ethernet": "#C44E52"}
     width = 1.0 / len(topology.islands)

@@ -7,7 +7,8 @@ calls (one collective per parameter leaf, as the trainer issues them).
 - ring all-reduce ``2(n−1)/n·S/B + c·2(n−1)·α``; reduce-scatter and all-gather each half;
   hierarchical: reduce-scatter inside, all-reduce the 1/n_inner shards across, all-gather;
 - pipeline (GPipe, 1F1B) ``Σ τ_s + (m−1)·max τ_s``; interleaved with v chunks per device
-  ``m·max τ_s + (Σ τ_s − max τ_s)/v``;
+  ``m·max τ_s + (Σ τ_s − max τ_s)/v``; every schedule as ``Σ_s h_s + max_s g_s``
+  (:func:`pipeline_terms`, ZB-H1 included);
 - the iteration's tail past the pipeline (:func:`exposed_tail`);
 - a layer's stored activations (Korthikanti et al. 2022, :func:`layer_activation_bytes`).
 
@@ -83,29 +84,73 @@ def pipeline_time(
     return float(microbatches * peak + (sum(stage_times) - peak) / virtual_stages)
 
 
+def pipeline_terms(
+    schedule: str,
+    fwd: np.ndarray,
+    bwd_input: np.ndarray,
+    weight: np.ndarray,
+    microbatches: int,
+    stages: int,
+    virtual_stages: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-stage ``(h, g)`` with pipeline makespan ``Σ_s h_s + max_s g_s``.
+
+    F, B, W are one micro-batch's forward, input-gradient and weight-gradient times of a
+    stage (any array shape; each stage's chunks together), τ = F + B + W, m micro-batches,
+    p stages, v chunks:
+
+    - ``gpipe``, ``1f1b``: ``h = τ``, ``g = (m−1)·τ``: ``Σ τ + (m−1)·max τ``.
+    - ``interleaved``, m >= p: ``h = τ/v``, ``g = (m − 1/v)·τ``: ``m·max τ + (Σ τ − max τ)/v``;
+      m < p (groups of m micro-batches): ``h = τ``, ``g = (m−1)·τ/v``.
+    - ``zb`` (ZB-H1), m >= p: ``h = τ − 2W``, ``g = (m−1)·τ + 2W``; for equal stages
+      ``m·τ + (p−1)(F + B − W)`` (Qi et al. 2023); m < p (too few micro-batches to defer
+      every W into the drain): ``h = F + B``, ``g = (m−1)(F + B) + W``.
+
+    Exact against the schedule tables (:func:`holmes_jax.planner.schedule.simulate_makespan`)
+    for equal stages, and for GPipe on uneven ones; for 1F1B on uneven stages an upper
+    bound (the bottleneck stage's warm-up forwards partly cover the first micro-batch's
+    round trip through the stages behind it), interleaved and ZB-H1 within 15% both ways
+    for speeds within 4x; ``tests/planner/test_schedule_cost.py``.
+    """
+    m, p, v = microbatches, stages, virtual_stages
+    tau = fwd + bwd_input + weight
+    if schedule == "interleaved":
+        if m >= p:
+            return tau / v, (m - 1 / v) * tau
+        return tau, (m - 1) * tau / v
+    if schedule == "zb":
+        if m >= p:
+            return tau - 2 * weight, (m - 1) * tau + 2 * weight
+        return fwd + bwd_input, (m - 1) * (fwd + bwd_input) + weight
+    return tau, (m - 1) * tau
+
+
 def exposed_tail(
     reduce_s: Sequence[float],
     after_s: Sequence[float],
     bwd_s: Sequence[float],
     overlap: bool,
     sync: bool = False,
+    own_s: Sequence[float] | None = None,
 ) -> tuple[float, int]:
     """Time the iteration runs past the pipeline, and the stage that sets it.
 
     Stage s finishes its last backward ``Σ_{k<s} bwd_k`` before the pipeline ends, and its
-    reduction can start layer by layer during that last backward, so with ``overlap`` it
-    hides behind ``slack_s = Σ_{k<=s} bwd_k``; then ``after_s`` (optimizer step +
-    parameter all-gather) follows. With ``sync`` (collectives that block the device) each
-    stage reduces inside its own lockstep tick, so the reductions add up:
-    ``Σ_s reduce_s + max_s after_s``.
+    reduction can start layer by layer during that last backward (``own_s``, default
+    ``bwd_s``), so with ``overlap`` it hides behind ``slack_s = Σ_{k<s} bwd_k + own_s``;
+    then ``after_s`` (optimizer step + parameter all-gather) follows. With ``sync``
+    (collectives that block the device) each stage reduces inside its own lockstep tick,
+    so the reductions add up: ``Σ_s reduce_s + max_s after_s``.
     """
     if sync:
         arg = int(np.argmax(after_s))
         return float(np.sum(reduce_s) + after_s[arg]), arg
-    slack, best, arg = 0.0, -math.inf, 0
+    own = bwd_s if own_s is None else own_s
+    prefix, best, arg = 0.0, -math.inf, 0
     for s, (red, after) in enumerate(zip(reduce_s, after_s, strict=True)):
-        slack += bwd_s[s]
+        slack = prefix + own[s]
+        prefix += bwd_s[s]
         tail = max(0.0, red - (slack if overlap else 0.0)) + after
         if tail > best:
             best, arg = tail, s
-    return best, arg
+    return float(best), arg

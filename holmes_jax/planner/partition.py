@@ -7,15 +7,17 @@ every stage >= 1 layer):
 - ``holmes``: the Holmes paper's rule, layers in proportion to stage speed, where a
   stage's speed is 1 / (its busy time per layer per iteration: m micro-batches of
   compute and communication plus its share of gradient sync over its island's NIC).
-- ``optimal``: exact dynamic programme over contiguous splits. Bottleneck form
-  ``F[s][j] = min_i max(F[s−1][i], cost(i..j, s))`` in O(p·L²); the bubble-aware form
-  minimises ``Σ τ_s + (m−1)·max τ_s`` by enumerating the bottleneck value T (each T a
-  min-sum DP over stage costs <= T), stopping once ``f_∞ + (m−1)·T`` cannot win.
-  Memory limits mask infeasible (stage, layer count) pairs (:func:`slot_fits`). Gradient
-  sync enters through a cap G on each stage's post-pipeline tail (reduction + optimizer +
-  all-gather), enumerated the same way, so the DP minimises ``pipeline + max_s tail_s``
-  exactly; the candidates are then ranked by :func:`holmes_jax.planner.cost.predict`,
-  which also credits the overlap of the reduction with the pipeline drain.
+- ``optimal``: the split whose :func:`holmes_jax.planner.cost.predict` step is the least
+  of all compositions that fit in memory, exactly (:func:`optimal_split`; the search
+  itself, a label-correcting DP with branch and bound over each stage's layer total, is
+  :mod:`holmes_jax.planner.exact`'s). With v chunks per device each stage's total is cut
+  into even chunks, which price the same and need the least memory. The earlier
+  bubble-aware forms stay as building blocks: bottleneck
+  ``F[s][j] = min_i max(F[s−1][i], cost(i..j, s))`` and min-sum DPs in O(p·L²), and
+  ``Σ τ_s + (m−1)·max τ_s`` by enumerating the bottleneck (:func:`pipeline_split`).
+  Memory limits mask infeasible (stage, layer count) pairs (:func:`slot_fits`).
+  ``tests/planner/test_optimal.py`` checks exactness against brute force on 500 random
+  instances.
 
 Which placement to split, and the plans built from the splits, are
 :mod:`holmes_jax.planner.search`'s. Pure Python + NumPy; no jax import.
@@ -29,10 +31,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.cost import StageCosts, predict
-
-_MAX_CAPS = 256  # safety bound on enumerated sync caps per solve
-
+from holmes_jax.planner.cost import StageCosts, even_chunks, stage_totals
+from holmes_jax.planner.exact import exact_totals, least_sums, split_value, step_tables, walk_split
 
 # --------------------------------------------------------------------------- simple rules
 
@@ -65,7 +65,10 @@ def holmes_split(costs: StageCosts) -> list[int]:
     L, m = costs.model.num_layers, costs.layout.microbatches
     busy = m * costs.tau + costs.tail  # (p, L+1) per-iteration busy time of each stage
     per_layer = (busy[:, L] - busy[:, 0]) / L
-    return proportional_split(L, list(1.0 / per_layer))
+    v = costs.chunks  # interleaved: every chunk in proportion to its stage's speed
+    return proportional_split(
+        L, [1.0 / per_layer[s] for _ in range(v) for s in range(len(per_layer))]
+    )
 
 
 # --------------------------------------------------------------------------- exact DP
@@ -174,47 +177,62 @@ def _dp(cube: np.ndarray, combine) -> tuple[float, list[int] | None]:
 
 
 def slot_fits(costs: StageCosts) -> np.ndarray:
-    """(p, L+1) whether a stage may hold n layers: the engine pads every stage to the
-    largest one, so n layers fit only if *every* device fits n layer slots."""
-    every = (costs.memory <= costs.capacity[:, None]).all(axis=0)
-    return np.broadcast_to(every, costs.memory.shape)
+    """(p, L+1) whether a stage may hold n layers in all: the engine pads every stage (or
+    chunk) to the largest one, so n layers fit only if *every* device fits the largest
+    slot group of the most even split of n (:meth:`StageCosts.fits`)."""
+    return costs.fits()
 
 
-def optimal_split(costs: StageCosts) -> list[int] | None:
-    """Exact memory-feasible split minimising ``pipeline + max_s tail_s``.
+def optimal_split(costs: StageCosts, cutoff: float = math.inf) -> list[int] | None:
+    """Exact memory-feasible split minimising the step :func:`predict` reports.
+
+    The stages' layer totals come from :func:`holmes_jax.planner.exact.exact_totals` on
+    :func:`holmes_jax.planner.exact.step_tables` (which price a split exactly as
+    ``predict`` does), started with the best of the uniform, holmes, least-Σh and
+    least-max-g splits as incumbent; with v chunks per device each
+    stage's layers are cut as evenly as possible (:func:`~holmes_jax.planner.cost.even_chunks`:
+    time depends only on the totals, memory on the largest chunk, which the even cut
+    minimises).
+
+    Args:
+      costs: the placement's tables.
+      cutoff: a step the caller already has (the search's best plan so far): splits not
+        below it need not be found, so the exact search only runs for a better one and
+        otherwise the best seed split comes back (None if none fits).
 
     Returns:
-      The split with the lowest :func:`~holmes_jax.planner.cost.predict` step time among the
-      enumerated optima (and the uniform and holmes splits when they fit), or None when
-      no split fits in memory.
+      One entry per virtual stage (per stage but for interleaved), or None when no split
+      fits in memory.
     """
-    m = costs.layout.microbatches
-    fits = slot_fits(costs)
-    tau = np.where(fits, costs.tau, np.inf)
-    tail = np.where(fits, costs.tail, np.inf)
-    cube, tail_cube = cost_cube(tau), cost_cube(tail)
-    g_min, _ = bottleneck_split(tail_cube)
-    caps = np.unique(tail[np.isfinite(tail) & (tail >= g_min)])
-    # The solution under cap G stays optimal for every cap down to its own max tail g, so
-    # jump straight to the next cap below g; later caps cost >= this pipeline + g_min.
-    candidates, best, masked = [], math.inf, cube
-    for _ in range(_MAX_CAPS):
-        val, split = pipeline_split(masked, m)
-        if split is None:
-            break
-        g = max(_stage_values(tail_cube, split))
-        candidates.append(split)
-        best = min(best, val + g)
-        below = np.searchsorted(caps, g) - 1  # index of the largest cap < g
-        if val + g_min >= best or below < 0:
-            break
-        masked = np.where(tail_cube <= caps[below], cube, np.inf)
-    if not candidates:
+    tables = step_tables(costs)
+    v = costs.chunks
+    best, best_totals = math.inf, None
+    h, g = tables["h"], tables["g"]
+    least = [least_sums(h), least_sums(np.where(np.isfinite(h), g, np.inf), np.maximum)]
+    more = [walk_split(arg) for value, arg in least if np.isfinite(value[0, 0])]
+    for totals in _seed_totals(costs, more):
+        val = split_value(tables, totals)
+        if val < best:
+            best, best_totals = val, totals
+    val, totals = exact_totals(tables, min(best, cutoff))
+    if totals is not None and val < best:
+        best_totals = totals
+    if best_totals is None:
         return None
-    # predict() also credits the reduction's overlap with the drain, which the DP bounds
-    # from above; ranking by it, the baselines join so optimal is never predicted worse.
-    L, p = costs.model.num_layers, costs.layout.stages
-    for split in (uniform_split(L, p), holmes_split(costs)):
-        if all(fits[s, n] for s, n in enumerate(split)):
-            candidates.append(split)
-    return min(candidates, key=lambda sp: predict(costs, sp).step_s)
+    return even_chunks(best_totals, v) if v > 1 else list(best_totals)
+
+
+def _seed_totals(costs: StageCosts, more: list[list[int]]) -> list[list[int]]:
+    """Cheap splits whose best value starts the exact search as incumbent: uniform,
+    holmes and ``more`` (the least-Σ h and least-max-g splits)."""
+    p, L = costs.layout.stages, costs.model.num_layers
+    out = []
+    v = costs.chunks
+    if p * v <= L:
+        out.append(stage_totals(uniform_split(L, p * v), p, v))
+        try:
+            out.append(stage_totals(holmes_split(costs), p, v))
+        except ConfigError:
+            pass
+    fits = costs.fits()
+    return [sp for sp in out + more if all(n >= 1 and fits[s, n] for s, n in enumerate(sp))]

@@ -17,7 +17,7 @@ from typing import Any
 
 from holmes_jax.core.config import check_devices
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import REMAT_POLICIES, Degrees, ModelSpec
+from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, Degrees, ModelSpec
 from holmes_jax.planner.cost import Prediction, RunSpec, memory_inputs, predict, stage_costs
 from holmes_jax.planner.memory import MemoryInputs
 from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
@@ -26,6 +26,7 @@ from holmes_jax.planner.search import (
     Plan,
     best_policy_plan,
     plan_for_layout,
+    schedule_layouts,
     search_plan,
 )
 from holmes_jax.planner.topology import Topology, single_host_topology
@@ -93,8 +94,8 @@ def make_plan(
     """
     model, run = specs_from_config(cfg)
     par = cfg.parallel
-    if not keep_degrees:  # everything open: degrees, micro-batches, activation policy
-        return search_plan(
+    if not keep_degrees:  # everything open: degrees, micro-batches, schedule, policy
+        plan = search_plan(
             topology,
             model,
             run,
@@ -102,13 +103,58 @@ def make_plan(
             schedule=par.schedule,
             calibration=calibration,
             remats=REMAT_POLICIES,
+            schedules=SCHEDULES,
         )
-    per = par.replica * par.stages * par.tensor
-    data = par.data or topology.num_devices // per
-    layout = par.layout(Degrees(par.stages, data, par.tensor, par.replica))
-    if cfg.model.remat == "auto":
-        return best_policy_plan(topology, model, run, layout, method, calibration)
-    return plan_for_layout(topology, model, run, layout, method, calibration)
+    else:
+        per = par.replica * par.stages * par.tensor
+        data = par.data or topology.num_devices // per
+        layout = par.layout(Degrees(par.stages, data, par.tensor, par.replica))
+        if cfg.model.remat == "auto":
+            plan = best_policy_plan(topology, model, run, layout, method, calibration)
+        else:
+            plan = plan_for_layout(topology, model, run, layout, method, calibration)
+    by = schedule_alternatives(topology, model, run, plan, method, calibration)
+    return dataclasses.replace(plan, by_schedule=by)
+
+
+def schedule_alternatives(
+    topology: Topology,
+    model: ModelSpec,
+    run: RunSpec,
+    plan: Plan,
+    method: str = "optimal",
+    calibration: Calibration | None = None,
+) -> dict[str, dict | None]:
+    """The best plan of every schedule on ``plan``'s degrees, micro-batches and activation
+    policy (interleaved: the best v), as ``{schedule: {virtual_stages, layers_per_stage,
+    predicted_step_s, bubble_fraction, fits_in_memory}}``; None where the schedule cannot
+    run those degrees or nothing fits."""
+    run = dataclasses.replace(run, remat=plan.remat)
+    out: dict[str, dict | None] = {}
+    for name in SCHEDULES:
+        best = None
+        base = dataclasses.replace(plan.layout, schedule="1f1b", virtual_stages=1)
+        for layout in schedule_layouts(base, model.num_layers, (name,)):
+            try:
+                alt = plan_for_layout(topology, model, run, layout, method, calibration)
+            except ConfigError:
+                continue
+            if alt.prediction.fits and (
+                best is None or alt.predicted_step_s < best.predicted_step_s
+            ):
+                best = alt
+        out[name] = (
+            None
+            if best is None
+            else {
+                "virtual_stages": best.layout.virtual_stages,
+                "layers_per_stage": list(best.layers_per_stage),
+                "predicted_step_s": best.predicted_step_s,
+                "bubble_fraction": best.prediction.bubble_fraction,
+                "fits_in_memory": best.prediction.fits,
+            }
+        )
+    return out
 
 
 def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
@@ -134,15 +180,19 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
         (see :func:`holmes_jax.planner.search.plan_for_layout`).
     """
     par = cfg.parallel
+    if par.schedule == "auto":
+        cfg = _resolve_schedule(cfg, shape, topology)
+        par = cfg.parallel
     lps, remat = par.layers_per_stage, cfg.model.remat
     L, S = cfg.model.num_layers, shape.stages
     if isinstance(lps, tuple):
         method = list(lps)
     elif lps == "auto" and S > 1:
         method = "optimal"
-    else:  # unset (or one stage): an even split
-        base, extra = divmod(L, S)
-        method = [base + (s < extra) for s in range(S)]
+    else:  # unset (or one stage): an even split, one entry per virtual stage
+        parts = S * par.virtual_stages
+        base, extra = divmod(L, parts)
+        method = [base + (s < extra) for s in range(parts)]
     if remat != "auto" and not isinstance(method, str):  # nothing left to plan
         return dataclasses.replace(
             cfg, parallel=dataclasses.replace(par, layers_per_stage=tuple(method))
@@ -159,6 +209,45 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
         cfg,
         model=dataclasses.replace(cfg.model, remat=remat),
         parallel=dataclasses.replace(par, layers_per_stage=tuple(plan.layers_per_stage)),
+    )
+
+
+def _resolve_schedule(cfg: Any, shape: Any, topology: Topology | None) -> Any:
+    """``parallel.schedule: auto``: the fastest schedule that fits on the config's degrees
+    and micro-batches (:func:`schedule_alternatives`: its v and exact split come with it).
+    One stage has no pipeline: gpipe (the plain micro-batched step)."""
+    par = cfg.parallel
+    if shape.stages == 1:
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(par, schedule="gpipe"))
+    base = dataclasses.replace(cfg, parallel=dataclasses.replace(par, schedule="1f1b"))
+    if cfg.model.remat == "auto":  # the policy first, under 1F1B
+        base = resolve_auto(
+            dataclasses.replace(
+                base, parallel=dataclasses.replace(base.parallel, layers_per_stage=None)
+            ),
+            shape,
+            topology,
+        )
+    model, run = specs_from_config(base)
+    topo = topology or single_host_topology(shape.num_devices)
+    plan = plan_for_layout(topo, model, run, base.parallel.layout(shape), "optimal", None)
+    options = schedule_alternatives(topo, model, run, plan)
+    fits = {k: v for k, v in options.items() if v is not None and v["fits_in_memory"]}
+    if not fits:
+        raise ConfigError(
+            f"parallel.schedule='auto': no schedule fits in device memory on degrees "
+            f"{shape} with {par.microbatches} micro-batches"
+        )
+    name = min(fits, key=lambda k: fits[k]["predicted_step_s"])
+    best = fits[name]
+    return dataclasses.replace(
+        base,
+        parallel=dataclasses.replace(
+            base.parallel,
+            schedule=name,
+            virtual_stages=best["virtual_stages"],
+            layers_per_stage=tuple(best["layers_per_stage"]),
+        ),
     )
 
 

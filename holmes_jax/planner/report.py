@@ -57,7 +57,7 @@ def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cf
     lines.append(
         f"plan ({plan.method}): replica {lay.replica} x stage {lay.stages} x data {lay.data} "
         f"x tensor {lay.tensor}; {lay.microbatches} micro-batches of {plan.microbatch_size}, "
-        f"{lay.schedule}, remat {plan.remat}"
+        f"{_schedule_name(lay.schedule, lay.virtual_stages)}, remat {plan.remat}"
     )
     per_island = " ".join(
         f"{isl.name}={n}" for isl, n in zip(topology.islands, plan.stages_per_island, strict=True)
@@ -70,6 +70,22 @@ def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cf
         f"{pr.model_tflops_per_device:.4g})"
     )
     lines.append("  " + "  ".join(f"{k} {v:.4g}" for k, v in pr.breakdown.items()))
+    lines.append(
+        f"  bubble fraction {pr.bubble_fraction:.3f}; p2p per step across each stage "
+        f"boundary (all data ranks): {_gb(pr.p2p_bytes)}"
+    )
+    if plan.by_schedule:
+        lines.append("schedules on these degrees:")
+        lines.append("  schedule        step s      bubble  layers per stage (per virtual stage)")
+        for name, alt in plan.by_schedule.items():
+            if alt is None:
+                lines.append(f"  {name:<15} (cannot run these degrees or does not fit)")
+                continue
+            label = _schedule_name(name, alt["virtual_stages"])
+            lines.append(
+                f"  {label:<15} {alt['predicted_step_s']:<11.4g} "
+                f"{alt['bubble_fraction']:<7.3f} {alt['layers_per_stage']}"
+            )
     lines.append("splits of this placement:")
     lines.append("  method    step s      TFLOP/s/dev  fits  layers per stage")
     for name, p in alts.items():
@@ -167,6 +183,14 @@ def format_step_check(predicted_s: float, measured_s: list[float]) -> str:
     )
 
 
+def _gb(sizes) -> str:
+    return ", ".join(f"{b / 1e9:.4g}" for b in sizes) + " GB" if sizes else "none"
+
+
+def _schedule_name(schedule: str, virtual_stages: int) -> str:
+    return f"{schedule} v{virtual_stages}" if virtual_stages > 1 else schedule
+
+
 def _topology_lines(topology: Topology) -> list[str]:
     """The topology's header, one line per island, and the links between islands."""
     lines = [
@@ -192,9 +216,14 @@ def _topology_lines(topology: Topology) -> list[str]:
 
 
 def _stage_table(pr: Prediction, islands: Sequence[str]) -> list[str]:
-    """Per stage: its island, layers, forward and backward time of one micro-batch, memory."""
+    """Per stage: its island, layers (with v chunks: the total and each chunk's), forward
+    and backward time of one micro-batch, memory."""
     lines = ["  stage  island      layers   fwd ms   bwd ms   memory GB (limit)"]
-    for s, n in enumerate(pr.layers_per_stage):
+    p, v = len(pr.stage_fwd_s), pr.virtual_stages
+    for s in range(p):
+        n = str(sum(pr.layers_per_stage[c * p + s] for c in range(v)))
+        if v > 1:
+            n += " (" + "+".join(str(pr.layers_per_stage[c * p + s]) for c in range(v)) + ")"
         lines.append(
             f"  {s:<6} {islands[s]:<11} {n:<8} {pr.stage_fwd_s[s] * 1e3:<8.2f} "
             f"{pr.stage_bwd_s[s] * 1e3:<8.2f} {pr.memory_gb[s]:.2f} ({pr.memory_limit_gb[s]:.1f})"

@@ -24,7 +24,15 @@ from typing import Any
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import REMAT_POLICIES, SPLIT_CELLS, Layout, ModelSpec
-from holmes_jax.planner.cost import Prediction, RunSpec, StageCosts, predict, stage_costs
+from holmes_jax.planner.cost import (
+    Prediction,
+    RunSpec,
+    StageCosts,
+    predict,
+    schedule_terms,
+    stage_costs,
+    with_schedule,
+)
 from holmes_jax.planner.partition import holmes_split, optimal_split, slot_fits, uniform_split
 from holmes_jax.planner.placement import (
     Calibration,
@@ -35,6 +43,7 @@ from holmes_jax.planner.placement import (
 from holmes_jax.planner.topology import Topology
 
 METHODS = ("uniform", "holmes", "optimal")
+VIRTUAL_CHOICES = (2, 3, 4)  # chunks per device the search tries for interleaved
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,10 @@ class Plan:
     microbatch_size: int
     prediction: Prediction
     remat: str = "none"  # the activation policy the prediction (time and memory) assumes
+    # The best plan of each schedule on this plan's degrees and micro-batches (make_plan):
+    # {schedule: {"virtual_stages", "layers_per_stage", "predicted_step_s",
+    # "bubble_fraction", "fits_in_memory"} or None when that schedule cannot run it}.
+    by_schedule: dict | None = None
 
     @property
     def predicted_step_s(self) -> float:
@@ -86,6 +99,9 @@ class Plan:
             "microbatch_size": self.microbatch_size,
             "remat": self.remat,
             "schedule": lay.schedule,
+            "virtual_stages": lay.virtual_stages,
+            "bubble_fraction": pr.bubble_fraction,
+            "p2p_bytes_per_boundary": list(pr.p2p_bytes),
             "predicted_step_s": pr.step_s,
             "breakdown": {k: float(v) for k, v in pr.breakdown.items()},
             "tflops_per_device": pr.tflops_per_device,
@@ -96,6 +112,8 @@ class Plan:
             "fits_in_memory": pr.fits,
             "stage_fwd_s": list(pr.stage_fwd_s),
             "stage_bwd_s": list(pr.stage_bwd_s),
+            "stage_weight_s": list(pr.stage_weight_s),
+            "schedules": self.by_schedule,
         }
 
 
@@ -126,7 +144,8 @@ def plan_for_layout(
     if isinstance(method, str):
         split = _split(costs, method)
         if split is None:
-            need = -(-costs.model.num_layers // layout.stages)  # the most even split
+            # the most even split's largest slot group (a stage, or with v chunks a chunk)
+            need = -(-costs.model.num_layers // (layout.stages * layout.virtual_stages))
             raise ConfigError(
                 f"layout stages={layout.stages} data={layout.data} tensor={layout.tensor} "
                 f"microbatches={layout.microbatches}: no split fits in device memory (the "
@@ -213,6 +232,7 @@ def search_plan(
     microbatches: int | None = None,
     replica: int | None = None,
     remats: Sequence[str] | None = None,
+    schedules: Sequence[str] | None = None,
 ) -> Plan:
     """Search placements (replica, tensor, data, hence stages per island, micro-batches
     and so the micro-batch size), the activation policy and the split, minimising the
@@ -221,10 +241,12 @@ def search_plan(
     Args:
       topology, model, run: the problem.
       method: how each candidate placement is split (``uniform``, ``holmes``, ``optimal``).
-      schedule: ``1f1b`` or ``gpipe``.
+      schedule: the pipeline schedule when ``schedules`` is None.
       calibration: device speed (default fraction of peak, or a profile's).
       stages, data, tensor, microbatches, replica: pin a degree; None searches it.
       remats: activation policies to consider (None: only ``run.remat``).
+      schedules: schedules to consider (interleaved with v in :data:`VIRTUAL_CHOICES`);
+        None: only ``schedule``.
 
     Returns:
       The best :class:`Plan` that fits in memory.
@@ -243,16 +265,23 @@ def search_plan(
         key = (layout.replica, layout.data, layout.tensor)  # hardware does not depend on m
         if key not in hardware:
             hardware[key] = stage_hardware(topology, layout, calibration, run.memory_fraction)
+        variants = schedule_layouts(layout, model.num_layers, schedules or (schedule,))
         for remat in remats or (run.remat,):
             policy_run = dataclasses.replace(run, remat=remat)
-            costs = stage_costs(model, policy_run, layout, hardware[key])
-            bounded.append((_lower_bound(costs), id(costs), costs))
+            base = None
+            for variant in variants:
+                if base is None:
+                    costs = base = stage_costs(model, policy_run, variant, hardware[key])
+                else:
+                    costs = with_schedule(base, variant, hardware[key])
+                bounded.append((_lower_bound(costs), id(costs), costs))
     bounded.sort(key=lambda x: x[:2])
     best: Plan | None = None
     for bound, _, costs in bounded:
         if bound == math.inf or (best is not None and bound >= best.predicted_step_s):
             break
-        split = _split(costs, method)
+        cutoff = best.predicted_step_s if best is not None else math.inf
+        split = _split(costs, method, cutoff)
         if split is None:
             continue
         plan = _plan(topology, costs.layout, costs, split, method)
@@ -279,6 +308,9 @@ def candidate_layouts(
     replica: int | None = None,
 ) -> list[Layout]:
     """Every layout that respects the placement rules and the pinned degrees."""
+    # interleaved needs its v and >= 2 stages: such layouts come as 1F1B here and are
+    # re-scheduled by schedule_layouts
+    base = "1f1b" if schedule == "interleaved" else schedule
     islands = topology.islands
     sizes = [isl.num_devices for isl in islands]
     replicas = [1]
@@ -302,32 +334,56 @@ def candidate_layouts(
                 for m in _divisors(run.global_batch_size // (r * d)):
                     if microbatches and m != microbatches:
                         continue
-                    out.append(Layout(p, d, t, microbatches=m, schedule=schedule, replica=r))
+                    out.append(Layout(p, d, t, microbatches=m, schedule=base, replica=r))
     return out
 
 
+def schedule_layouts(layout: Layout, num_layers: int, schedules: Sequence[str]) -> list[Layout]:
+    """``layout`` under each schedule it can run: interleaved with every v in
+    :data:`VIRTUAL_CHOICES` that leaves each chunk a layer and whose micro-batches come in
+    whole groups of ``min(p, m)``; GPipe only without 1F1B (same time, more memory); one
+    stage runs one schedule (they all price alike)."""
+    p, m = layout.stages, layout.microbatches
+    out = []
+    if "1f1b" in schedules:  # GPipe: 1F1B's time with more memory, never faster
+        schedules = [x for x in schedules if x != "gpipe"]
+    for name in schedules:
+        if name == "interleaved":
+            if p < 2 or m % min(p, m):
+                continue
+            for v in VIRTUAL_CHOICES:
+                if p * v <= num_layers:
+                    out.append(dataclasses.replace(layout, schedule=name, virtual_stages=v))
+        else:
+            out.append(dataclasses.replace(layout, schedule=name, virtual_stages=1))
+    return out[:1] if p == 1 else out
+
+
 def _lower_bound(costs: StageCosts) -> float:
-    """A step time no split of this placement can beat; inf if no split fits in memory."""
-    p, m, L = costs.layout.stages, costs.layout.microbatches, costs.model.num_layers
+    """A step time no split of this placement can beat; inf if no split fits in memory.
+
+    Every table is affine in the layer count, so ``Σ_s h_s >= Σ_s h_s(0) + L·min slope``,
+    ``max_s g_s >= Σ_s g_s / p`` likewise, and the tail >= stage 0's optimizer step and
+    all-gather with one layer.
+    """
+    p, L = costs.layout.stages, costs.model.num_layers
     # Memory grows with the layer count, so stage s holds at most room[s] layers.
     room = slot_fits(costs)[:, 1:].sum(axis=1)
     if room.min() < 1 or room.sum() < L:
         return math.inf
-    tau = costs.tau
-    slope = ((tau[:, L] - tau[:, 0]) / L).min()
-    total = tau[:, 0].sum() + L * slope  # Σ τ_s >= fixed parts + L cheapest layers
-    pipe = total * (1 + (m - 1) / p)  # max_s τ_s >= Σ τ_s / p
-    first_tail = costs.reduce[0, 1] + costs.optimizer[0, 1] + costs.gather[0, 1]
-    return float(pipe + first_tail)
+    h, g, _, _ = schedule_terms(costs)
+    least = lambda x: x[:, 0].sum() + L * ((x[:, L] - x[:, 0]) / L).min()  # noqa: E731
+    after = costs.optimizer[0, 1] + costs.gather[0, 1]
+    return float(least(h) + max(0.0, least(g)) / p + after)
 
 
-def _split(costs: StageCosts, method: str) -> list[int] | None:
+def _split(costs: StageCosts, method: str, cutoff: float = math.inf) -> list[int] | None:
     _check_method(method)
     if method == "uniform":
-        return uniform_split(costs.model.num_layers, costs.layout.stages)
+        return uniform_split(costs.model.num_layers, costs.layout.stages * costs.chunks)
     if method == "holmes":
         return holmes_split(costs)
-    return optimal_split(costs)
+    return optimal_split(costs, cutoff)
 
 
 def _costs(topology, model, run, layout, calibration) -> StageCosts:

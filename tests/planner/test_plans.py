@@ -1,5 +1,7 @@
 """The planner's front door (``planner.plans``): a config in, a plan out."""
 
+import pytest
+
 from holmes_jax.core.config import load_config
 from holmes_jax.planner.plans import make_plan
 from holmes_jax.planner.topology import load_topology
@@ -17,3 +19,83 @@ def test_keep_degrees_keeps_the_replica_degree():
     assert (lay.replica, lay.stages, lay.data, lay.tensor) == (2, 2, 2, 1)
     assert plan.stages_per_island == (2, 2)
     assert plan.stage_islands == ("ib", "ib")  # replica 0's pipeline; replica 1 on roce
+
+
+def test_resolve_auto_splits_every_virtual_stage():
+    """Interleaved: one entry per virtual stage, auto (optimal, even chunks) or unset
+    (even); the search reports every schedule on the chosen degrees."""
+    from holmes_jax.core.config import check_devices
+    from holmes_jax.planner.plans import predict_config, resolve_auto
+
+    topology = load_topology(mesh_path("cpu8-two-islands.yaml"))
+    inter = ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    for lps in ("auto", "null"):
+        cfg = load_config(
+            None,
+            [
+                *TINY_MODEL,
+                "model.num_layers=6",
+                "parallel.stages=2",
+                *inter,
+                f"parallel.layers_per_stage={lps}",
+            ],
+        )
+        shape = check_devices(cfg, topology.num_devices)
+        split = resolve_auto(cfg, shape, topology).parallel.layers_per_stage
+        assert len(split) == 4 and sum(split) == cfg.model.num_layers
+        assert predict_config(cfg, topology).step_s > 0
+    plan = make_plan(cfg, topology, keep_degrees=True)
+    assert plan.layout.virtual_stages == 2 and set(plan.by_schedule) == {
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "zb",
+    }
+
+
+def test_search_over_schedules():
+    """search_plan with one schedule (interleaved: its v searched too) or all of them;
+    the best of all is no slower than the best 1F1B plan."""
+    from holmes_jax.core.spec import SCHEDULES, ModelSpec
+    from holmes_jax.planner.cost import RunSpec
+    from holmes_jax.planner.search import search_plan
+
+    topology = load_topology(mesh_path("cpu8-two-islands.yaml"))
+    model, run = ModelSpec(8, 128, 4, 128, 256), RunSpec(32)
+    inter = search_plan(topology, model, run, schedule="interleaved")
+    lay = inter.layout
+    assert lay.schedule == "interleaved" and lay.virtual_stages in (2, 3, 4)
+    assert len(inter.layers_per_stage) == lay.stages * lay.virtual_stages
+    one = search_plan(topology, model, run, stages=2)
+    every = search_plan(topology, model, run, stages=2, schedules=SCHEDULES)
+    assert every.predicted_step_s <= one.predicted_step_s
+
+
+def test_schedule_auto_picks_the_fastest_schedule_that_fits():
+    from holmes_jax.core.config import load_config
+    from holmes_jax.core.errors import ConfigError
+    from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
+    from holmes_jax.planner.plans import resolve_auto, schedule_alternatives, specs_from_config
+    from holmes_jax.planner.search import plan_for_layout
+    from tests.common import config_path
+
+    cfg = load_config(
+        config_path("quickstart.yaml"), ["parallel.schedule=auto", "parallel.microbatches=4"]
+    )
+    topology = load_mesh_topology(cfg)
+    shape = resolve_shape(cfg, 8, topology)
+    got = resolve_auto(cfg, shape, topology).parallel
+    assert got.schedule in ("gpipe", "1f1b", "interleaved", "zb")
+    assert len(got.layers_per_stage) == shape.stages * got.virtual_stages
+    # The pick is the fastest of the per-schedule alternatives on the same degrees.
+    model, run = specs_from_config(cfg)
+    base = plan_for_layout(topology, model, run, cfg.parallel.layout(shape), "optimal", None)
+    options = {k: v for k, v in schedule_alternatives(topology, model, run, base).items() if v}
+    assert options[got.schedule]["predicted_step_s"] == min(
+        v["predicted_step_s"] for v in options.values() if v["fits_in_memory"]
+    )
+    with pytest.raises(ConfigError, match="the planner chooses virtual_stages"):
+        load_config(
+            config_path("quickstart.yaml"),
+            ["parallel.schedule=auto", "parallel.virtual_stages=2"],
+        )
