@@ -47,6 +47,20 @@ start: restore returns None and the run starts fresh.
 A checkpoint written for another model shape is a ConfigError at once, never a fallback:
 every older step in the same directory would be the same mistake.
 
+Parameters only: imports and ``checkpoint.init_from``
+------------------------------------------------------
+
+:func:`save_params` writes the same layout with ``state`` holding only ``{step, params}``
+and ``meta`` marked ``params_only`` (what ``python -m holmes_jax.hf import`` writes: step
+0). Such a checkpoint cannot be resumed (there is no optimizer state; restore says so in
+one line); a run starts from it with ``checkpoint.init_from``. :func:`read_params` reads
+the parameters alone from either kind, a run's checkpoint included (its fp32 ``master``
+when it has one), restoring only those arrays (orbax's partial restore): into given
+shardings and dtype (:func:`init_state_from`, which adds a fresh optimizer state at step 0
+and converts to the program's layout), or into host numpy arrays (the export). Shapes are
+checked against the stored metadata first: a leaf that is missing, extra or of another
+shape is a one-line error naming it and the model keys in which the two configs differ.
+
 Several processes
 -----------------
 
@@ -67,23 +81,30 @@ reloads its list of steps.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import json
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from holmes_jax.core.config import CheckpointConfig, Config
+from holmes_jax.core.config import CheckpointConfig, Config, ModelConfig
 from holmes_jax.core.errors import ConfigError, one_line
+from holmes_jax.core.yamlio import plain
+from holmes_jax.runtime.program import Program, TrainState
 
 _OK, _UNUSABLE, _WRONG_MODEL = 0, 1, 2  # outcome of reading one step on one process
-_SHAPE_KEYS = ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden_size")
-_SHAPE_KEYS += ("mlp_ratio", "tied_embeddings")
+# The model keys that decide parameter shapes (and the architecture); a checkpoint must
+# agree on all of them to be resumed.
+_SHAPE_KEYS = ("arch", "vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads")
+_SHAPE_KEYS += ("hidden_size", "mlp_size", "tied_embeddings")
 _REASON_CHARS = 240  # an error's text is cut here, so that a warning stays one short line
 _UNFINISHED = ".orbax-checkpoint-tmp"  # orbax's suffix for a save not yet committed
 
@@ -111,9 +132,19 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, *, data_position: int, config: Config) -> None:
-        """Start saving ``state`` (logical layout) as checkpoint ``step``."""
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_position: int,
+        config: Config,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Start saving ``state`` (logical layout) as checkpoint ``step``; ``extra`` goes
+        into ``meta`` beside the step, the data position and the config."""
         meta = {"step": int(step), "data_position": int(data_position), "config": config.to_dict()}
+        meta.update(extra or {})
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -194,6 +225,13 @@ class Checkpointer:
         item = "meta/metadata"
         try:
             meta = self._meta_handler.restore(path / "meta", args=ocp.args.JsonRestore())
+            if meta.get("params_only"):
+                raise ConfigError(
+                    f"checkpoint.dir={self.directory}: step {step} holds parameters only "
+                    f"(written by {meta.get('written_by', 'an import')}), nothing to resume; "
+                    f"start from it with checkpoint.init_from={self.directory} and point "
+                    "checkpoint.dir at another directory"
+                )
             self._check_model(meta, config, step)
             item = "state"
             state = self._state_handler.restore(
@@ -207,7 +245,7 @@ class Checkpointer:
             return _UNUSABLE, f"{item}: {_reason(e, str(path))}"
 
     def _check_model(self, meta: dict, config: Config, step: int) -> None:
-        saved_model = meta["config"]["model"]
+        saved_model = resolved_model(meta["config"]["model"])
         running_model = config.to_dict()["model"]
         for key in _SHAPE_KEYS:
             if saved_model.get(key) != running_model[key]:
@@ -250,6 +288,209 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
         self._state_handler.close()
+
+
+# --------------------------------------------------------------------------- parameters only
+
+
+def resolved_model(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's ``model`` section with its defaults resolved as the running config's
+    are (keys older checkpoints lack take their defaults: ``arch`` gpt2, ...)."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        model = ModelConfig(**{k: v for k, v in saved.items() if k in names})
+    except (TypeError, ValueError):  # unreadable: compare as written
+        return dict(saved)
+    return plain(dataclasses.asdict(model))
+
+
+def save_params(
+    directory: str, params: Any, config: Config, *, extra: dict[str, Any] | None = None
+) -> None:
+    """Write ``params`` (logical layout; numpy or jax arrays) as step 0 of ``directory``,
+    a parameters-only checkpoint (``meta``: ``params_only``, ``written_by`` and ``extra``).
+    Waits for it."""
+    ckpt = Checkpointer(CheckpointConfig(dir=directory, keep=1, async_save=False))
+    try:
+        ckpt.save(
+            0,
+            {"step": np.zeros((), np.int32), "params": params},
+            data_position=0,
+            config=config,
+            extra={"params_only": True, "written_by": IMPORT_WRITER, **(extra or {})},
+        )
+    finally:
+        ckpt.close()
+
+
+IMPORT_WRITER = "python -m holmes_jax.hf import"
+
+
+def find_step(path: str, key: str) -> tuple[str, dict[str, Any]]:
+    """The step directory ``path`` names, and its ``meta``.
+
+    Args:
+      path: an import's output directory (its ``checkpoint``), a checkpoint directory (its
+        newest step) or one step directory (holding ``state`` and ``meta``).
+      key: what the path is called in messages (``checkpoint.init_from``, ``CKPT_DIR``).
+
+    Raises:
+      ConfigError: no such directory, no step in it, or an unreadable ``meta``.
+    """
+    p = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(p):
+        raise ConfigError(f"{key}={path}: no such directory")
+    if not _is_step(p) and os.path.isdir(os.path.join(p, "checkpoint")):
+        p = os.path.join(p, "checkpoint")
+    if not _is_step(p):
+        steps = [int(n) for n in os.listdir(p) if n.isdigit() and _is_step(os.path.join(p, n))]
+        if not steps:
+            raise ConfigError(
+                f"{key}={path}: holds no checkpoint (a step directory with state and meta)"
+            )
+        p = os.path.join(p, str(max(steps)))
+    try:
+        with open(os.path.join(p, "meta", "metadata")) as f:
+            meta = json.load(f)
+        _ = meta["config"]["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{key}={path}: {p}/meta cannot be read ({_reason(e, p)})") from None
+    return p, meta
+
+
+def _is_step(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "state")) and os.path.isdir(os.path.join(path, "meta"))
+
+
+def read_params(
+    step_dir: str,
+    target: Any = None,
+    *,
+    key: str,
+    saved_model: dict[str, Any] | None = None,
+    running_model: dict[str, Any] | None = None,
+) -> Any:
+    """The parameters of one checkpoint step, restored alone (the fp32 ``master`` of a bf16
+    run when it has one).
+
+    Args:
+      step_dir: a step directory (:func:`find_step`).
+      target: pytree of ``jax.ShapeDtypeStruct`` with shardings to restore into (dtype
+        converted on the way); None: host numpy arrays as stored.
+      key: what the path is called in messages.
+      saved_model, running_model: the two ``model`` sections, to say in which keys they
+        differ when the shapes do.
+
+    Raises:
+      ConfigError: an unreadable checkpoint; a parameter of the target missing, extra, or
+        of another shape there.
+    """
+    handler = ocp.PyTreeCheckpointHandler()
+    state_dir = epath.Path(step_dir) / "state"
+    try:
+        stored = handler.metadata(state_dir).tree
+        part = "master" if stored.get("master") else "params"
+        stored = stored[part]
+    except Exception as e:  # noqa: BLE001 (any unreadable checkpoint is one line)
+        raise ConfigError(f"{key}={step_dir}: cannot be read ({_reason(e, step_dir)})") from None
+    if target is None:
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored)
+        restore_args = jax.tree.map(
+            lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), target
+        )
+    else:
+        _check_params(stored, target, f"{key}={step_dir}", saved_model, running_model)
+        restore_args = jax.tree.map(
+            lambda s: ocp.ArrayRestoreArgs(
+                sharding=s.sharding, dtype=s.dtype, global_shape=s.shape
+            ),
+            target,
+        )
+    try:
+        out = handler.restore(
+            state_dir,
+            args=ocp.args.PyTreeRestore(
+                item={part: target}, restore_args={part: restore_args}, partial_restore=True
+            ),
+        )
+    except Exception as e:  # noqa: BLE001
+        _quiet_abandoned_reads()
+        raise ConfigError(f"{key}={step_dir}: cannot be read ({_reason(e, step_dir)})") from None
+    finally:
+        handler.close()
+    return out[part]
+
+
+def _check_params(stored: Any, target: Any, where: str, saved_model, running_model) -> None:
+    """Every leaf of ``target`` is in ``stored`` with the same shape, and nothing more."""
+    have, want = _by_name(stored), _by_name(target)
+    differ = ""
+    if saved_model is not None and running_model is not None:
+        saved = resolved_model(saved_model)
+        keys = [k for k in _SHAPE_KEYS if saved.get(k) != running_model.get(k)]
+        differ = "; ".join(
+            f"model.{k}={saved.get(k)} there, {running_model.get(k)} here" for k in keys
+        )
+        differ = f" ({differ})" if differ else ""
+    for name, leaf in want.items():
+        if name not in have:
+            raise ConfigError(f"{where}: has no parameter {name}{differ}")
+        if tuple(have[name].shape) != tuple(leaf.shape):
+            raise ConfigError(
+                f"{where}: parameter {name} is {list(have[name].shape)} there, "
+                f"{list(leaf.shape)} in this run{differ}"
+            )
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise ConfigError(f"{where}: parameter {extra[0]} has no place in this run's model{differ}")
+
+
+def _by_name(tree: Any) -> dict[str, Any]:
+    """{"blocks.fc_kernel": leaf, ...} of a params tree."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
+
+
+def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
+    """A fresh train state (step 0, fresh optimizer) with the parameters of a checkpoint,
+    in the program's layout and shardings (``checkpoint.init_from``).
+
+    The parameters are restored straight into the logical parameters' shardings in fp32,
+    then one jitted function builds the logical state (compute-dtype copies, optimizer
+    moments, fp32 master for bf16) with its shardings, and the program converts it to its
+    own layout (the pipeline's ``[stage, slot, ...]`` when it has one).
+
+    Returns:
+      (state, the step directory read).
+
+    Raises:
+      ConfigError: see :func:`find_step` and :func:`read_params`.
+    """
+    step_dir, meta = find_step(path, "checkpoint.init_from")
+    logical = program.abstract_logical_state
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding), logical.params
+    )
+    params = read_params(
+        step_dir,
+        target,
+        key="checkpoint.init_from",
+        saved_model=meta["config"]["model"],
+        running_model=program.cfg.to_dict()["model"],
+    )
+    bf16 = logical.master is not None
+
+    def fresh(p):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=jax.tree.map(lambda a: a.astype(program.dtype), p),
+            opt_state=program.tx.init(p),
+            master=p if bf16 else None,
+        )
+
+    with program.context():
+        state = jax.jit(fresh, out_shardings=program.logical_state_sharding)(params)
+    return program.from_logical(state), step_dir
 
 
 def _gather(value: int) -> list[int]:

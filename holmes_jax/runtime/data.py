@@ -7,8 +7,12 @@ Three sources, chosen by ``data.source``:
   has the same offline corpus. ``site-packages`` / ``dist-packages`` are skipped.
 - ``text``: one text file (split by its tail) or a directory of text files (split by file).
   Byte tokenizer, like ``stdlib``.
-- ``tokens``: a pre-tokenized raw ``uint16`` / ``uint32`` file, opened with ``np.memmap``
-  and never read whole into memory; eval is its last ``eval_fraction`` of tokens.
+- ``tokens``: a pre-tokenized raw ``uint16`` / ``uint32`` file (native little-endian ids,
+  nothing else), opened with ``np.memmap`` and never read whole into memory; eval is its
+  last ``eval_fraction`` of tokens. ``python -m holmes_jax.data prepare`` writes one from
+  a Hugging Face tokenizer (:mod:`holmes_jax.runtime.prepare`), with a sidecar
+  ``<file>.json`` whose ``dtype`` must then equal ``data.token_dtype`` (a uint32 file read
+  as uint16 would pass every other check); files without a sidecar are read as before.
 
 Multi-file sources are split *by file*, so eval text is never seen in training: files are
 ranked by the CRC-32 of their relative path and the lowest-ranked go to eval until they
@@ -25,6 +29,7 @@ Nothing happens at import time, and jax is imported only inside :func:`local_row
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 import zlib
@@ -34,13 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
     import jax
 
 SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKENS_SIDECAR = ".json"  # <token file>.json: {"dtype": ..., "tokens": ..., ...}
 BYTE_VOCAB_SIZE = 256
 # Directories under the stdlib that hold third-party packages, not the standard library.
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -171,6 +177,17 @@ def _existing_path(path: str | None, source: str) -> Path:
     return p
 
 
+def token_dtype_for(vocab_size: int) -> str:
+    """The token file dtype of a vocabulary: ``uint16`` when every id fits, else ``uint32``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def text_files(root: Path) -> list[str]:
+    """The files ``data.source=text`` reads from a directory, in its order (sorted relative
+    POSIX paths; hidden files and directories skipped)."""
+    return _list_files(root, suffix="", skip_dirs=frozenset())
+
+
 def _list_files(root: Path, suffix: str, skip_dirs: frozenset[str]) -> list[str]:
     """Regular files under root as sorted relative POSIX paths (hidden entries skipped)."""
     out = []
@@ -271,6 +288,7 @@ def _load_tokens(path: Path, dtype_name: str, frac: float, vocab_size: int) -> C
         )
     if size < 2 * dtype.itemsize:
         raise ConfigError(f"data.path='{path}': holds {size // dtype.itemsize} tokens, needs >= 2")
+    _check_sidecar(path, dtype_name)
     tokens = np.memmap(path, dtype=dtype, mode="r")  # [size // itemsize]
     # Largest id chunk by chunk, so the file is streamed once and never held whole.
     top = max(int(tokens[i : i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK))
@@ -283,6 +301,24 @@ def _load_tokens(path: Path, dtype_name: str, frac: float, vocab_size: int) -> C
         f"tokens ({path}, {dtype_name}): {len(train):,} train tokens, {len(ev):,} eval tokens"
     )
     return Corpus(train=train, eval=ev, description=description)
+
+
+def _check_sidecar(path: Path, dtype_name: str) -> None:
+    """A token file's ``<file>.json`` (when there is one) must name ``dtype_name``."""
+    sidecar = Path(str(path) + TOKENS_SIDECAR)
+    if not sidecar.is_file():
+        return
+    try:
+        written = json.loads(sidecar.read_text())["dtype"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"data.path='{path}': its {sidecar.name} cannot be read ({one_line(e)})"
+        ) from None
+    if written != dtype_name:
+        raise ConfigError(
+            f"data.token_dtype={dtype_name!r}: {path} holds {written} tokens (its "
+            f"{sidecar.name} says so); set data.token_dtype={written}"
+        )
 
 
 # ----------------------------------------------------------------------------- batches

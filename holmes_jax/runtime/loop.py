@@ -7,7 +7,9 @@ Read top to bottom, :func:`run` does:
    step with the planner's cost model;
 2. load the corpus and build the (seed, step) → batch sampler and fixed eval batches;
 3. build the :class:`~holmes_jax.runtime.program.Program` (shardings, jitted steps);
-4. restore the newest checkpoint in ``checkpoint.dir`` or initialise sharded state;
+4. restore the newest checkpoint in ``checkpoint.dir``, or else start from the parameters
+   of ``checkpoint.init_from`` (a fresh optimizer at step 0), or else initialise sharded
+   state;
 5. loop: make this process's part of the batch, step, and on log steps fetch metrics
    (only then does the host wait for the device), evaluate, checkpoint;
 6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
@@ -42,7 +44,7 @@ from holmes_jax.planner.memory import check_fits
 from holmes_jax.planner.plans import memory_inputs_from_config, predict_config, resolve_auto
 from holmes_jax.planner.report import format_run_plan, format_step_check
 from holmes_jax.planner.topology import Topology
-from holmes_jax.runtime.checkpoint import Checkpointer
+from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.runtime.mesh import build_mesh
 from holmes_jax.runtime.metrics import MetricsLogger
@@ -129,6 +131,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             state = program.from_logical(logical)
             start = int(meta["data_position"])
     resumed = state is not None
+    started_from = None  # checkpoint.init_from's step directory, when the run starts there
+    if state is None and cfg.checkpoint.init_from:
+        state, started_from = init_state_from(program, cfg.checkpoint.init_from)
     if state is None:
         state = program.init(cfg.train.seed)
 
@@ -152,6 +157,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
     if resumed:
         logger.message(f"resumed from {ckpt.directory} at step {start}")
+        if cfg.checkpoint.init_from:
+            logger.message(
+                f"checkpoint.init_from={cfg.checkpoint.init_from} not used: the run resumes "
+                "from its own checkpoints"
+            )
+    if started_from:
+        logger.message(f"initialised from {started_from} (fresh optimizer, step 0)")
 
     # 5. loop
     history: list[dict[str, Any]] = []

@@ -18,7 +18,7 @@ from holmes_jax.core.config import CheckpointConfig, load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
 from holmes_jax.runtime import checkpoint as checkpoint_module
-from holmes_jax.runtime.checkpoint import Checkpointer
+from holmes_jax.runtime.checkpoint import Checkpointer, find_step, read_params
 from holmes_jax.runtime.loop import run
 from tests.common import TINY_MODEL, TINY_RUN
 
@@ -187,6 +187,39 @@ def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, cfg, mon
         f"warning: checkpoint step 3 in {tmp_path} is unusable (unreadable on process(es) 1; "
         f"their stderr says why); kept it as {tmp_path}/3.corrupt, resuming from step 2"
     ]
+
+
+def test_read_params_takes_a_bf16_runs_master_and_checks_shapes(tmp_path, cfg):
+    """The parameters alone (``init_from``, export): the fp32 master when there is one,
+    as numpy or into a sharding; a target of another shape is one line naming the leaf."""
+    master = {"blocks": {"w": jnp.full((2, 64, 64), 1 + 2.0**-10)}}  # not a bf16 number
+    state = {
+        "step": jnp.int32(3),
+        "params": jax.tree.map(lambda a: a.astype(jnp.bfloat16), master),
+        "opt_state": {"mu": master},
+        "master": master,
+    }
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path)))
+    ckpt.save(3, state, data_position=3, config=cfg)
+    ckpt.close()
+    step_dir, meta = find_step(str(tmp_path), "key")
+    assert step_dir == f"{tmp_path}/3" and meta["step"] == 3
+    got = read_params(step_dir, key="key")["blocks"]["w"]
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got[0, 0, 0] == 1 + 2.0**-10
+
+    sharding = jax.sharding.NamedSharding(
+        jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)),
+        jax.sharding.PartitionSpec(None, "x"),
+    )
+    target = {"blocks": {"w": jax.ShapeDtypeStruct((2, 64, 64), jnp.float32, sharding=sharding)}}
+    got = read_params(step_dir, target, key="key")["blocks"]["w"]
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(got, master["blocks"]["w"])
+    target = {"blocks": {"w": jax.ShapeDtypeStruct((2, 64, 32), jnp.float32, sharding=sharding)}}
+    with pytest.raises(ConfigError, match=r"^key=.*/3: parameter blocks.w is \[2, 64, 64\] there"):
+        read_params(step_dir, target, key="key")
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        find_step(str(tmp_path / "3" / "state"), "key")
 
 
 # -- end to end: train, damage the newest checkpoint, resume ---------------------------

@@ -1,0 +1,228 @@
+"""Hugging Face import and export against ``transformers`` itself (fp32, 1e-4).
+
+Small random ``transformers`` models (GPT-2 tied; Llama with grouped-query attention,
+untied; weights drawn with std 0.2 so that the logits are far from uniform) are saved with
+``save_pretrained``, imported, and our logits compared with theirs on random tokens; the
+import is exported again and reloaded with ``from_pretrained``. The slow test imports a
+Llama, trains one step from it (``checkpoint.init_from``) under an uneven 2-stage pipeline
+with tensor 2 and data 2, checks that first loss against ``transformers``' loss on the
+same batch, exports the run's checkpoint, and compares ``transformers``' logits of the
+export with ours of the trained parameters.
+
+Skipped only where torch is absent (the ``dev`` extra installs ``torch==2.13.0``, the CPU
+build, and ``transformers``).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (pip install -e '.[dev]' installs torch==2.13.0)"
+)
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[dev]')"
+)
+
+from holmes_jax.core.config import CheckpointConfig, config_from_dict, load_config  # noqa: E402
+from holmes_jax.core.errors import ConfigError  # noqa: E402
+from holmes_jax.core.spec import Degrees  # noqa: E402
+from holmes_jax.runtime.checkpoint import (  # noqa: E402
+    Checkpointer,
+    find_step,
+    init_state_from,
+    read_params,
+)
+from holmes_jax.runtime.data import BatchSampler, load_corpus  # noqa: E402
+from holmes_jax.runtime.hf import export_hf, import_hf  # noqa: E402
+from holmes_jax.runtime.model import GPT  # noqa: E402
+
+VOCAB, SEQ = 64, 16
+TOL = 1e-4  # the issue's bar; the measured differences are printed (pytest -s)
+
+
+# Llama 3.1's rotary scaling, with wavelengths on both sides of and between the bounds.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 5000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+
+
+def hf_model(arch: str, layers: int = 2, *, tied=None, scaled: bool = False, seed: int = 0):
+    """A random ``transformers`` model of the tiny shape, in eval mode."""
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=layers, n_embd=32, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=True if tied is None else tied,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=48, vocab_size=VOCAB,
+            max_position_embeddings=SEQ, rope_theta=5000.0, rms_norm_eps=1e-5,
+            bos_token_id=0, eos_token_id=0, tie_word_embeddings=bool(tied),
+            **({"rope_parameters": LLAMA3_ROPE} if scaled else {}),
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def our_logits(ckpt: str, tokens: np.ndarray) -> np.ndarray:
+    """Our model's fp32 logits with the parameters of a checkpoint (its config's model)."""
+    step_dir, meta = find_step(ckpt, "ckpt")
+    model = config_from_dict(meta["config"]).model
+    params = jax.tree.map(lambda a: np.asarray(a, np.float32), read_params(step_dir, key="ckpt"))
+    return np.asarray(GPT(model).apply({"params": params}, tokens))
+
+
+def random_tokens(seed: int = 1, batch: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, SEQ))
+
+
+@pytest.mark.parametrize(
+    "arch, tied, scaled",
+    [
+        ("gpt2", True, False),
+        ("gpt2", False, False),
+        ("llama", False, False),
+        ("llama", True, False),
+        ("llama", False, True),
+    ],
+)
+def test_import_and_export_match_transformers(tmp_path, arch, tied, scaled):
+    model = hf_model(arch, tied=tied, scaled=scaled)
+    model.save_pretrained(tmp_path / "hf")
+    tokens = random_tokens()
+    want = hf_logits(model, tokens)
+
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imp"), progress=False)
+    written = (tmp_path / "imp" / "config.yaml").read_text()
+    assert ("rope_scaling_factor: 8.0" in written) == scaled
+    got = our_logits(str(tmp_path / "imp"), tokens)
+    diff = np.abs(got - want).max()
+    print(f"{arch} tied={tied} rope scaling={scaled}: import max abs diff {diff:.2e}")
+    assert diff <= TOL
+
+    export_hf(str(tmp_path / "imp"), str(tmp_path / "out"), progress=False)
+    again = type(model).from_pretrained(tmp_path / "out").eval()
+    diff = np.abs(hf_logits(again, tokens) - want).max()
+    print(f"{arch} tied={tied} rope scaling={scaled}: export max abs diff {diff:.2e}")
+    assert diff <= TOL
+
+
+def test_bf16_checkpoint_keeps_its_dtype_both_ways(tmp_path):
+    model = hf_model("llama").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imp"), progress=False)
+    step_dir, _ = find_step(str(tmp_path / "imp"), "imp")
+    stored = read_params(step_dir, None, key="imp")
+    assert stored["blocks"]["q_kernel"].dtype.name == "bfloat16"  # not widened on disk
+
+    tokens = random_tokens()
+    want = hf_logits(type(model).from_pretrained(tmp_path / "hf", dtype=torch.float32), tokens)
+    assert np.abs(our_logits(str(tmp_path / "imp"), tokens) - want).max() <= TOL
+
+    export_hf(str(tmp_path / "imp"), str(tmp_path / "out"), dtype="bfloat16", progress=False)
+    again = type(model).from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    for (name, a), (_, b) in zip(
+        sorted(model.state_dict().items()), sorted(again.state_dict().items()), strict=True
+    ):
+        assert torch.equal(a, b), name  # bit for bit
+
+
+def test_init_from_refuses_another_shape_in_one_line(tmp_path, make_program):
+    hf_model("llama").save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imp"), progress=False)
+    cfg = load_config(
+        str(tmp_path / "imp" / "config.yaml"),
+        ["model.mlp_size=64", "train.global_batch_size=2"],
+    )
+    program = make_program(cfg, Degrees(1, 1, 1))
+    with pytest.raises(ConfigError) as e:
+        init_state_from(program, str(tmp_path / "imp"))
+    message = str(e.value)
+    assert "\n" not in message
+    assert "blocks.down_kernel is [2, 48, 32] there, [2, 64, 32] in this run" in message
+    assert "model.mlp_size=48 there, 64 here" in message
+
+
+def test_an_import_cannot_be_resumed_only_started_from(tmp_path):
+    hf_model("gpt2").save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imp"), progress=False)
+    cfg = load_config(str(tmp_path / "imp" / "config.yaml"))
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path / "imp" / "checkpoint")))
+    with pytest.raises(ConfigError, match="holds parameters only .* checkpoint.init_from="):
+        ckpt.restore(None, cfg)
+    ckpt.close()
+
+
+@pytest.mark.slow
+def test_round_trip_through_a_pipelined_tensor_parallel_step(tmp_path, capsys):
+    """import -> one step under stages [1, 3] x data 2 x tensor 2 -> export -> transformers."""
+    from holmes_jax.runtime.loop import run
+
+    model = hf_model("llama", layers=4)  # GQA: 4 query heads, 2 key/value heads
+    model.save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imp"), progress=False)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, 4096).astype(np.uint16)
+    tokens.tofile(tmp_path / "imp" / "train.tokens")
+    overrides = [
+        "parallel.stages=2",
+        "parallel.layers_per_stage=[1,3]",
+        "parallel.tensor=2",
+        "parallel.microbatches=2",
+        "train.global_batch_size=4",
+        "train.steps=1",
+        "train.eval_batches=1",
+        "optimizer.warmup_steps=0",
+        "optimizer.learning_rate=1e-2",
+        "logging.progress=none",
+        f"checkpoint.dir={tmp_path / 'run'}",
+    ]
+    cfg = load_config(str(tmp_path / "imp" / "config.yaml"), overrides)
+    history = run(cfg)
+
+    # The first step's loss is the imported model's: transformers' loss on that batch.
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    batch = BatchSampler(corpus.train, SEQ, 4, cfg.train.seed).global_batch(0)
+    with torch.no_grad():
+        out = model(torch.tensor(batch[:, :-1], dtype=torch.long))
+        logp = torch.log_softmax(out.logits, -1)
+        picked = torch.gather(logp, -1, torch.tensor(batch[:, 1:, None], dtype=torch.long))
+        want_loss = float(-picked.mean())
+    print(f"first step loss {history[0]['loss']:.6f}, transformers {want_loss:.6f}")
+    assert abs(history[0]["loss"] - want_loss) <= TOL
+
+    said = export_hf(str(tmp_path / "run"), str(tmp_path / "out"), progress=False)
+    assert said.endswith(f"copied generation_config.json from {tmp_path / 'hf'}")  # via init_from
+    trained = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = random_tokens(batch=3)
+    ours = our_logits(str(tmp_path / "run"), tokens)
+    diff = np.abs(hf_logits(trained, tokens) - ours).max()
+    print(f"trained: export max abs diff {diff:.2e}")
+    assert diff <= TOL
+    moved = np.abs(ours - hf_logits(model, tokens)).max()
+    assert moved > 1e-3  # the step changed the model (and the export carries the change)
+
+    # The run's own checkpoint wins over init_from (nothing left to train: no compile).
+    capsys.readouterr()
+    config = str(tmp_path / "imp" / "config.yaml")
+    assert run(load_config(config, [*overrides, "logging.progress=plain"])) == []
+    said = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'run'} at step 1" in said
+    assert "checkpoint.init_from=" in said and "not used" in said
