@@ -11,6 +11,7 @@ with its worst error.
 
     python scripts/bench_memory.py            # ~5 min on 2 cores
     python scripts/bench_memory.py --no-grid  # shipped configs only
+    python scripts/bench_memory.py --no-grid --only llama  # shipped configs named *llama*
 
 Prints a table and one JSON line. Targets: every shipped config <= 90% of 80 GB, every
 prediction within 15%.
@@ -47,6 +48,8 @@ SHIPPED = [
     ("configs/gpt-350m.yaml", "meshes/paper-ib-8x8.yaml"),
     ("configs/gpt-1.3b.yaml", "meshes/paper-ib-8x8.yaml"),
     ("configs/gpt-7b.yaml", "meshes/paper-ib-roce-8x8.yaml"),
+    ("configs/llama-1b.yaml", "meshes/paper-ib-8x8.yaml"),
+    ("configs/llama-8b.yaml", "meshes/paper-ib-roce-8x8.yaml"),
 ]
 LIMIT_GB = 80.0
 TARGET_FRACTION = 0.9
@@ -129,6 +132,16 @@ GRID = [
         "configs/gpt-7b.yaml",
         "parallel.tensor=8 parallel.stages=2 parallel.data=1 "
         "parallel.microbatches=4 model.remat=none train.global_batch_size=4",
+    ),
+    (
+        "configs/llama-1b.yaml",
+        "parallel.tensor=2 parallel.stages=2 parallel.data=2 parallel.microbatches=4 "
+        "model.remat=none model.seq_len=1024",
+    ),
+    (
+        "configs/llama-1b.yaml",
+        "parallel.tensor=8 parallel.stages=1 parallel.data=1 parallel.microbatches=2 "
+        "model.remat=selective model.seq_len=2048 model.tied_embeddings=false",
     ),
 ]
 GRID_BATCH = "train.global_batch_size=32 train.precision=bf16"
@@ -217,6 +230,9 @@ def grid_row(config: str, overrides: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-grid", action="store_true", help="shipped configs only")
+    parser.add_argument(
+        "--only", default="", help="only configs whose file name contains this (e.g. llama)"
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     print("shipped GPU configs (per device; limit 80 GB, target <= 72 GB):", flush=True)
@@ -227,6 +243,8 @@ def main() -> int:
     )
     shipped = []
     for config, mesh in SHIPPED:
+        if args.only not in os.path.basename(config):
+            continue
         r = shipped_row(config, mesh)
         shipped.append(r)
         note = (
@@ -247,6 +265,8 @@ def main() -> int:
     if not args.no_grid:
         print("validation grid (bf16 unless noted, global batch 32 unless noted):", flush=True)
         for config, overrides in GRID:
+            if args.only not in os.path.basename(config):
+                continue
             r = grid_row(config, overrides)
             grid.append(r)
             print(

@@ -25,11 +25,12 @@ from typing import Any
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import (
+    ARCHS,
     ATTENTION_KERNELS,
     CONFIG_LIMITS,
     PRECISIONS,
     REMAT_CHOICES,
-    SCHEDULES,
+    SCHEDULE_CHOICES,
     Degrees,
     Layout,
     ModelSpec,
@@ -45,16 +46,30 @@ PROGRESS_MODES = ("auto", "bar", "plain", "none")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT-2 shaped decoder: learned positions, pre-LayerNorm, GELU MLP."""
+    """The decoder: ``gpt2`` (learned positions, pre-LayerNorm, GELU MLP, biases) or
+    ``llama`` (rotary positions, pre-RMSNorm, SwiGLU MLP, grouped-query attention, no
+    biases). ``num_kv_heads`` 0, ``mlp_size`` 0 and ``tied_embeddings`` null are resolved
+    at construction (to num_heads, mlp_ratio x hidden_size and the arch's default)."""
 
+    arch: str = "gpt2"  # gpt2 | llama
     vocab_size: int = 256  # <= 16777216
-    seq_len: int = 128  # tokens per sequence (also the learned positions); <= 16777216
+    seq_len: int = 128  # tokens per sequence (gpt2: also the learned positions); <= 16777216
     num_layers: int = 4  # <= 4096
     num_heads: int = 4  # <= 16384
+    num_kv_heads: int = 0  # key/value heads (llama); 0 = num_heads; <= 16384
     hidden_size: int = 128  # <= 262144
-    mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden_size; <= 64
+    mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden_size unless mlp_size is set; <= 64
+    mlp_size: int = 0  # explicit MLP width; 0 = mlp_ratio * hidden_size; <= 16777216
+    rope_base: float = 10000.0  # llama: rotary base theta (inv_freq = base^(-2i/head_dim))
+    # Llama 3.1 rope_scaling (rope_type llama3); factor 0 = off.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192  # original_max_position_embeddings
+    norm_eps: float = 1e-5  # epsilon of every LayerNorm (gpt2) / RMSNorm (llama)
     dropout: float = 0.0
-    tied_embeddings: bool = True  # LM head reuses the token embedding
+    # LM head reuses the token embedding; null = the arch's default (gpt2 true, llama false)
+    tied_embeddings: bool | None = None
     # What a layer keeps for its backward: none (everything), full (only its input; the
     # forward is recomputed) or selective (matmul and attention outputs; norms, GELU and
     # softmax are recomputed); auto lets the planner pick the fastest that fits. YAML
@@ -65,6 +80,12 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.remat, bool):  # the old boolean switch
             object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.tied_embeddings is None:
+            object.__setattr__(self, "tied_embeddings", self.arch != "llama")
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.mlp_size == 0:
+            object.__setattr__(self, "mlp_size", self.mlp_ratio * self.hidden_size)
 
     @property
     def spec(self) -> ModelSpec:
@@ -78,22 +99,43 @@ class ModelConfig:
             vocab_size=self.vocab_size,
             mlp_ratio=self.mlp_ratio,
             tied_embeddings=self.tied_embeddings,
+            arch=self.arch,
+            num_kv_heads=self.num_kv_heads,
+            mlp_size=self.mlp_size,
         )
 
     @property
     def head_dim(self) -> int:
         return self.spec.head_dim
 
-    @property
-    def mlp_size(self) -> int:
-        return self.spec.mlp_size
-
     def validate(self) -> None:
+        check_choice(self.arch, "model.arch", ARCHS)
         _positive(self, "model", ("vocab_size", "seq_len", "num_layers", "num_heads"))
-        _positive(self, "model", ("hidden_size", "mlp_ratio"))
-        _ = self.spec  # the shape's own rules (heads divide the hidden size)
+        _positive(self, "model", ("num_kv_heads", "hidden_size", "mlp_ratio", "mlp_size"))
+        _ = self.spec  # the shape's own rules (heads divide the hidden size, kv the heads)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
+        if self.rope_base <= 1.0:
+            raise ConfigError(f"model.rope_base={self.rope_base}: must be > 1")
+        if self.rope_scaling_factor:
+            if self.rope_scaling_factor < 1.0:
+                raise ConfigError(
+                    f"model.rope_scaling_factor={self.rope_scaling_factor}: must be >= 1 "
+                    f"(0 = no scaling)"
+                )
+            if not 0.0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(
+                    f"model.rope_low_freq_factor={self.rope_low_freq_factor}: must be > 0 and "
+                    f"< model.rope_high_freq_factor={self.rope_high_freq_factor}"
+                )
+            _positive(self, "model", ("rope_original_max_positions",))
+        if not 0.0 < self.norm_eps < 1.0:
+            raise ConfigError(f"model.norm_eps={self.norm_eps}: must be in (0, 1)")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads}: llama's rotary embedding needs an even "
+                f"head_dim, got hidden_size/num_heads = {self.head_dim}"
+            )
         check_choice(self.remat, "model.remat", REMAT_CHOICES)
         check_choice(self.attention, "model.attention", ATTENTION_KERNELS)
 
@@ -138,20 +180,21 @@ class ParallelConfig:
     stages: int = 1  # pipeline stages; <= 4096
     layers_per_stage: tuple[int, ...] | str | None = None  # e.g. [1, 3] or "auto"
     microbatches: int = 1  # <= 1048576
-    schedule: str = "gpipe"  # gpipe | 1f1b | interleaved | zb
+    schedule: str = "gpipe"  # gpipe | 1f1b | interleaved | zb | auto (the planner picks)
     virtual_stages: int = 1  # model chunks per device (interleaved only, >= 2); <= 64
     replica: int = 1  # data-parallel copies across islands (hierarchical reduction); <= 256
     enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
 
     def layout(self, degrees: Degrees) -> Layout:
-        """The resolved degrees with this config's micro-batches and schedule."""
+        """The resolved degrees with this config's micro-batches and schedule (``auto``:
+        1F1B, the base the planner re-schedules; the trainer resolves ``auto`` first)."""
         return Layout(
             degrees.stages,
             degrees.data,
             degrees.tensor,
             replica=degrees.replica,
             microbatches=self.microbatches,
-            schedule=self.schedule,
+            schedule="1f1b" if self.schedule == "auto" else self.schedule,
             virtual_stages=self.virtual_stages,
         )
 
@@ -163,8 +206,16 @@ class ParallelConfig:
         _positive(
             self, "parallel", ("tensor", "stages", "microbatches", "replica", "virtual_stages")
         )
-        check_choice(self.schedule, "parallel.schedule", SCHEDULES)
-        check_pipeline(self.schedule, self.stages, self.virtual_stages)
+        check_choice(self.schedule, "parallel.schedule", SCHEDULE_CHOICES)
+        if self.schedule == "auto":
+            if self.virtual_stages != 1 or isinstance(self.layers_per_stage, tuple):
+                raise ConfigError(
+                    f"parallel.schedule='auto': the planner chooses virtual_stages and "
+                    f"layers_per_stage too (got virtual_stages={self.virtual_stages}, "
+                    f"layers_per_stage={self.layers_per_stage}; leave them unset or auto)"
+                )
+        else:
+            check_pipeline(self.schedule, self.stages, self.virtual_stages)
         # Interleaved: one entry per virtual stage (chunk c of stage s is virtual stage
         # c*stages + s, the order a micro-batch visits them).
         chunks = self.stages * self.virtual_stages
@@ -177,8 +228,7 @@ class ParallelConfig:
             if len(lps) != chunks:
                 what = "stage" if self.virtual_stages == 1 else "stage x virtual stage"
                 raise ConfigError(
-                    f"parallel.layers_per_stage={list(lps)}: needs one entry per {what} "
-                    f"({chunks})"
+                    f"parallel.layers_per_stage={list(lps)}: needs one entry per {what} ({chunks})"
                 )
             if min(lps) < 1:
                 raise ConfigError(
@@ -198,6 +248,11 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.tensor={self.tensor}: must divide model.num_heads="
                 f"{model.num_heads} and the MLP width {model.mlp_size}"
+            )
+        if model.num_kv_heads % self.tensor:
+            raise ConfigError(
+                f"parallel.tensor={self.tensor}: must divide model.num_kv_heads="
+                f"{model.num_kv_heads} (each tensor rank holds whole key/value heads)"
             )
         if model.vocab_size % self.tensor:
             raise ConfigError(
@@ -258,18 +313,25 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints; a run resumes from the newest one in ``dir``."""
+    """Orbax checkpoints; a run resumes from the newest one in ``dir``, or else starts from
+    the parameters in ``init_from`` (fine-tuning: a fresh optimizer at step 0)."""
 
     dir: str | None = None  # None = no checkpoints
     every: int = 0  # steps between saves; 0 = at the end (and on SIGTERM); <= 1000000000
     keep: int = 3  # keep the newest N; <= 10000
     async_save: bool = True
     resume: bool = True
+    # Parameters to start from: `python -m holmes_jax.hf import`'s output, or another run's
+    # checkpoint directory (its newest step) or step. A run whose dir already holds
+    # checkpoints resumes from them instead. Read when the run starts.
+    init_from: str | None = None
 
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError(f"checkpoint.every={self.every}: must be >= 0 (0 = at end)")
         _positive(self, "checkpoint", ("keep",))
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError("checkpoint.init_from='': must be a path, or null for none")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from holmes_jax.core.errors import ConfigError
 
 # pipeline schedules (holmes_jax.planner.schedule)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULE_CHOICES = (*SCHEDULES, "auto")  # auto: the planner picks schedule, v and split
 REMAT_POLICIES = ("none", "full", "selective")  # what the model runs
 REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fits
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")

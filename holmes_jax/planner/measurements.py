@@ -219,6 +219,15 @@ def profile_dict(m: Measurement) -> dict[str, Any]:
             "microbatch_size": m.microbatch_size,
             "tensor": 1,  # the whole layer on one device
             "act_bytes": 4,  # fp32 activations
+            **(
+                {
+                    "arch": m.model.arch,
+                    "num_kv_heads": m.model.num_kv_heads,
+                    "mlp_size": m.model.mlp_size,
+                }
+                if m.model.arch != "gpt2"
+                else {}
+            ),
         },
         "compute": {
             c.island: {"layer_fwd_s": _round(c.fwd_s), "layer_bwd_s": _round(c.bwd_s)}
@@ -236,7 +245,7 @@ def format_table(m: Measurement) -> str:
         f"probe of topology {topo.name}: {topo.num_devices} {m.platform or 'jax'} devices, "
         f"{len(topo.islands)} islands; median of {m.repeats} runs",
         f"layer: hidden {model.hidden_size}, {model.num_heads} heads, seq {model.seq_len}, "
-        f"mlp x{model.mlp_ratio}, micro-batch {m.microbatch_size}, fp32 "
+        f"mlp {model.mlp_size} ({model.arch}), micro-batch {m.microbatch_size}, fp32 "
         f"({flops / 1e9:.3g} GFLOP forward)",
         "  island      devices  fwd ms   bwd ms   fwd GFLOP/s  bwd GFLOP/s  peak GFLOP/s"
         "  fwd ms alone",

@@ -6,8 +6,11 @@ checked against XLA's compiled memory analysis (``scripts/bench_memory.py``,
 ``tests/test_memory.py``).
 
 Notation: b sequences per microbatch, s sequence length, h hidden, f MLP width, a heads,
+k the key/value width (num_kv_heads x head_dim; k = h without grouped-query attention),
 V vocabulary, t tensor degree, d data degree, n layer slots per device, K residual sets
-the schedule keeps (1F1B: min(S, M), GPipe: M), β bytes of the compute dtype.
+the schedule keeps (1F1B: min(S, M), GPipe: M), β bytes of the compute dtype. The arch
+(``gpt2`` or ``llama``) enters through the parameter counts of
+:class:`~holmes_jax.core.spec.ModelSpec` and the per-layer residuals.
 
 Every device of a pipeline holds the same arrays (:mod:`holmes_jax.runtime.pipeline`): its stage's
 ``n = max(layers_per_stage)`` layer slots (padded), a copy of the embedding and of the
@@ -71,36 +74,75 @@ class MemoryBreakdown:
         return out
 
 
-def buffer_depth(schedule: str, stages: int, microbatches: int) -> int:
-    """Residual sets a device keeps (:attr:`holmes_jax.runtime.schedule.Schedule.buffer_slots`)."""
+def buffer_depth(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Residual sets the busiest device (stage 0) keeps in flight: micro-batches whose
+    forward ran and whose backward (for ``zb`` its weight-gradient pass W) has not.
+
+    - ``gpipe``: all M.
+    - ``1f1b``: ``min(S, M)`` (S − s warm-up forwards on stage s).
+    - ``zb`` (ZB-H1, Qi et al. 2023): the same ``min(S, M)``: ZB-H1 defers W only while
+      the in-flight count stays within 1F1B's; the deferred W's own state (output
+      cotangents) is priced by the cost model on top.
+    - ``interleaved`` with v chunks: *chunk* residual sets (each holds one chunk's
+      layers), Megatron-LM's interleaved 1F1B over groups of g = min(S, M) micro-batches:
+      stage s runs ``2(S − s − 1) + (v − 1)·g`` warm-up chunk forwards and one more
+      before its first backward, so stage 0 holds ``min(M·v, 2(S − 1) + (v − 1)·g + 1)``;
+      for M >= S that is ``(v + 1)·S − 1``, ``S + (S − 1)/v`` devices' worth of layers
+      against 1F1B's S.
+    """
     if schedule == "gpipe":
         return microbatches
+    if schedule == "interleaved" and virtual_stages > 1:
+        g = min(stages, microbatches)
+        warm = 2 * (stages - 1) + (virtual_stages - 1) * g
+        return min(microbatches * virtual_stages, warm + 1)
     return min(stages, microbatches)
 
 
 def layer_residual_bytes(
-    remat: str, b: int, s: int, h: int, f: int, t: int, act_bytes: int
+    remat: str,
+    b: int,
+    s: int,
+    h: int,
+    f: int,
+    t: int,
+    act_bytes: int,
+    kv: int | None = None,
+    gated: bool = False,
 ) -> float:
     """Bytes one layer keeps per device for its backward, per microbatch.
 
-    What ``jax.vjp`` of :class:`holmes_jax.runtime.model.Block` keeps (the engine buffers exactly
-    these; ``tests/test_memory.py`` compares this formula with the traced residuals):
+    What ``jax.vjp`` of :class:`holmes_jax.runtime.model.Block` keeps (the engine buffers
+    exactly these; ``tests/runtime/test_memory.py`` compares this formula with the traced
+    residuals of both archs). ``kv``: the key/value width k (None: h); ``gated``: the
+    SwiGLU MLP of llama (gate and up, two ``[b, s, f/t]`` matmul outputs, where GELU has one).
 
     - ``full``: the layer input ``[b, s, h]``.
-    - ``selective``: the input, qkv ``3·[b, s, h/t]``, the attention output ``[b, s, h/t]``,
-      the attention projection ``[b, s, h]`` and the MLP input projection ``[b, s, f/t]``.
-    - ``none``: six fp32 ``[b, s, h]`` LayerNorm values, two normalised inputs
-      ``[b, s, h]``, q, k, v and the attention output, and six ``[b, s, f/t]`` MLP values
-      (the tanh-GELU's intermediates).
+    - ``selective``: the input, q ``[b, s, h/t]``, k and v ``2·[b, s, k/t]`` (before the
+      rotary embedding, which is recomputed), the attention output ``[b, s, h/t]``, the
+      attention projection ``[b, s, h]`` and the MLP input projections (gpt2: fc, llama:
+      gate and up ``[b, s, f/t]`` each).
+    - ``none``: six fp32 ``[b, s, h]`` norm values, two normalised inputs ``[b, s, h]``,
+      q, k, v and the attention output, and six ``[b, s, f/t]`` MLP values (the
+      tanh-GELU's intermediates; SwiGLU's gate, up, sigmoid and products).
     """
     bs, beta = b * s, act_bytes
+    k = h if kv is None else kv
+    attn = (2 * h + 2 * k) / t  # q, k, v, attention output
     if remat == "full":
         return bs * h * beta
     if remat == "selective":
-        return bs * beta * (2 * h + 4 * h / t + f / t)
+        return bs * beta * (2 * h + attn + (2 if gated else 1) * f / t)
     if remat == "none":
-        return bs * (h * (6 * 4 + 2 * beta) + 4 * h / t * beta + 6 * f / t * beta)
+        return bs * (h * (6 * 4 + 2 * beta) + attn * beta + 6 * f / t * beta)
     raise ValueError(f"remat='{remat}': must be one of {', '.join(REMAT_POLICIES)}")
+
+
+def model_residual_bytes(remat: str, m: ModelSpec, b: int, t: int, act_bytes: int) -> float:
+    """:func:`layer_residual_bytes` of a layer of model ``m``."""
+    return layer_residual_bytes(
+        remat, b, m.seq_len, m.hidden_size, m.mlp_size, t, act_bytes, m.kv_size, m.gated
+    )
 
 
 @dataclass(frozen=True)
@@ -132,29 +174,29 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
         its parameters are on every stage).
     """
     m = x.model
-    h, f, s, V, t, d = m.hidden_size, m.mlp_size, m.seq_len, m.vocab_size, x.tensor, x.data
+    h, s, V, t, d = m.hidden_size, m.seq_len, m.vocab_size, x.tensor, x.data
     b, beta = x.microbatch_size, x.act_bytes
     zd = d if x.zero1 else 1  # ZeRO-1 shards the optimizer state and reduced gradients
 
     # Parameters per device: tensor splits matmuls, the vocabulary and (approximately) all
     # else; the pipeline layout keeps an embedding and a head copy on every stage.
     blocks = slots * m.layer_params / t
-    embed = (V / t + s) * h
-    head = 2 * h + (0 if m.tied_embeddings else V * h / t)
+    embed = V / t * h + m.position_params  # gpt2's learned positions are not split
+    head = m.norm_params + (0 if m.tied_embeddings else V * h / t)
     P = blocks + embed + head
     params = P * beta
     optimizer = P / zd * (8 + (4 if x.master else 0))
 
     grads = 4 * P + 4 * blocks / zd
     K = buffer_depth(x.schedule, x.stages, x.microbatches)
-    R = layer_residual_bytes(x.remat, b, s, h, f, t, beta)
+    R = model_residual_bytes(x.remat, m, b, t, beta)
     residuals = K * slots * R
     act = b * s * h * beta
     buffers = (6 + K) * act
 
     # Working set: one layer's backward (recomputed activations when remat, the fp32
     # gradient of its weights, its weights in fp32) or, on the last stage, the head.
-    recompute = layer_residual_bytes("none", b, s, h, f, t, beta) if x.remat != "none" else 0.0
+    recompute = model_residual_bytes("none", m, b, t, beta) if x.remat != "none" else 0.0
     scores = 3 * b * (m.num_heads / t) * s * s * 4 if x.attention == "xla" else 0.0
     layer_grad = 2 * 4 * m.layer_params / t
     working = recompute + scores + layer_grad

@@ -12,7 +12,9 @@ is checked, unknown keys are errors)::
       "measured_with": {                        # the layer shape that was timed
         "hidden_size": 128, "seq_len": 128, "num_heads": 4, "mlp_ratio": 4,
         "microbatch_size": 1, "tensor": 1,
-        "act_bytes": 4                          # optional: bytes per activation (default 2)
+        "act_bytes": 4,                         # optional: bytes per activation (default 2)
+        "arch": "llama", "num_kv_heads": 2,     # optional: a llama layer (default gpt2,
+        "mlp_size": 344                         #   kv heads = heads, mlp = ratio x hidden)
       },
       "compute": {                              # optional, per island (any subset)
         "<island>": {"layer_fwd_s": 0.004, "layer_bwd_s": 0.008}
@@ -52,14 +54,17 @@ from holmes_jax.core.axes import DATA, STAGE, TENSOR
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import (
     ACT_BYTES,
+    ARCHS,
     BATCH,
     DEVICES_PER_HOST,
     HEADS,
     HIDDEN,
     LAYER_S,
+    MLP,
     MLP_RATIO,
     SEQ,
     ModelSpec,
+    check_choice,
     layer_fwd_flops,
 )
 from holmes_jax.core.yamlio import read_text
@@ -117,7 +122,10 @@ def profile_from_dict(
             "topology", top["topology"], f"profile is for another topology than '{topology.name}'"
         )
     shape = r.mapping(
-        top["measured_with"], "measured_with", required=tuple(_SHAPE), optional=("act_bytes",)
+        top["measured_with"],
+        "measured_with",
+        required=tuple(_SHAPE),
+        optional=("act_bytes", "arch", "num_kv_heads", "mlp_size"),
     )
     dims = {k: r.integer(shape[k], f"measured_with.{k}", 1, b) for k, b in _SHAPE.items()}
     # The timed layer's element-wise traffic is subtracted at the precision it ran in
@@ -126,9 +134,21 @@ def profile_from_dict(
     names = [isl.name for isl in topology.islands]
 
     base = Calibration() if efficiency is None else Calibration(efficiency)
+    arch = r.string(shape.get("arch", "gpt2"), "measured_with.arch")
+    kv = r.integer(shape.get("num_kv_heads", 0), "measured_with.num_kv_heads", 0, HEADS)
+    mlp = r.integer(shape.get("mlp_size", 0), "measured_with.mlp_size", 0, MLP)
     try:
+        check_choice(arch, "measured_with.arch", ARCHS)
         measured = ModelSpec(
-            1, dims["hidden_size"], dims["num_heads"], dims["seq_len"], 1, dims["mlp_ratio"]
+            1,
+            dims["hidden_size"],
+            dims["num_heads"],
+            dims["seq_len"],
+            1,
+            dims["mlp_ratio"],
+            arch=arch,
+            num_kv_heads=kv,
+            mlp_size=mlp,
         )
     except ConfigError as e:  # heads that do not divide the hidden size
         raise ConfigError(f"{source}: measured_with: {e}") from None

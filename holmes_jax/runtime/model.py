@@ -1,18 +1,41 @@
-"""GPT-2 shaped decoder in Flax linen, built from three parts a pipeline can cut apart.
+"""The decoder in Flax linen, built from three parts a pipeline can cut apart.
 
     tokens [B, T] --Embed--> x [B, T, H] --Block x L--> x --Head--> loss (or logits)
 
-- ``Embed``: token embedding + learned positions (+ dropout).
-- ``Block``: pre-LayerNorm causal self-attention and GELU MLP, each with a residual.
-- ``Head``: final LayerNorm and the LM head (tied to the token embedding by default).
+Two architectures (``model.arch``) share this structure, the parameter tree's three parts,
+the logical axis names and everything downstream (pipeline, ZeRO-1, tensor parallelism,
+remat policies):
 
-``GPT`` stacks the L blocks along a leading ``layers`` axis with ``nn.scan``, so its
-parameter tree is ``{'embed': ..., 'blocks': <every leaf [L, ...]>, 'head': ...}``; the
-pipeline re-cuts ``blocks`` into stages and applies one layer with :func:`block_apply`.
+- ``gpt2``: Embed = token embedding + learned positions (+ dropout); Block = pre-LayerNorm
+  causal self-attention (fused QKV, biases) and a GELU MLP ``proj(gelu(fc(x)))``, each
+  with a residual; Head = final LayerNorm and the LM head (tied to the token embedding by
+  default).
+- ``llama``: Embed = token embedding only (positions are rotary, inside attention);
+  Block = pre-RMSNorm attention with separate q ``[H, nh, hd]``, k and v ``[H, nkv, hd]``
+  (grouped-query when nkv < nh; rotary q and k) and a SwiGLU MLP
+  ``down(silu(gate(x)) * up(x))``, no biases; Head = final RMSNorm and an untied LM head
+  by default.
+
+Parameters (every ``blocks`` leaf stacked ``[L, ...]``)::
+
+    gpt2   embed {wte [V,H], wpe [T,H]}
+           blocks {ln1 {scale,bias}, qkv_kernel [H,3,nh,hd], qkv_bias [3,nh,hd],
+                   out_kernel [nh,hd,H], out_bias [H], ln2 {scale,bias},
+                   fc_kernel [H,F], fc_bias [F], proj_kernel [F,H], proj_bias [H]}
+           head {ln_f {scale,bias}, lm_kernel [H,V] (untied only)}
+    llama  embed {wte [V,H]}
+           blocks {ln1 {scale}, q_kernel [H,nh,hd], k_kernel [H,nkv,hd], v_kernel [H,nkv,hd],
+                   out_kernel [nh,hd,H], ln2 {scale}, gate_kernel [H,F], up_kernel [H,F],
+                   down_kernel [F,H]}
+           head {ln_f {scale}, lm_kernel [H,V] (untied only)}
+
+``GPT`` stacks the L blocks along a leading ``layers`` axis with ``nn.scan``; the pipeline
+re-cuts ``blocks`` into stages and applies one layer with :func:`block_apply`.
 
 Every parameter carries logical axis names; :data:`LOGICAL_RULES`, the one table that maps
-them to mesh axes, puts heads / MLP width / vocabulary on ``tensor`` (Megatron-style
-tensor parallelism through GSPMD) and the batch on ``data``.
+them to mesh axes, puts heads / key-value heads / MLP width / vocabulary on ``tensor``
+(Megatron-style tensor parallelism through GSPMD) and the batch on ``data``. The norms,
+rotary embedding and attention kernels are in :mod:`holmes_jax.runtime.layers`.
 
 The model's shape, parameter and FLOP counts live in one place,
 :class:`holmes_jax.core.spec.ModelSpec` (``cfg.spec``), shared with the planner.
@@ -31,12 +54,39 @@ from holmes_jax.core.axes import BATCH_AXES, TENSOR
 from holmes_jax.core.config import ModelConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import REMAT_CHOICES
+from holmes_jax.runtime.layers import (
+    LayerNorm,
+    RMSNorm,
+    Rope,
+    attention,
+    attention_kernel,
+    norm,
+    param,
+    rope,
+)
+
+__all__ = [
+    "GPT",
+    "LOGICAL_RULES",
+    "Block",
+    "Embed",
+    "Head",
+    "LayerNorm",
+    "RMSNorm",
+    "attention",
+    "attention_kernel",
+    "block_apply",
+    "cross_entropy",
+    "remat_block",
+    "remat_policy",
+]
 
 # Logical axis name -> mesh axis. The only place parameters meet the mesh.
 LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", BATCH_AXES),
     ("vocab", TENSOR),
     ("heads", TENSOR),
+    ("kv_heads", TENSOR),
     ("mlp", TENSOR),
     ("embed", None),
     ("head_dim", None),
@@ -48,70 +98,26 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 _INIT_STD = 0.02
 
 
-def _param(module: nn.Module, name: str, init, shape, names):
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
-
-
-# --------------------------------------------------------------------------- attention
-
-
-def attention_kernel(cfg: ModelConfig, dtype) -> str:
-    """The attention implementation a run uses: ``'xla'`` or ``'cudnn'``.
-
-    ``auto`` takes cuDNN's fused kernel on a CUDA device when it can run (bf16/fp16,
-    head_dim a multiple of 8 up to 128), else XLA.
-
-    Raises:
-      ConfigError: ``model.attention=cudnn`` where cuDNN cannot run.
-    """
-    if cfg.attention == "xla":
-        return "xla"
-    why = _cudnn_unavailable(cfg, dtype)
-    if cfg.attention == "cudnn" and why:
-        raise ConfigError(f"model.attention=cudnn: {why} (use auto or xla)")
-    return "xla" if why else "cudnn"
-
-
-def _cudnn_unavailable(cfg: ModelConfig, dtype) -> str | None:
-    """Why cuDNN attention cannot run here, or None."""
-    devices = jax.devices()
-    if devices[0].platform != "gpu" or "cuda" not in devices[0].client.platform_version.lower():
-        return f"needs a CUDA GPU, this run has {devices[0].platform} devices"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"needs bf16 or fp16 compute, this run computes in {jnp.dtype(dtype).name}"
-    if cfg.head_dim % 8 or cfg.head_dim > 128:
-        return f"needs head_dim a multiple of 8 and <= 128, got {cfg.head_dim}"
-    return None
-
-
-def attention(q, k, v, kernel: str):
-    """Causal softmax attention. q, k, v [B, T, nh, hd] -> [B, T, nh, hd].
-
-    Never keeps ``[B, nh, T, T]`` scores for the backward: cuDNN's fused kernel stores only
-    its output and the softmax statistics; the XLA path is wrapped in a checkpoint that
-    keeps q, k, v and recomputes scores and softmax (in fp32) in the backward.
-    """
-    if kernel == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    return _xla_attention(q, k, v)
-
-
-@jax.checkpoint
-def _xla_attention(q, k, v):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = jnp.einsum("btnd,bsnd->bnts", q, k).astype(jnp.float32) * scale  # [B, nh, T, T]
-    t = q.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
-    return jnp.einsum("bnts,bsnd->btnd", probs, v)
-
-
 # --------------------------------------------------------------------------- remat
 
 # What ``model.remat=selective`` keeps per layer (named with ``checkpoint_name`` in Block):
-# the four matmul outputs and the attention output. Norms, GELU and softmax are recomputed.
-SELECTIVE_SAVED = ("qkv", "attn_out", "attn_proj", "mlp_fc", "mlp_proj")
+# the matmul outputs and the attention output; norms, GELU / SiLU, rotary and softmax are
+# recomputed. gpt2 names qkv, attn_out, attn_proj, mlp_fc, mlp_proj; llama names q, k, v
+# (before the rotary embedding), attn_out, attn_proj, mlp_gate, mlp_up, mlp_down. A layer's
+# last output (mlp_proj, mlp_down) is named but its backward never needs it.
+SELECTIVE_SAVED = (
+    "qkv",
+    "q",
+    "k",
+    "v",
+    "attn_out",
+    "attn_proj",
+    "mlp_fc",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_proj",
+    "mlp_down",
+)
 
 
 def remat_policy(name: str):
@@ -138,25 +144,11 @@ def remat_block(cfg: ModelConfig):
     return nn.remat(Block, prevent_cse=False, policy=policy)
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm over the hidden axis with logical names on scale and bias."""
-
-    eps: float = 1e-5
-
-    @nn.compact
-    def __call__(self, x):  # x [B, T, H]
-        h = x.shape[-1]
-        scale = _param(self, "scale", nn.initializers.ones, (h,), ("embed",))
-        bias = _param(self, "bias", nn.initializers.zeros, (h,), ("embed",))
-        x32 = x.astype(jnp.float32)  # statistics in fp32 even for bf16 activations
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+# --------------------------------------------------------------------------- parts
 
 
 class Embed(nn.Module):
-    """Token embedding + learned positions. ``attend`` is the tied LM head."""
+    """Token embedding (+ learned positions for gpt2). ``attend`` is the tied LM head."""
 
     cfg: ModelConfig
     deterministic: bool = True
@@ -164,13 +156,15 @@ class Embed(nn.Module):
     def setup(self):
         c = self.cfg
         normal = nn.initializers.normal(_INIT_STD)
-        self.wte = _param(self, "wte", normal, (c.vocab_size, c.hidden_size), ("vocab", "embed"))
-        self.wpe = _param(self, "wpe", normal, (c.seq_len, c.hidden_size), ("seq", "embed"))
+        self.wte = param(self, "wte", normal, (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        if c.arch == "gpt2":
+            self.wpe = param(self, "wpe", normal, (c.seq_len, c.hidden_size), ("seq", "embed"))
         self.drop = nn.Dropout(c.dropout)
 
     def __call__(self, tokens):  # tokens [B, T] int32
-        t = tokens.shape[1]
-        x = jnp.take(self.wte, tokens, axis=0) + self.wpe[:t]  # [B, T, H]
+        x = jnp.take(self.wte, tokens, axis=0)  # [B, T, H]
+        if self.cfg.arch == "gpt2":
+            x = x + self.wpe[: tokens.shape[1]]
         x = nn.with_logical_constraint(x, ("batch", "seq", "embed"))
         return self.drop(x, deterministic=self.deterministic)
 
@@ -187,55 +181,107 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _=None):  # x [B, T, H]
         c = self.cfg
-        nh, hd, h, f = c.num_heads, c.head_dim, c.hidden_size, c.mlp_size
-        normal = nn.initializers.normal(_INIT_STD)
-        # GPT-2: residual projections scaled by 1/sqrt(2L) so the residual stream stays O(1).
-        resid = nn.initializers.normal(_INIT_STD / math.sqrt(2 * c.num_layers))
-        zeros = nn.initializers.zeros
         drop = nn.Dropout(c.dropout)
-
-        # --- attention: [B, T, H] -> q, k, v [B, T, nh/tensor, hd]
-        a = LayerNorm(name="ln1")(x)
-        w_qkv = _param(
-            self, "qkv_kernel", normal, (h, 3, nh, hd), ("embed", "qkv", "heads", "head_dim")
-        )
-        b_qkv = _param(self, "qkv_bias", zeros, (3, nh, hd), ("qkv", "heads", "head_dim"))
-        qkv = jnp.einsum("bth,hcnd->cbtnd", a, w_qkv) + b_qkv[:, None, None]
-        qkv = checkpoint_name(qkv, "qkv")  # [3, B, T, nh, hd]: saved by `selective`
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        y = attention(q, k, v, attention_kernel(c, q.dtype))  # [B, T, nh, hd]
-        y = checkpoint_name(y, "attn_out")
-        w_o = _param(self, "out_kernel", resid, (nh, hd, h), ("heads", "head_dim", "embed"))
-        b_o = _param(self, "out_bias", zeros, (h,), ("embed",))
-        y = checkpoint_name(jnp.einsum("btnd,ndh->bth", y, w_o) + b_o, "attn_proj")
+        llama = c.arch == "llama"
+        y = (_llama_attention if llama else _gpt2_attention)(self, norm(c, "ln1")(x))
         x = x + drop(y, deterministic=self.deterministic)
         x = nn.with_logical_constraint(x, ("batch", "seq", "embed"))
-
-        # --- MLP: [B, T, H] -> [B, T, F/tensor] -> [B, T, H]
-        m = LayerNorm(name="ln2")(x)
-        w_fc = _param(self, "fc_kernel", normal, (h, f), ("embed", "mlp"))
-        b_fc = _param(self, "fc_bias", zeros, (f,), ("mlp",))
-        m = jax.nn.gelu(checkpoint_name(m @ w_fc + b_fc, "mlp_fc"), approximate=True)
-        w_pr = _param(self, "proj_kernel", resid, (f, h), ("mlp", "embed"))
-        b_pr = _param(self, "proj_bias", zeros, (h,), ("embed",))
-        m = checkpoint_name(m @ w_pr + b_pr, "mlp_proj")
+        m = (_swiglu_mlp if llama else _gelu_mlp)(self, norm(c, "ln2")(x))
         x = x + drop(m, deterministic=self.deterministic)
         return nn.with_logical_constraint(x, ("batch", "seq", "embed")), None
 
 
+# The halves of a Block, as functions of the Block (they create its parameters, in the
+# order that keeps a seed's initial values unchanged). a, m: the normalised input [B, T, H].
+
+
+def _normal(c: ModelConfig, residual: bool = False):
+    # GPT-2: residual projections scaled by 1/sqrt(2L) so the residual stream stays O(1).
+    return nn.initializers.normal(_INIT_STD / (math.sqrt(2 * c.num_layers) if residual else 1))
+
+
+def _out_projection(block: nn.Module, y, bias: bool):
+    """[B, T, nh/tensor, hd] -> [B, T, H] (+ bias), saved as ``attn_proj``."""
+    c = block.cfg
+    w_o = param(
+        block, "out_kernel", _normal(c, True), (c.num_heads, c.head_dim, c.hidden_size),
+        ("heads", "head_dim", "embed"),
+    )  # fmt: skip
+    y = jnp.einsum("btnd,ndh->bth", y, w_o)
+    if bias:
+        y = y + param(block, "out_bias", nn.initializers.zeros, (c.hidden_size,), ("embed",))
+    return checkpoint_name(y, "attn_proj")
+
+
+def _gpt2_attention(block: nn.Module, a):
+    """Fused QKV with biases: [B, T, H] -> q, k, v [B, T, nh/tensor, hd] -> [B, T, H]."""
+    c = block.cfg
+    nh, hd, h = c.num_heads, c.head_dim, c.hidden_size
+    w_qkv = param(
+        block, "qkv_kernel", _normal(c), (h, 3, nh, hd), ("embed", "qkv", "heads", "head_dim")
+    )
+    b_qkv = param(
+        block, "qkv_bias", nn.initializers.zeros, (3, nh, hd), ("qkv", "heads", "head_dim")
+    )
+    qkv = jnp.einsum("bth,hcnd->cbtnd", a, w_qkv) + b_qkv[:, None, None]
+    qkv = checkpoint_name(qkv, "qkv")  # [3, B, T, nh, hd]: saved by `selective`
+    y = attention(qkv[0], qkv[1], qkv[2], attention_kernel(c, a.dtype))  # [B, T, nh, hd]
+    return _out_projection(block, checkpoint_name(y, "attn_out"), bias=True)
+
+
+def _llama_attention(block: nn.Module, a):
+    """q [B, T, nh/tensor, hd], k, v [B, T, nkv/tensor, hd], rotary q and k, no biases."""
+    c = block.cfg
+    nh, nkv, hd, h = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    w_q = param(block, "q_kernel", _normal(c), (h, nh, hd), ("embed", "heads", "head_dim"))
+    w_k = param(block, "k_kernel", _normal(c), (h, nkv, hd), ("embed", "kv_heads", "head_dim"))
+    w_v = param(block, "v_kernel", _normal(c), (h, nkv, hd), ("embed", "kv_heads", "head_dim"))
+    q = checkpoint_name(jnp.einsum("bth,hnd->btnd", a, w_q), "q")
+    k = checkpoint_name(jnp.einsum("bth,hnd->btnd", a, w_k), "k")
+    v = checkpoint_name(jnp.einsum("bth,hnd->btnd", a, w_v), "v")
+    q, k = rope(q, Rope.of(c)), rope(k, Rope.of(c))
+    y = attention(q, k, v, attention_kernel(c, a.dtype))  # [B, T, nh, hd]
+    return _out_projection(block, checkpoint_name(y, "attn_out"), bias=False)
+
+
+def _gelu_mlp(block: nn.Module, m):
+    """[B, T, H] -> [B, T, F/tensor] -> [B, T, H], tanh-GELU, biases."""
+    c = block.cfg
+    h, f = c.hidden_size, c.mlp_size
+    zeros = nn.initializers.zeros
+    w_fc = param(block, "fc_kernel", _normal(c), (h, f), ("embed", "mlp"))
+    b_fc = param(block, "fc_bias", zeros, (f,), ("mlp",))
+    m = jax.nn.gelu(checkpoint_name(m @ w_fc + b_fc, "mlp_fc"), approximate=True)
+    w_pr = param(block, "proj_kernel", _normal(c, True), (f, h), ("mlp", "embed"))
+    b_pr = param(block, "proj_bias", zeros, (h,), ("embed",))
+    return checkpoint_name(m @ w_pr + b_pr, "mlp_proj")
+
+
+def _swiglu_mlp(block: nn.Module, m):
+    """down(silu(gate(m)) * up(m)): [B, T, H] -> 2 x [B, T, F/tensor] -> [B, T, H]."""
+    c = block.cfg
+    h, f = c.hidden_size, c.mlp_size
+    w_gate = param(block, "gate_kernel", _normal(c), (h, f), ("embed", "mlp"))
+    w_up = param(block, "up_kernel", _normal(c), (h, f), ("embed", "mlp"))
+    w_down = param(block, "down_kernel", _normal(c, True), (f, h), ("mlp", "embed"))
+    gate = checkpoint_name(m @ w_gate, "mlp_gate")
+    up = checkpoint_name(m @ w_up, "mlp_up")
+    return checkpoint_name((jax.nn.silu(gate) * up) @ w_down, "mlp_down")
+
+
 class Head(nn.Module):
-    """Final LayerNorm, LM head and mean token cross-entropy."""
+    """Final norm, LM head and mean token cross-entropy."""
 
     cfg: ModelConfig
 
     @nn.compact
     def __call__(self, x, embed: Embed, targets=None):  # x [B, T, H], targets [B, T]
         c = self.cfg
-        x = LayerNorm(name="ln_f")(x)
+        x = norm(c, "ln_f")(x)
         if c.tied_embeddings:
             logits = embed.attend(x)
         else:
-            w = _param(
+            w = param(
                 self,
                 "lm_kernel",
                 nn.initializers.normal(_INIT_STD),

@@ -1,8 +1,8 @@
 """AdamW with linear warmup + cosine decay, global-norm clipping and a weight-decay mask.
 
-Weight decay applies to matmul kernels and embeddings (2-D weights in GPT-2 terms) and
-never to LayerNorm scales or biases; the mask goes by parameter name, so it is the same
-for the stacked ``[L, ...]`` layout and any pipeline re-cut of it.
+Weight decay applies to matmul kernels and embeddings (2-D weights in GPT-2 terms; every
+``*_kernel`` of either arch) and never to norm scales or biases; the mask goes by parameter
+name, so it is the same for the stacked ``[L, ...]`` layout and any pipeline re-cut of it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from holmes_jax.core.config import OptimizerConfig
 # Parameter names (last path element) that receive weight decay.
 DECAYED = frozenset(
     {"wte", "wpe", "qkv_kernel", "out_kernel", "fc_kernel", "proj_kernel", "lm_kernel"}
+    | {"q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel", "down_kernel"}  # llama
 )
 
 

@@ -68,7 +68,29 @@ BAD_CASES = [
     (["parallel.stages=2", "parallel.layers_per_stage=[1,2]"], "must sum to model.num_layers=4"),
     (["data.source=tokens", "data.path=/no/such/file.bin"], "data.path='/no/such/file.bin'"),
     (["nodot=1"], "--set 'nodot=1': key must be section.key"),
+    (["model.arch=bert"], "model.arch='bert': must be one of gpt2, llama"),
+    (["model.arch=llama", "model.num_kv_heads=3"], "model.num_kv_heads=3: must divide model"),
+    (["model.num_kv_heads=2"], "model.num_kv_heads=2: grouped-query attention needs model.arch"),
+    (
+        ["model.arch=llama", "model.num_kv_heads=2", "parallel.tensor=4"],
+        "parallel.tensor=4: must divide model.num_kv_heads=2",
+    ),
+    (["model.mlp_size=-8"], "model.mlp_size=-8: must be > 0"),
+    (["model.arch=llama", "model.rope_base=0.5"], "model.rope_base=0.5: must be > 1"),
 ]
+
+
+def test_arch_defaults_and_explicit_mlp_width():
+    gpt2, llama = load_config(None, []).model, load_config(None, ["model.arch=llama"]).model
+    assert (gpt2.arch, gpt2.tied_embeddings, gpt2.num_kv_heads, gpt2.mlp_size) == (
+        "gpt2", True, 4, 512
+    )  # fmt: skip
+    assert (llama.tied_embeddings, llama.num_kv_heads, llama.rope_base) == (False, 4, 10000.0)
+    tied = load_config(None, ["model.arch=llama", "model.tied_embeddings=true"]).model
+    assert tied.tied_embeddings is True
+    wide = load_config(None, ["model.arch=llama", "model.mlp_size=344", "model.mlp_ratio=2"])
+    assert wide.model.mlp_size == 344 and wide.model.spec.mlp_size == 344  # explicit wins
+    assert config_from_dict(wide.to_dict()) == wide  # checkpoint metadata round trip
 
 
 @pytest.mark.parametrize("overrides,message", BAD_CASES)

@@ -53,9 +53,14 @@ def _program(overrides, shape: Degrees, base=TINY):
     return cfg, Program(cfg, build_mesh(shape))
 
 
+# Llama with grouped-query attention (2 key/value heads of 4) and an MLP 1.5x wide.
+LLAMA = ["model.arch=llama", "model.num_kv_heads=2", "model.mlp_size=96"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("remat", ["none", "full", "selective"])
-def test_residual_formula_matches_traced_vjp(monkeypatch, remat, precision):
+def test_residual_formula_matches_traced_vjp(monkeypatch, remat, precision, arch):
     """What the engine buffers per layer (global shapes; tensor 1) = the formula."""
     seen = []
     original = buffers.Residuals.__init__
@@ -66,11 +71,14 @@ def test_residual_formula_matches_traced_vjp(monkeypatch, remat, precision):
 
     monkeypatch.setattr(buffers.Residuals, "__init__", spy)
     overrides = [f"model.remat={remat}", f"train.precision={precision}", "parallel.microbatches=2"]
-    cfg, program = _program(overrides, Degrees(1, 1, 1))
+    cfg, program = _program(overrides + (LLAMA if arch == "llama" else []), Degrees(1, 1, 1))
     program.lower_train_step()
     m, b = cfg.model, cfg.train.global_batch_size // 2
     beta = 2 if precision == "bf16" else 4
-    expected = layer_residual_bytes(remat, b, m.seq_len, m.hidden_size, m.mlp_size, 1, beta)
+    kv, gated = m.spec.kv_size, m.spec.gated
+    expected = layer_residual_bytes(
+        remat, b, m.seq_len, m.hidden_size, m.mlp_size, 1, beta, kv, gated
+    )
     small = 4 * b * m.seq_len * 4 + 2 * m.hidden_size * 4 + 2 * beta  # LN stats, scalars
     assert seen and expected <= seen[0] <= expected + small, (seen[0], expected)
 
@@ -101,6 +109,24 @@ def test_model_within_15_percent_of_compiled(pipeline_temps):
     for remat, (cfg, measured) in pipeline_temps.items():
         predicted = device_memory(memory_inputs_from_config(cfg, 2), 3).peak
         assert abs(predicted / measured["peak"] - 1) < 0.15, (remat, predicted, measured)
+
+
+def test_llama_model_within_15_percent_of_compiled():
+    """Llama (GQA 8 query heads on 2 key/value heads, SwiGLU 1408 wide, untied head): a
+    2-stage 1F1B step under tensor 2, predicted against compiled."""
+    overrides = [
+        "model.arch=llama",
+        "model.num_kv_heads=2",
+        "model.mlp_size=1408",
+        "model.remat=none",
+        "parallel.microbatches=4",
+        "parallel.schedule=1f1b",
+        "parallel.layers_per_stage=[1,3]",
+    ]
+    cfg, program = _program(overrides, Degrees(2, 1, 2), SMALL)
+    measured = program.compiled_memory()
+    predicted = device_memory(memory_inputs_from_config(cfg, 1), 3).peak
+    assert abs(predicted / measured["peak"] - 1) < 0.15, (predicted, measured)
 
 
 def test_check_fits_names_stage_prediction_and_limit():

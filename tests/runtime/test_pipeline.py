@@ -10,7 +10,7 @@ import pytest
 from holmes_jax.core.config import load_config
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
-from holmes_jax.runtime.schedule import make_schedule
+from holmes_jax.planner.schedule import make_schedule
 from holmes_jax.train import run
 from tests import hlo
 from tests.common import ROOT
@@ -28,58 +28,100 @@ def _batch(seed=0):
     return np.random.RandomState(seed).randint(0, 256, (16, 17)).astype(np.int32)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 4), (4, 8), (4, 2), (3, 5), (4, 16)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 4), (4, 8), (4, 2), (3, 6), (4, 16)])
 def test_schedule_tables(schedule, stages, microbatches):
-    sched = make_schedule(schedule, stages, microbatches)  # checks dependencies and slots
+    v = 2 if schedule == "interleaved" else 1
+    if v > 1 and stages == 1:
+        return
+    sched = make_schedule(schedule, stages, microbatches, v)  # checks dependencies and slots
     live = sched.live_residuals()
-    if schedule == "1f1b":
-        assert all(live[s] <= stages - s for s in range(stages)), live
-    else:
+    if schedule in ("1f1b", "zb"):
+        # zb defers W's but keeps 1F1B's peak: at most S micro-batches in flight anywhere.
+        bound = [stages - s if schedule == "1f1b" else stages for s in range(stages)]
+        assert all(live[s] <= min(bound[s], microbatches) for s in range(stages)), live
+    elif schedule == "gpipe":
         assert all(live == microbatches), live
     ops = (sched.op != 0).sum(axis=0)
-    assert (ops == 2 * microbatches).all()  # every stage: M forwards, M backwards
+    per_mb = 3 if schedule == "zb" else 2  # F, B (and W)
+    assert (ops == per_mb * microbatches * v).all()
+    # Bubble (F = 1, B = 2, or F = B = W = 1 for zb) against the closed forms.
+    bubble = sched.bubble_fraction()
+    onef1b = (stages - 1) / (microbatches + stages - 1)
+    if schedule in ("1f1b", "gpipe"):
+        assert bubble == pytest.approx(onef1b)
+    elif schedule == "zb":
+        # ZB-H1: (S-1)(F+B-W) idle against 1F1B's (S-1)(F+B+W): a third (Qi et al. 2023)
+        zb = (stages - 1) / (3 * microbatches + stages - 1)
+        assert bubble == pytest.approx(zb) or microbatches < stages
+        assert bubble <= onef1b
+    else:
+        assert bubble < onef1b or stages == 1
+    # Sends: each micro-batch once per virtual-stage hop and direction, nothing else.
+    sends = sched.sends()
+    assert sends.sum() == 2 * microbatches * (stages * v - 1)
+
+
+# Llama with grouped-query attention: 2 key/value heads for 4 query heads.
+ARCH = {"gpt2": [], "llama": ["model.arch=llama", "model.num_kv_heads=2"]}
 
 
 @pytest.fixture(scope="module")
 def reference(make_program):
-    """Unpipelined loss and logical gradients on one device, tied and untied."""
+    """``reference(arch, tied)``: unpipelined loss and logical gradients on one device
+    (computed on first use)."""
     out = {}
-    for tied in (True, False):
-        cfg = load_config(None, MODEL + [f"model.tied_embeddings={str(tied).lower()}"])
-        prog = make_program(cfg, Degrees(1, 1, 1))
-        state = prog.init(0)
-        batch = jax.device_put(_batch(), prog.batch_sharding)
-        loss, grads = prog.loss_and_grads(state.params, batch)
-        out[tied] = (jax.device_get(state), float(loss), jax.device_get(grads))
-    return out
+
+    def get(arch, tied):
+        if (arch, tied) not in out:
+            over = MODEL + ARCH[arch] + [f"model.tied_embeddings={str(tied).lower()}"]
+            prog = make_program(load_config(None, over), Degrees(1, 1, 1))
+            state = prog.init(0)
+            batch = jax.device_put(_batch(), prog.batch_sharding)
+            loss, grads = prog.loss_and_grads(state.params, batch)
+            out[arch, tied] = (jax.device_get(state), float(loss), jax.device_get(grads))
+        return out[arch, tied]
+
+    return get
 
 
 CASES = [
-    # stages, data, tensor, split, microbatches, schedule, tied
-    (2, 4, 1, (1, 7), 2, "gpipe", True),
-    (2, 2, 2, (5, 3), 4, "1f1b", True),
-    (4, 2, 1, (1, 3, 2, 2), 8, "1f1b", True),
-    (4, 2, 1, (2, 2, 2, 2), 4, "gpipe", False),
-    (4, 1, 2, (1, 1, 1, 5), 2, "1f1b", False),
-    (1, 4, 2, (8,), 2, "1f1b", True),
+    # stages, data, tensor, split, microbatches, schedule, tied, arch
+    (2, 4, 1, (1, 7), 2, "gpipe", True, "gpt2"),
+    (2, 2, 2, (5, 3), 4, "1f1b", True, "gpt2"),
+    (4, 2, 1, (1, 3, 2, 2), 8, "1f1b", True, "gpt2"),
+    (4, 2, 1, (2, 2, 2, 2), 4, "gpipe", False, "gpt2"),
+    (4, 1, 2, (1, 1, 1, 5), 2, "1f1b", False, "gpt2"),
+    (1, 4, 2, (8,), 2, "1f1b", True, "gpt2"),
+    (2, 2, 2, (3, 5), 4, "1f1b", False, "llama"),  # GQA, kv heads split over tensor
+    # interleaved/v: one split entry per virtual stage (chunk c of stage s = entry c*S + s)
+    (2, 2, 1, (1, 3, 2, 2), 4, "interleaved/2", True, "gpt2"),
+    (4, 1, 2, (1, 1, 1, 1, 1, 1, 1, 1), 2, "interleaved/2", False, "gpt2"),
+    (2, 4, 1, (2, 1, 1, 1, 2, 1), 2, "interleaved/3", False, "gpt2"),
+    # zb: each backward split into input gradient (B) and deferred weight gradient (W)
+    (2, 4, 1, (1, 7), 2, "zb", True, "gpt2"),
+    (4, 2, 1, (1, 3, 2, 2), 8, "zb", False, "gpt2"),
+    (4, 1, 2, (2, 2, 1, 3), 2, "zb", True, "gpt2"),
 ]
 
 
-@pytest.mark.parametrize("stages,data,tensor,split,microbatches,schedule,tied", CASES)
+@pytest.mark.parametrize("stages,data,tensor,split,microbatches,schedule,tied,arch", CASES)
 def test_pipeline_loss_and_grads_equal_unpipelined(
-    reference, make_program, stages, data, tensor, split, microbatches, schedule, tied
+    reference, make_program, stages, data, tensor, split, microbatches, schedule, tied, arch
 ):
-    state, ref_loss, ref_grads = reference[tied]
+    state, ref_loss, ref_grads = reference(arch, tied)
+    schedule, _, virtual = schedule.partition("/")
     cfg = load_config(
         None,
         MODEL
+        + ARCH[arch]
         + [
             f"model.tied_embeddings={str(tied).lower()}",
             f"parallel.stages={stages}",
             f"parallel.layers_per_stage={list(split)}",
             f"parallel.microbatches={microbatches}",
             f"parallel.schedule={schedule}",
+            f"parallel.virtual_stages={virtual or 1}",
             f"parallel.tensor={tensor}",
             "optimizer.grad_clip=0",
         ],
@@ -145,12 +187,19 @@ def test_resume_under_another_split(tmp_path):
         "train.eval_batches=1",
         "data.max_bytes=300000",
     ]
-    split_a = ["parallel.stages=2", "parallel.layers_per_stage=[3,5]", "parallel.microbatches=2"]
+    # Interleaved (2 chunks per device) first, then resume under ZB-H1 on 4 stages.
+    split_a = [
+        "parallel.stages=2",
+        "parallel.virtual_stages=2",
+        "parallel.layers_per_stage=[1,3,2,2]",
+        "parallel.microbatches=2",
+        "parallel.schedule=interleaved",
+    ]
     split_b = [
         "parallel.stages=4",
         "parallel.layers_per_stage=[1,1,3,3]",
         "parallel.microbatches=4",
-        "parallel.schedule=1f1b",
+        "parallel.schedule=zb",
     ]
     uninterrupted = run(load_config(None, base + split_a + [f"checkpoint.dir={tmp_path}/a"]))
     resumed_dir = [f"checkpoint.dir={tmp_path}/b"]
@@ -293,3 +342,48 @@ def test_dropout_in_the_pipeline(tiny_config, make_program):
     )
     assert abs(loss - out["none", 1][0]) > 1e-4  # step 1 draws other masks
     assert abs(out["none", 1][0] - out["full", 1][0]) <= 1e-6
+
+
+# --------------------------------------------------------------------------- traffic
+
+
+@pytest.mark.parametrize(
+    "schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
+)
+def test_each_microbatch_crosses_each_boundary_once_per_direction(schedule, virtual):
+    """Compiled HLO: the bytes between the two islands' stages are exactly 2·M activations
+    per chunk hop (one forward, one backward), plus a few scalars (loss and norm sums)."""
+    S, M, mb, T, H = 2, 4, 2, 16, 32  # data 4 per stage on cpu8-two-islands
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "quickstart.yaml"),
+        MODEL
+        + [
+            f"parallel.mesh={os.path.join(ROOT, 'meshes', 'cpu8-two-islands.yaml')}",
+            "model.tied_embeddings=false",  # tied: the wte gradient sum crosses too
+            "train.global_batch_size=32",
+            f"parallel.stages={S}",
+            f"parallel.virtual_stages={virtual}",
+            f"parallel.layers_per_stage={[8 // (S * virtual)] * (S * virtual)}",
+            f"parallel.microbatches={M}",
+            f"parallel.schedule={schedule}",
+        ],
+    )
+    text, shape, isl = hlo.compiled_train_step(cfg)
+    assert (shape.stages, shape.data, shape.tensor) == (S, 4, 1)
+    act = mb * T * H * 4  # one micro-batch's activation, fp32
+    # From first principles: a micro-batch visits virtual stages 0 .. vS-1; hop vs -> vs+1
+    # goes stage vs % S -> (vs+1) % S forward and back the other way.
+    hops = {}
+    for vs in range(S * virtual - 1):
+        a, b = vs % S, (vs + 1) % S
+        hops[(a, b)] = hops.get((a, b), 0) + M * act
+        hops[(b, a)] = hops.get((b, a), 0) + M * act
+    sent = hlo.permute_traffic(text)
+    per_stage = shape.data * shape.tensor
+    for (a, b), n in sent.items():
+        assert isl(a) != isl(b) or a // per_stage == b // per_stage or n == 0
+    for (sa, sb), want in hops.items():
+        pairs = [(a, b) for a, b in sent if a // per_stage == sa and b // per_stage == sb]
+        assert len(pairs) == per_stage, (sa, sb, pairs)
+        for p in pairs:
+            assert want <= sent[p] <= want + 64, (schedule, sa, sb, sent[p], want)
