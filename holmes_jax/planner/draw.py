@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.cost import stage_totals
 from holmes_jax.planner.placement import stage_blocks
-from holmes_jax.planner.schedule import BWD, FWD, IDLE, WGT, Schedule, make_schedule
+from holmes_jax.planner.schedule import BWD, FWD, WGT, Schedule, make_schedule, simulate_events
 from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology
 
@@ -39,27 +39,10 @@ def simulate_table(
     Returns:
       Events ``(stage, "F" | "B" | "W", micro-batch, chunk, start, end)``.
     """
-    S, v = sched.stages, sched.virtual
-    done: dict[tuple[int, int, int], float] = {}
-    free = [0.0] * S
-    events = []
-    for t in range(sched.ticks):  # the tables order every op after its inputs
-        for s in range(S):
-            op = int(sched.op[t, s])
-            if op == IDLE:
-                continue
-            i, c = int(sched.mb[t, s]), int(sched.chunk[t, s])
-            vs = c * S + s
-            if op == FWD:
-                ready = done[(FWD, i, vs - 1)] if vs > 0 else 0.0
-            elif op == BWD:
-                ready = done[(BWD, i, vs + 1)] if vs < S * v - 1 else done[(FWD, i, vs)]
-            else:
-                ready = done[(BWD, i, vs)]
-            start = max(free[s], ready)
-            free[s] = done[(op, i, vs)] = start + duration(s, op, c)
-            events.append((s, _KIND[op], i, c, start, free[s]))
-    return events
+    return [
+        (s, _KIND[op], i, c, start, end)
+        for s, op, i, c, start, end in simulate_events(sched, duration)
+    ]
 
 
 def simulate_schedule(

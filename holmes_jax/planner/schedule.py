@@ -145,7 +145,13 @@ class Schedule:
 
 
 def simulate_makespan(sched: Schedule, duration) -> float:
-    """Time of the last op when each stage runs its table order back to back.
+    """Time of the last op when each stage runs its table order back to back
+    (:func:`simulate_events`)."""
+    return max((end for *_, end in simulate_events(sched, duration)), default=0.0)
+
+
+def simulate_events(sched: Schedule, duration) -> list[tuple[int, int, int, int, float, float]]:
+    """Each stage's table order run back to back: ``(stage, op, mb, chunk, start, end)``.
 
     ``duration(stage, op, chunk)`` gives an op's time. An op starts when its stage is free
     and its input exists: F after the previous virtual stage's F of the same micro-batch,
@@ -155,6 +161,7 @@ def simulate_makespan(sched: Schedule, duration) -> float:
     S, v = sched.stages, sched.virtual
     done: dict[tuple[int, int, int], float] = {}  # (op, mb, virtual stage) -> finish time
     free = [0.0] * S
+    events = []
     for t in range(sched.ticks):  # the tables order ops so that inputs come first
         for s in range(S):
             op = int(sched.op[t, s])
@@ -170,7 +177,8 @@ def simulate_makespan(sched: Schedule, duration) -> float:
                 ready = done[(BWD, i, vs)]
             start = max(free[s], ready)
             free[s] = done[(op, i, vs)] = start + duration(s, op, c)
-    return max(free)
+            events.append((s, op, i, c, start, free[s]))
+    return events
 
 
 # --------------------------------------------------------------------------- building
