@@ -198,19 +198,8 @@ def _joint_labels(
     history = []
     nn = np.arange(1, L + 1)
     for s in range(p):
-        j = (lab["j"][:, None] + nn[None, :]).ravel()
-        src = np.repeat(np.arange(len(lab["j"])), L)
-        n = np.tile(nn, len(lab["j"]))
-        ok = j <= L
-        j, src, n = j[ok], src[ok], n[ok]
-        H = lab["H"][src] + h[s, n]
-        ok = np.isfinite(H)
-        j, src, n, H = j[ok], src[ok], n[ok], H[ok]
+        j, src, n, H, X, P = _extend(lab, s, nn, h, r, a, sigma, omega, reach, a_low_all)
         G = np.maximum(lab["G"][src], g[s, n])
-        P0 = lab["P"][src]
-        X = np.maximum(lab["X"][src], np.maximum(0.0, r[s, n] - P0 - omega[s, n]) + a[s, n])
-        P = P0 + sigma[s, n]
-        X, P = _canonical(X, P, s, reach, a_low_all)
         bound = (
             H + sum_h[s + 1, j] + np.maximum(G, max_g[s + 1, j]) + np.maximum(X, max_a[s + 1, j])
         )
@@ -229,12 +218,7 @@ def _joint_labels(
         history.append((src[keep], n[keep]))
     total = lab["H"] + lab["G"] + lab["X"]
     i = int(np.argmin(total))
-    value = float(total[i])
-    totals = []
-    for src, n in reversed(history):
-        totals.append(int(n[i]))
-        i = int(src[i])
-    return value, totals[::-1]
+    return float(total[i]), _backtrack(history, i)
 
 
 def exact_totals(tables: dict, incumbent: float = math.inf) -> tuple[float, list[int] | None]:
@@ -309,18 +293,7 @@ def _labels(h, r, a, sigma, omega, least, a_low, T, best, reach):
     history = []
     nn = np.arange(1, L + 1)
     for s in range(p):
-        j = (lab["j"][:, None] + nn[None, :]).ravel()
-        src = np.repeat(np.arange(len(lab["j"])), L)
-        n = np.tile(nn, len(lab["j"]))
-        ok = j <= L
-        j, src, n = j[ok], src[ok], n[ok]
-        H = lab["H"][src] + h[s, n]
-        ok = np.isfinite(H)
-        j, src, n, H = j[ok], src[ok], n[ok], H[ok]
-        P0 = lab["P"][src]
-        X = np.maximum(lab["X"][src], np.maximum(0.0, r[s, n] - P0 - omega[s, n]) + a[s, n])
-        P = P0 + sigma[s, n]
-        X, P = _canonical(X, P, s, reach, a_low)
+        j, src, n, H, X, P = _extend(lab, s, nn, h, r, a, sigma, omega, reach, a_low)
         bound = H + least[s + 1, j] + T + np.maximum(X, a_low[s + 1])
         ok = bound < best * (1 + 1e-12)
         j, src, n, H, X, P = (x[ok] for x in (j, src, n, H, X, P))
@@ -331,9 +304,32 @@ def _labels(h, r, a, sigma, omega, least, a_low, T, best, reach):
         history.append((src[keep], n[keep]))
     total = lab["H"] + T + lab["X"]  # every label ends at j = L (least[p] is inf elsewhere)
     i = int(np.argmin(total))
-    value = float(total[i])
+    return float(total[i]), _backtrack(history, i)
+
+
+def _extend(lab, s, nn, h, r, a, sigma, omega, reach, a_low):
+    """Every label extended by stage s taking n = 1.. layers (finite h, j <= L):
+    ``(j, src, n, H, X, P)``, src the label extended (both label DPs share this step)."""
+    L = len(nn)
+    j = (lab["j"][:, None] + nn[None, :]).ravel()
+    src = np.repeat(np.arange(len(lab["j"])), L)
+    n = np.tile(nn, len(lab["j"]))
+    ok = j <= L
+    j, src, n = j[ok], src[ok], n[ok]
+    H = lab["H"][src] + h[s, n]
+    ok = np.isfinite(H)
+    j, src, n, H = j[ok], src[ok], n[ok], H[ok]
+    P0 = lab["P"][src]
+    X = np.maximum(lab["X"][src], np.maximum(0.0, r[s, n] - P0 - omega[s, n]) + a[s, n])
+    P = P0 + sigma[s, n]
+    X, P = _canonical(X, P, s, reach, a_low)
+    return j, src, n, H, X, P
+
+
+def _backtrack(history, i: int) -> list[int]:
+    """Per-stage layer totals of final label i, from the (src, n) pairs of each stage."""
     totals = []
     for src, n in reversed(history):
         totals.append(int(n[i]))
         i = int(src[i])
-    return value, totals[::-1]
+    return totals[::-1]

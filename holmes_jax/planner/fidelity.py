@@ -118,28 +118,17 @@ def selene(gpus: int) -> Topology:
 def predict_run(run: MegatronRun, efficiency: float = DEFAULT_EFFICIENCY) -> float:
     """Predicted teraFLOP/s per GPU (eq. 3 FLOPs / predicted iteration time)."""
     model = ModelSpec(run.num_layers, run.hidden_size, run.num_heads, 2048, 51200)
-    spec = RunSpec(
-        global_batch_size=run.batch,
-        act_bytes=2,
-        param_bytes=2,
-        grad_bytes=4,
-        optimizer_bytes=12,
+    plan = _megatron_plan(
+        selene(run.gpus),
+        model,
+        run,
+        microbatches=run.batch // run.data,
+        totals=uniform_split(run.num_layers, run.stages),
         remat="full",
         zero1=False,
         overlap_grad_sync=False,
-        engine="megatron",
-        memory_fraction=1.0,
+        efficiency=efficiency,
     )
-    layout = Layout(
-        run.stages,
-        run.data,
-        run.tensor,
-        microbatches=run.batch // run.data,
-        schedule="interleaved" if run.virtual_stages > 1 else "1f1b",
-        virtual_stages=run.virtual_stages,
-    )
-    split = _chunked(uniform_split(run.num_layers, run.stages), run.virtual_stages)
-    plan = plan_for_layout(selene(run.gpus), model, spec, layout, split, Calibration(efficiency))
     return plan.tflops_per_device
 
 
@@ -390,15 +379,35 @@ def predict_deep(run: DeepRun, efficiency: float = DEFAULT_EFFICIENCY, **overrid
         run.vocab_size,
         tied_embeddings=run.tied_embeddings,
     )
+    totals = list(run.split) if run.split else uniform_split(run.num_layers, run.stages)
+    return _megatron_plan(
+        TOPOLOGIES[run.hardware](run.gpus),
+        model,
+        run,
+        microbatches=run.microbatches,
+        totals=totals,
+        remat=run.remat,
+        zero1=run.zero1,
+        overlap_grad_sync=run.overlap_grad_sync,
+        efficiency=efficiency,
+    )
+
+
+def _megatron_plan(
+    topology, model, run, *, microbatches, totals, remat, zero1, overlap_grad_sync, efficiency
+):
+    """The plan of a published Megatron-LM run (either table): its batch, degrees and
+    chunks (``run``: batch, stages, data, tensor, virtual_stages), bf16 with fp32 Adam, the
+    engine priced as Megatron's, each stage's layer total split into its chunks."""
     spec = RunSpec(
         global_batch_size=run.batch,
         act_bytes=2,
         param_bytes=2,
         grad_bytes=4,
         optimizer_bytes=12,
-        remat=run.remat,
-        zero1=run.zero1,
-        overlap_grad_sync=run.overlap_grad_sync,
+        remat=remat,
+        zero1=zero1,
+        overlap_grad_sync=overlap_grad_sync,
         engine="megatron",
         memory_fraction=1.0,
     )
@@ -407,13 +416,11 @@ def predict_deep(run: DeepRun, efficiency: float = DEFAULT_EFFICIENCY, **overrid
         run.stages,
         run.data,
         run.tensor,
-        microbatches=run.microbatches,
+        microbatches=microbatches,
         schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v,
     )
-    totals = list(run.split) if run.split else uniform_split(run.num_layers, run.stages)
     split = _chunked(totals, v)
-    topology = TOPOLOGIES[run.hardware](run.gpus)
     return plan_for_layout(topology, model, spec, layout, split, Calibration(efficiency))
 
 

@@ -60,7 +60,6 @@ def split_backward(backward, w, saved, ct) -> SplitBackward:
     (in_ct,) = jaxpr.invars[n_w + n_saved :]
     outs = jaxpr.outvars
     dw_out, (dx_out,) = outs[:-1], outs[-1:]
-    _, dw_def = jax.tree.flatten(jax.eval_shape(backward, w, saved, ct)[0])
 
     b_eqns = _needed(jaxpr.eqns, [dx_out])
     b_ids = {id(e) for e in b_eqns}
@@ -94,23 +93,24 @@ def split_backward(backward, w, saved, ct) -> SplitBackward:
             break
         w_eqns = sorted(w_eqns + list(more.values()), key=lambda e: order[id(e)])
 
-    def input_grad(w_, saved_, ct_):
+    def env_of(w_, saved_, extra_vars, extra_vals):
+        """Constants, weights, residuals and the op's own inputs, by jaxpr variable."""
         env = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(in_w, jax.tree.leaves(w_), strict=True))
         env.update(zip(in_saved, saved_, strict=True))
-        env[in_ct] = ct_
+        env.update(zip(extra_vars, extra_vals, strict=True))
+        return env
+
+    def input_grad(w_, saved_, ct_):
+        env = env_of(w_, saved_, [in_ct], [ct_])
         _run(b_eqns, env)
         return _read(env, dx_out), [_read(env, v) for v in stash]
 
     def weight_grad(w_, saved_, stash_):
-        env = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(in_w, jax.tree.leaves(w_), strict=True))
-        env.update(zip(in_saved, saved_, strict=True))
-        env.update(zip(stash, stash_, strict=True))
+        env = env_of(w_, saved_, stash, stash_)
         _run(w_eqns, env)
-        return jax.tree.unflatten(dw_def, [_read(env, v) for v in dw_out])
+        return jax.tree.unflatten(w_def, [_read(env, v) for v in dw_out])  # dw: w's tree
 
-    del w_def
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in stash]
     return SplitBackward(input_grad, weight_grad, shapes)
 
@@ -136,16 +136,8 @@ def _eval_inlined(jaxpr, consts, args):
     for e in jaxpr.eqns:
         vals = [_read(env, v) for v in e.invars]
         inner = _inner(e)
-        if inner is not None:
-            outs = _eval_inlined(inner[0], inner[1], vals)
-        else:
-            params = e.primitive.get_bind_params(e.params)
-            with e.ctx.manager:
-                ans = e.primitive.bind(*vals, **params)
-            outs = ans if e.primitive.multiple_results else [ans]
-        for v, x in zip(e.outvars, outs, strict=True):
-            if isinstance(v, Var):
-                env[v] = x
+        outs = _bind(e, vals) if inner is None else _eval_inlined(inner[0], inner[1], vals)
+        _write(env, e, outs)
     return [_read(env, v) for v in jaxpr.outvars]
 
 
@@ -192,13 +184,21 @@ def _read(env, v):
     return v.val if isinstance(v, Literal) else env[v]
 
 
+def _bind(e, vals) -> list:
+    """Run equation ``e`` on ``vals`` (as ``jax.core.eval_jaxpr`` does); its outputs."""
+    params = e.primitive.get_bind_params(e.params)
+    with e.ctx.manager:
+        ans = e.primitive.bind(*vals, **params)
+    return ans if e.primitive.multiple_results else [ans]
+
+
+def _write(env, e, outs) -> None:
+    for v, x in zip(e.outvars, outs, strict=True):
+        if isinstance(v, Var):
+            env[v] = x
+
+
 def _run(eqns, env) -> None:
-    """Evaluate ``eqns`` in ``env`` (as ``jax.core.eval_jaxpr`` does), adding their outputs."""
+    """Evaluate ``eqns`` in ``env``, adding their outputs."""
     for e in eqns:
-        params = e.primitive.get_bind_params(e.params)
-        with e.ctx.manager:
-            ans = e.primitive.bind(*[_read(env, v) for v in e.invars], **params)
-        outs = ans if e.primitive.multiple_results else [ans]
-        for v, x in zip(e.outvars, outs, strict=True):
-            if isinstance(v, Var):
-                env[v] = x
+        _write(env, e, _bind(e, [_read(env, v) for v in e.invars]))
