@@ -81,9 +81,16 @@ _JAX_ECHO = re.compile(
 )
 
 
-def quiet(line: str) -> str | None:
-    """One output line (no newline) without library chatter; None when nothing is left."""
-    if _JAX_ECHO.fullmatch(line) or (_GLOO_PIECES.fullmatch(line) and not line.isdigit()):
+def quiet(line: str, after_chatter: bool = False) -> str | None:
+    """One output line (no newline) without library chatter; None when nothing is left.
+
+    A line of bare digits is the tail of a gloo report cut by another thread's report
+    (``...is : `` + another report + ``1``) when the same process's previous line was
+    chatter (``after_chatter``); otherwise it is kept.
+    """
+    if _JAX_ECHO.fullmatch(line) or (
+        _GLOO_PIECES.fullmatch(line) and (after_chatter or not line.isdigit())
+    ):
         return None
     rest = _GLOO_REPORT.sub("", line)
     return rest if rest == line or rest.strip() else None
@@ -249,8 +256,11 @@ class Launch:
 
     def _pump(self, worker: Worker, stream: IO[str]) -> None:
         tag = f"[{worker.host:<{self._width}}] "
+        after_chatter = False
         for raw in stream:
-            line = raw.rstrip("\n") if self.verbose else quiet(raw.rstrip("\n"))
+            text = raw.rstrip("\n")
+            line = text if self.verbose else quiet(text, after_chatter)
+            after_chatter = line != text
             with self._lock:
                 if line is None:
                     self.hidden += 1

@@ -259,6 +259,14 @@ def test_library_chatter_is_recognised(line, shown):
     assert launcher.quiet(line) == shown
 
 
+def test_bare_digits_after_chatter_are_a_cut_gloo_tail():
+    """Thread A's report is cut before its count by thread B's whole report: the count
+    arrives alone on the next line (seen in CI from a 4-process launch)."""
+    assert launcher.quiet("1", after_chatter=True) is None
+    assert launcher.quiet("12", after_chatter=False) == "12"
+    assert launcher.quiet("step 3 | loss 5.3", after_chatter=True) == "step 3 | loss 5.3"
+
+
 # The launcher forks (to arm PR_SET_PDEATHSIG); jax, loaded in this test process by other
 # tests, warns about any fork. The launcher's own process never imports jax.
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
