@@ -1,7 +1,7 @@
 """Frozen dataclass configs, loaded strictly from YAML, with dotted ``--set`` overrides.
 
-A run is described by one :class:`Config` holding eight sections (model, data, parallel,
-optimizer, train, checkpoint, logging, distributed). YAML is loaded strictly: an unknown
+A run is described by one :class:`Config` holding nine sections (model, data, parallel,
+optimizer, diloco, train, checkpoint, logging, distributed). YAML is loaded strictly: an unknown
 key, a wrong type or an impossible value raises :class:`~holmes_jax.core.errors.ConfigError`
 whose one-line message names the key, the value and the rule; every number that sizes a
 loop or an allocation has an upper bound (:data:`holmes_jax.core.spec.CONFIG_LIMITS`,
@@ -28,6 +28,8 @@ from holmes_jax.core.spec import (
     ARCHS,
     ATTENTION_KERNELS,
     CONFIG_LIMITS,
+    DILOCO_CHOICES,
+    OUTER_DTYPES,
     PRECISIONS,
     REMAT_CHOICES,
     SCHEDULE_CHOICES,
@@ -291,6 +293,59 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class DilocoConfig:
+    """DiLoCo across the ``replica`` axis (one replica per island or group of islands).
+
+    Each replica takes ``inner_steps`` AdamW steps on its own; then the replicas average
+    their parameter deltas (the outer gradient, sent as ``outer_dtype``) and apply an
+    outer Nesterov-momentum SGD step to the last global parameters. With ``fragments`` > 1
+    (streaming DiLoCo) the layers are cut into that many fragments, each synchronised on
+    its own step offset inside the H steps, so the peak cross-island volume drops by that
+    factor. ``enabled: auto`` lets the planner choose DiLoCo only when its predicted
+    speedup over the best synchronous plan is at least ``auto_min_speedup``.
+    """
+
+    enabled: bool | str = False  # true | false | auto
+    inner_steps: int = 50  # H: inner steps per outer step; <= 1000000
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov
+    fragments: int = 1  # >= 1: streaming DiLoCo; <= inner_steps and <= model.num_layers
+    outer_dtype: str = "fp32"  # fp32 | bf16 | int8: what crosses the link (state stays fp32)
+    auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
+
+    def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
+        if self.enabled not in DILOCO_CHOICES or isinstance(self.enabled, int) and not (
+            isinstance(self.enabled, bool)
+        ):
+            raise ConfigError(f"diloco.enabled={self.enabled!r}: must be true, false or auto")
+        _positive(self, "diloco", ("inner_steps", "fragments"))
+        check_choice(self.outer_dtype, "diloco.outer_dtype", OUTER_DTYPES)
+        if self.outer_lr <= 0:
+            raise ConfigError(f"diloco.outer_lr={self.outer_lr}: must be > 0")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"diloco.outer_momentum={self.outer_momentum}: must be in [0, 1)")
+        if self.auto_min_speedup < 1:
+            raise ConfigError(
+                f"diloco.auto_min_speedup={self.auto_min_speedup}: must be >= 1 (a speedup)"
+            )
+        if self.fragments > self.inner_steps:
+            raise ConfigError(
+                f"diloco.fragments={self.fragments}: must be <= diloco.inner_steps="
+                f"{self.inner_steps} (each fragment syncs on its own inner step)"
+            )
+        if self.fragments > model.num_layers:
+            raise ConfigError(
+                f"diloco.fragments={self.fragments}: must be <= model.num_layers="
+                f"{model.num_layers} (a fragment holds whole layers)"
+            )
+        if self.enabled is True and parallel.replica < 2 and parallel.mesh is None:
+            raise ConfigError(
+                f"diloco.enabled=true: needs parallel.replica >= 2 (got {parallel.replica}) "
+                "or a parallel.mesh with several islands: DiLoCo runs across replicas"
+            )
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Loop length, batch, evaluation and where metrics go."""
 
@@ -379,6 +434,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -394,6 +450,7 @@ class Config:
         self.data.validate()
         self.parallel.validate(self.model)
         self.optimizer.validate()
+        self.diloco.validate(self.model, self.parallel)
         self.train.validate()
         self.checkpoint.validate()
         self.logging.validate()

@@ -44,6 +44,9 @@ REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fi
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")
 ARCHS = ("gpt2", "llama")  # model.arch (holmes_jax.runtime.model)
 PRECISIONS = ("fp32", "bf16")
+# What crosses the link at a DiLoCo outer step (the outer state itself stays fp32).
+OUTER_DTYPES = ("fp32", "bf16", "int8")
+DILOCO_CHOICES = (True, False, "auto")  # diloco.enabled; auto: the planner decides
 
 
 def check_positive(key: str, value) -> None:
@@ -392,6 +395,7 @@ SEQ = Bound(16_777_216, "tokens per sequence")
 VOCAB = Bound(16_777_216, "vocabulary size")
 BATCH = Bound(1_048_576, "sequences per step")
 VIRTUAL_STAGES = Bound(64, "model chunks per device")
+INNER_STEPS = Bound(1_000_000, "inner steps per DiLoCo outer step")
 STEPS = Bound(1_000_000_000, "steps")
 EVAL_BATCHES = Bound(100_000, "evaluation batches")
 KEEP = Bound(10_000, "checkpoints kept")
@@ -428,6 +432,8 @@ CONFIG_LIMITS: dict[str, Bound] = {
     "parallel.microbatches": BATCH,
     "parallel.virtual_stages": VIRTUAL_STAGES,
     "parallel.replica": ISLANDS,
+    "diloco.inner_steps": INNER_STEPS,
+    "diloco.fragments": LAYERS,
     "optimizer.warmup_steps": STEPS,
     "train.steps": STEPS,
     "train.global_batch_size": BATCH,
