@@ -309,7 +309,7 @@ class DilocoConfig:
     inner_steps: int = 50  # H: inner steps per outer step; <= 1000000
     outer_lr: float = 0.7
     outer_momentum: float = 0.9  # Nesterov
-    fragments: int = 1  # >= 1: streaming DiLoCo; <= inner_steps and <= model.num_layers
+    fragments: int = 1  # >= 1: streaming DiLoCo; <= inner_steps and num_layers; <= 4096
     outer_dtype: str = "fp32"  # fp32 | bf16 | int8: what crosses the link (state stays fp32)
     auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
 
