@@ -55,6 +55,9 @@ class ModelConfig:
 
     arch: str = "gpt2"  # gpt2 | llama
     vocab_size: int = 256  # <= 16777216
+    # Embedding and head rows padded to a multiple of this (GPT-2's 50257 with 128: 50304,
+    # which tensor 2, 4 or 8 divides); the padded logits are masked out.
+    vocab_multiple: int = 1  # 1 = no padding; <= 65536
     seq_len: int = 128  # tokens per sequence (gpt2: also the learned positions); <= 16777216
     num_layers: int = 4  # <= 4096
     num_heads: int = 4  # <= 16384
@@ -98,7 +101,7 @@ class ModelConfig:
             hidden_size=self.hidden_size,
             num_heads=self.num_heads,
             seq_len=self.seq_len,
-            vocab_size=self.vocab_size,
+            vocab_size=self.padded_vocab,
             mlp_ratio=self.mlp_ratio,
             tied_embeddings=self.tied_embeddings,
             arch=self.arch,
@@ -110,9 +113,16 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.spec.head_dim
 
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and columns of the head: ``vocab_size`` rounded up to a
+        multiple of ``vocab_multiple`` (the extra logits are masked; no token uses them)."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
     def validate(self) -> None:
         check_choice(self.arch, "model.arch", ARCHS)
         _positive(self, "model", ("vocab_size", "seq_len", "num_layers", "num_heads"))
+        _positive(self, "model", ("vocab_multiple",))
         _positive(self, "model", ("num_kv_heads", "hidden_size", "mlp_ratio", "mlp_size"))
         _ = self.spec  # the shape's own rules (heads divide the hidden size, kv the heads)
         if not 0.0 <= self.dropout < 1.0:
@@ -256,9 +266,16 @@ class ParallelConfig:
                 f"parallel.tensor={self.tensor}: must divide model.num_kv_heads="
                 f"{model.num_kv_heads} (each tensor rank holds whole key/value heads)"
             )
-        if model.vocab_size % self.tensor:
+        if model.padded_vocab % self.tensor:
+            padded = (
+                f" padded to {model.padded_vocab} (model.vocab_multiple={model.vocab_multiple})"
+                if model.padded_vocab != model.vocab_size
+                else ""
+            )
             raise ConfigError(
-                f"parallel.tensor={self.tensor}: must divide model.vocab_size={model.vocab_size}"
+                f"parallel.tensor={self.tensor}: must divide model.vocab_size="
+                f"{model.vocab_size}{padded}; set model.vocab_multiple to a multiple of "
+                f"{self.tensor} (e.g. 128) to pad the vocabulary"
             )
 
 

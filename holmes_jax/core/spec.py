@@ -393,6 +393,7 @@ MLP_RATIO = Bound(64, "MLP width per hidden unit")
 MLP = Bound(HIDDEN.limit * MLP_RATIO.limit, "MLP width")
 SEQ = Bound(16_777_216, "tokens per sequence")
 VOCAB = Bound(16_777_216, "vocabulary size")
+VOCAB_MULTIPLE = Bound(65_536, "vocabulary padding multiple")
 BATCH = Bound(1_048_576, "sequences per step")
 VIRTUAL_STAGES = Bound(64, "model chunks per device")
 INNER_STEPS = Bound(1_000_000, "inner steps per DiLoCo outer step")
@@ -417,6 +418,7 @@ SPLIT_CELLS = Bound(1 << 24, "cells of the exact split's stages x (layers+1)^2 c
 # The config keys each bound applies to (holmes_jax.core.config checks them first).
 CONFIG_LIMITS: dict[str, Bound] = {
     "model.vocab_size": VOCAB,
+    "model.vocab_multiple": VOCAB_MULTIPLE,
     "model.seq_len": SEQ,
     "model.num_layers": LAYERS,
     "model.num_heads": HEADS,

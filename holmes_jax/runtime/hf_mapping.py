@@ -11,7 +11,7 @@ GPT-2 (names under ``transformer.``, or bare in the original hub files; HF's ``C
 stores weights ``[in, out]``, so kernels are only reshaped; ``c_attn`` is q | k | v along
 ``out``)::
 
-    wte.weight [V, H]                 embed.wte [V, H]
+    wte.weight [V, H]                 embed.wte [Vp, H]      (Vp: V padded, model.vocab_multiple)
     wpe.weight [T, H]                 embed.wpe [T, H]        (rows past model.seq_len dropped)
     h.i.ln_1.{weight,bias} [H]        blocks.ln1.{scale,bias}
     h.i.attn.c_attn.weight [H, 3H]    blocks.qkv_kernel [H, 3, nh, hd]
@@ -22,14 +22,14 @@ stores weights ``[in, out]``, so kernels are only reshaped; ``c_attn`` is q | k 
     h.i.mlp.c_fc.{weight,bias}        blocks.fc_kernel [H, F], fc_bias [F]
     h.i.mlp.c_proj.{weight,bias}      blocks.proj_kernel [F, H], proj_bias [H]
     ln_f.{weight,bias}                head.ln_f.{scale,bias}
-    lm_head.weight [V, H]             head.lm_kernel [H, V]   (untied only; transposed)
+    lm_head.weight [V, H]             head.lm_kernel [H, Vp]  (untied only; transposed)
 
 Llama (names under ``model.``; ``nn.Linear`` stores ``[out, in]``, so every kernel is the
 transpose, then split into heads; both sides rotate with ``rotate_half`` on contiguous
 halves of a head, so q and k need no permutation: the interleaved-pairs permutation of
 Meta's original checkpoints is already undone by HF's own converter)::
 
-    embed_tokens.weight [V, H]                    embed.wte [V, H]
+    embed_tokens.weight [V, H]                    embed.wte [Vp, H]
     layers.i.input_layernorm.weight [H]           blocks.ln1.scale
     layers.i.self_attn.q_proj.weight [nh*hd, H]   blocks.q_kernel [H, nh, hd]
     layers.i.self_attn.{k,v}_proj.weight [nkv*hd, H]   blocks.{k,v}_kernel [H, nkv, hd]
@@ -38,7 +38,7 @@ Meta's original checkpoints is already undone by HF's own converter)::
     layers.i.mlp.{gate,up}_proj.weight [F, H]     blocks.{gate,up}_kernel [H, F]
     layers.i.mlp.down_proj.weight [H, F]          blocks.down_kernel [F, H]
     norm.weight [H]                               head.ln_f.scale
-    lm_head.weight [V, H]                         head.lm_kernel [H, V]   (untied only)
+    lm_head.weight [V, H]                         head.lm_kernel [H, Vp]  (untied only)
 
 Llama 3.1's ``rope_scaling`` (``rope_type: llama3``) maps to ``model.rope_scaling_factor``
 and its three companions. Everything the mapping cannot represent is a one-line
@@ -50,6 +50,7 @@ causal mask and ``inv_freq`` are skipped).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 HF_NAMES = {arch: name for name, arch in ARCHITECTURES.items()}
 PREFIX = {"gpt2": "transformer.", "llama": "model."}  # lm_head.weight has none
 _GPT2_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation our GPT-2 uses
+# An imported vocabulary not a multiple of this is padded to one (GPT-2: 50257 -> 50304).
+VOCAB_MULTIPLE = 128
 LLAMA_SEQ_LEN = 2048  # imported llama's model.seq_len unless max_position_embeddings is less
 
 
@@ -104,12 +107,28 @@ def _to_linear(rows: int, cols: int) -> Callable[[np.ndarray], np.ndarray]:
     return lambda x: x.reshape(rows, cols).T
 
 
+def _pad_rows(rows: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[V, ...] -> [rows, ...] with zero rows appended (the padded vocabulary)."""
+    return lambda x: np.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def _rows(rows: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The first ``rows`` rows (the padded vocabulary cut back to the real one)."""
+    return lambda x: x[:rows]
+
+
 def rules(m: ModelConfig) -> list[Rule]:
-    """Every tensor of the HF model of ``m``'s shape, in the module docstring's order."""
+    """Every tensor of the HF model of ``m``'s shape, in the module docstring's order.
+
+    The embedding and head of a padded vocabulary (``model.vocab_multiple``) get zero
+    rows / columns on the way in and lose them on the way out.
+    """
     h, nh, hd, f, v = m.hidden_size, m.num_heads, m.head_dim, m.mlp_size, m.vocab_size
+    vp = m.padded_vocab
+    wte = Rule("wte.weight", ("embed", "wte"), (v, h), _pad_rows(vp), _rows(v))
     if m.arch == "gpt2":
         out = [
-            Rule("wte.weight", ("embed", "wte"), (v, h), _same, _same),
+            wte,
             Rule("wpe.weight", ("embed", "wpe"), (m.seq_len, h), _same, _same),
         ]
         for hf, ours in (("ln_1", "ln1"), ("ln_2", "ln2")):
@@ -150,7 +169,7 @@ def rules(m: ModelConfig) -> list[Rule]:
     else:
         kv = m.num_kv_heads
         out = [
-            Rule("embed_tokens.weight", ("embed", "wte"), (v, h), _same, _same),
+            dataclasses.replace(wte, hf="embed_tokens.weight"),
             Rule(
                 "layers.{i}.input_layernorm.weight", ("blocks", "ln1", "scale"), (h,), _same, _same
             ),
@@ -207,8 +226,8 @@ def rules(m: ModelConfig) -> list[Rule]:
                 "lm_head.weight",
                 ("head", "lm_kernel"),
                 (v, h),
-                _transpose_to(h, v),
-                _to_linear(h, v),
+                lambda x: _pad_rows(vp)(x).T,  # [V, H] -> [H, Vp]
+                lambda x: x[:, :v].T,  # [H, Vp] -> [V, H]
             )
         )
     return out
@@ -311,6 +330,8 @@ def model_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(
                 f"{where}: has no value for model.{key} (a {arch} config.json names it)"
             )
+    if isinstance(model["vocab_size"], int) and model["vocab_size"] % VOCAB_MULTIPLE:
+        model["vocab_multiple"] = VOCAB_MULTIPLE  # so that tensor 2, 4, 8... divide it
     return model
 
 

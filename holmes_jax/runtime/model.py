@@ -156,7 +156,8 @@ class Embed(nn.Module):
     def setup(self):
         c = self.cfg
         normal = nn.initializers.normal(_INIT_STD)
-        self.wte = param(self, "wte", normal, (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        # [padded_vocab, H]: rows past vocab_size exist only to split evenly over tensor
+        self.wte = param(self, "wte", normal, (c.padded_vocab, c.hidden_size), ("vocab", "embed"))
         if c.arch == "gpt2":
             self.wpe = param(self, "wpe", normal, (c.seq_len, c.hidden_size), ("seq", "embed"))
         self.drop = nn.Dropout(c.dropout)
@@ -285,13 +286,16 @@ class Head(nn.Module):
                 self,
                 "lm_kernel",
                 nn.initializers.normal(_INIT_STD),
-                (c.hidden_size, c.vocab_size),
+                (c.hidden_size, c.padded_vocab),
                 ("embed", "vocab"),
             )
             logits = x @ w
-        logits = nn.with_logical_constraint(logits, ("batch", "seq", "vocab"))  # [B, T, V]
+        logits = nn.with_logical_constraint(logits, ("batch", "seq", "vocab"))  # [B, T, Vp]
+        if c.padded_vocab != c.vocab_size:  # padding rows: no probability, no gradient
+            real = jnp.arange(c.padded_vocab) < c.vocab_size
+            logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
         if targets is None:
-            return logits
+            return logits[..., : c.vocab_size]  # [B, T, V]
         return cross_entropy(logits, targets)
 
 

@@ -76,8 +76,25 @@ BAD_CASES = [
         "parallel.tensor=4: must divide model.num_kv_heads=2",
     ),
     (["model.mlp_size=-8"], "model.mlp_size=-8: must be > 0"),
+    (
+        ["model.vocab_size=50257", "parallel.tensor=2"],
+        "parallel.tensor=2: must divide model.vocab_size=50257; set model.vocab_multiple",
+    ),
+    (
+        ["model.vocab_size=50257", "model.vocab_multiple=3", "parallel.tensor=2"],
+        "model.vocab_size=50257 padded to 50259 (model.vocab_multiple=3)",
+    ),
+    (["model.vocab_multiple=0"], "model.vocab_multiple=0: must be > 0"),
     (["model.arch=llama", "model.rope_base=0.5"], "model.rope_base=0.5: must be > 1"),
 ]
+
+
+def test_a_padded_vocabulary_splits_over_tensor():
+    cfg = load_config(None, ["model.vocab_size=50257", "model.vocab_multiple=128"]).model
+    assert not load_config(None, ["model.vocab_multiple=7"]).model.padded_vocab % 7
+    assert (cfg.vocab_size, cfg.padded_vocab, cfg.spec.vocab_size) == (50257, 50304, 50304)
+    load_config(None, ["model.vocab_size=50257", "model.vocab_multiple=128", "parallel.tensor=4"])
+    assert load_config(None, ["model.vocab_size=256"]).model.padded_vocab == 256
 
 
 def test_arch_defaults_and_explicit_mlp_width():

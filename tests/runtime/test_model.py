@@ -274,6 +274,34 @@ def test_remat_config_values(tmp_path):
         assert "model.remat" in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_padded_vocabulary_changes_nothing_but_the_shapes(arch):
+    """With vocab 250 padded to 256 the loss, its gradients and the logits equal the
+    unpadded model's with the same parameters (the padded rows start random, not zero)."""
+    base = load_config(None, [*TINY, f"model.arch={arch}"]).model
+    plain = dataclasses.replace(base, vocab_size=250)
+    padded = dataclasses.replace(plain, vocab_multiple=64)
+    tokens = jax.random.randint(jax.random.key(1), (2, plain.seq_len), 0, 250)
+    params = nn.unbox(GPT(padded).init(jax.random.key(0), tokens)["params"])
+    assert params["embed"]["wte"].shape == (256, plain.hidden_size)
+    same = {**params, "embed": {**params["embed"], "wte": params["embed"]["wte"][:250]}}
+    if "lm_kernel" in params["head"]:  # llama's untied head
+        same["head"] = {**params["head"], "lm_kernel": params["head"]["lm_kernel"][:, :250]}
+
+    def loss(model, p):
+        return GPT(model).apply({"params": p}, tokens[:, :-1], tokens[:, 1:])
+
+    l1, g1 = jax.value_and_grad(lambda p: loss(plain, p))(same)
+    l2, g2 = jax.value_and_grad(lambda p: loss(padded, p))(params)
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    wte = g2["embed"]["wte"]
+    np.testing.assert_allclose(wte[:250], g1["embed"]["wte"], rtol=1e-5, atol=1e-7)
+    assert not np.any(wte[250:])  # no gradient reaches the padding
+    logits = GPT(padded).apply({"params": params}, tokens)
+    assert logits.shape[-1] == 250
+    np.testing.assert_allclose(logits, GPT(plain).apply({"params": same}, tokens), atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "arch", ["gpt2", "llama", "model.arch=llama model.num_kv_heads=1 model.mlp_size=40"]
 )
