@@ -30,6 +30,7 @@ from holmes_jax.planner.grid import describe_grid
 from holmes_jax.planner.plans import alternatives, make_plan
 from holmes_jax.planner.report import format_plan, plan_json
 from holmes_jax.planner.search import METHODS
+from holmes_jax.planner.strategy import price_strategies
 from holmes_jax.planner.topology import load_topology
 
 
@@ -91,15 +92,16 @@ def _run(args: argparse.Namespace) -> int:
         topology, calibration = load_profile(args.profile, topology)
     plan = make_plan(cfg, topology, args.partition, calibration, args.keep_degrees)
     alts = alternatives(cfg, topology, plan, calibration)
+    choice = price_strategies(cfg, topology, args.partition, calibration, plan)
     if args.png:
         try:
             draw_plan(plan, topology, args.png)
         except OSError as e:  # a missing folder, no permission
             raise ConfigError(f"--png '{args.png}': cannot be written ({one_line(e)})") from None
     if args.json:
-        print(json.dumps(plan_json(plan, topology, alts, cfg)))
+        print(json.dumps(plan_json(plan, topology, alts, cfg, choice)))
     else:
-        print(format_plan(plan, topology, alts, cfg))
+        print(format_plan(plan, topology, alts, cfg, choice))
         if args.png:
             print(f"wrote {args.png}")
     return 0

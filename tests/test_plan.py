@@ -260,3 +260,22 @@ def test_module_entry_point_and_no_jax_import():
     )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["topology"] == "cpu8-two-islands"
+
+
+def test_json_names_the_strategy_and_compares_all_three(capsys):
+    slow = os.path.join(ROOT, "meshes", "emu-4host-2island-slow.yaml")
+    code, out, err = run(
+        capsys, "--config", CONFIG, "--mesh", slow, "--set", "diloco.enabled=auto", "--json"
+    )
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["strategy"] == "diloco"
+    rows = {row["strategy"]: row for row in d["strategies"]}
+    assert set(rows) == {"pipeline", "hierarchical", "diloco"}
+    assert rows["diloco"]["predicted_step_s"] < min(
+        rows[k]["predicted_step_s"] for k in ("pipeline", "hierarchical")
+    )
+    assert rows["diloco"]["inner_steps"] == 50
+    assert rows["diloco"]["plan"]["replica"] == 2  # one copy per island
+    code, out, err = run(capsys, "--config", CONFIG, "--mesh", slow, "--set", "diloco.enabled=auto")
+    assert "strategy: diloco" in out and "auto_min_speedup" in out

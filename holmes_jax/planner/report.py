@@ -19,11 +19,19 @@ from holmes_jax.planner.cost import Prediction
 from holmes_jax.planner.placement import stage_blocks, stages_per_island
 from holmes_jax.planner.plans import specs_from_config
 from holmes_jax.planner.search import Plan
+from holmes_jax.planner.strategy import StrategyChoice
 from holmes_jax.planner.topology import Topology
 
 
-def plan_json(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cfg: Any) -> dict:
-    """The plan as one JSON-ready object, with the alternative splits."""
+def plan_json(
+    plan: Plan,
+    topology: Topology,
+    alts: dict[str, Plan | None],
+    cfg: Any,
+    choice: StrategyChoice | None = None,
+) -> dict:
+    """The plan as one JSON-ready object, with the alternative splits and, given
+    ``choice``, the cross-island ``strategy`` chosen, why, and the ``strategies`` compared."""
     model, run = specs_from_config(cfg)
     out = plan.to_dict()
     out["topology"] = topology.name
@@ -41,11 +49,21 @@ def plan_json(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cfg:
         }
         for k, p in alts.items()
     }
+    if choice is not None:
+        out["strategy"] = choice.chosen
+        out["strategy_reason"] = choice.reason
+        out["strategies"] = [p.to_dict() for p in choice.prices]
     return out
 
 
-def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cfg: Any) -> str:
-    """Human-readable report."""
+def format_plan(
+    plan: Plan,
+    topology: Topology,
+    alts: dict[str, Plan | None],
+    cfg: Any,
+    choice: StrategyChoice | None = None,
+) -> str:
+    """Human-readable report; given ``choice``, the cross-island strategies at the end."""
     model, run = specs_from_config(cfg)
     lay, pr = plan.layout, plan.prediction
     lines = _topology_lines(topology)
@@ -96,6 +114,8 @@ def format_plan(plan: Plan, topology: Topology, alts: dict[str, Plan | None], cf
             f"  {name:<9} {p.predicted_step_s:<11.4g} {p.tflops_per_device:<12.4g} "
             f"{'yes' if p.prediction.fits else 'NO':<5} {list(p.layers_per_stage)}"
         )
+    if choice is not None:
+        lines.extend(format_strategies(choice))
     return "\n".join(lines)
 
 
@@ -228,4 +248,33 @@ def _stage_table(pr: Prediction, islands: Sequence[str]) -> list[str]:
             f"  {s:<6} {islands[s]:<11} {n:<8} {pr.stage_fwd_s[s] * 1e3:<8.2f} "
             f"{pr.stage_bwd_s[s] * 1e3:<8.2f} {pr.memory_gb[s]:.2f} ({pr.memory_limit_gb[s]:.1f})"
         )
+    return lines
+
+
+def format_strategies(choice: StrategyChoice) -> list[str]:
+    """One line per cross-island strategy (step, tokens/s, cross-island bytes per step,
+    the plan inside), then the chosen one and why."""
+    lines = ["cross-island strategies:"]
+    for p in choice.prices:
+        if p.plan is None:
+            lines.append(f"  {p.name:<12} unavailable: {p.why}")
+            continue
+        lay = p.plan.layout
+        inner = (
+            f"replica {lay.replica} x stage {lay.stages} x data {lay.data} x tensor "
+            f"{lay.tensor}, {_schedule_name(lay.schedule, lay.virtual_stages)}, "
+            f"{lay.microbatches} micro-batches"
+        )
+        extra = ""
+        if p.name == "diloco":
+            inner = f"one copy per island ({lay.replica}): " + inner.split(" x ", 1)[1]
+            extra = (
+                f"; H={p.inner_steps}, fragments {p.fragments}, outer {p.outer_dtype}, "
+                f"outer sync {p.outer_sync_s:.3g}s, exposed {p.exposed_s:.3g}s per outer step"
+            )
+        lines.append(
+            f"  {p.name:<12} step {p.step_s:.4g}s, {p.tokens_per_s:,.0f} tokens/s, "
+            f"{p.cross_island_bytes_per_step / 1e6:.4g} MB/step across islands ({inner}{extra})"
+        )
+    lines.append(f"strategy: {choice.chosen} ({choice.reason})")
     return lines

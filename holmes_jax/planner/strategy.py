@@ -1,0 +1,272 @@
+"""The cross-island strategy: pipeline, hierarchical data parallel or DiLoCo, priced side by side.
+
+Three ways to span islands (issue 13):
+
+- ``pipeline``: the stage axis spans the islands (``replica = 1``); activations cross.
+- ``hierarchical``: one pipeline copy per island (``replica = R``, R islands of equal
+  size); each step the ZeRO-1 gradient shards are all-reduced across islands.
+- ``diloco``: the best plan inside one island, one replica per island; each island takes
+  ``H = diloco.inner_steps`` steps alone, then the replicas average their parameter deltas.
+
+DiLoCo's step time, for inner step ``t`` (the best plan with one copy per island, each on
+``B / R`` of the global batch ``B``, the slowest island setting the pace, the cross-island
+gradient ring priced free), ``P`` parameters and ``β`` bytes per element of
+``diloco.outer_dtype`` (fp32 4, bf16 2, int8 ``1 + 4/INT8_BLOCK``: a fp32 scale per block)::
+
+    T_outer = 2(R-1)/R · P·β / (h · bw) + 2(R-1) · lat     # one outer all-reduce
+    exposed = T_outer                          if F = 1   (blocking outer step)
+            = F · max(0, T_outer/F - (H/F)·t)  if F > 1   (streaming: each fragment's
+                                                          transfer hides behind H/F steps)
+    step    = t + exposed / H
+    cross-island bytes per step (per replica) = 2(R-1)/R · P·β / H
+
+``bw``/``lat``: the slowest inter-island link (per host), ``h``: hosts of the smallest
+island (each host carries its share of the shards). ``enabled: false`` picks the faster of
+pipeline and hierarchical; ``true`` DiLoCo; ``auto`` DiLoCo only when
+``best synchronous step / DiLoCo step >= diloco.auto_min_speedup`` (DiLoCo changes the
+optimisation, so it must win clearly). Pure Python; no jax import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES
+from holmes_jax.planner.search import Plan, search_plan
+from holmes_jax.planner.topology import Link, Topology
+
+STRATEGIES = ("pipeline", "hierarchical", "diloco")
+INT8_BLOCK = 256  # elements per fp32 scale of int8 outer gradients
+FREE_GBPS = 1e12  # the inter-island link DiLoCo's inner plan is priced on (nothing crosses)
+OUTER_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyPrice:
+    """One strategy's predicted step; ``plan`` is None when the topology cannot run it
+    (``why`` says why). For DiLoCo ``plan`` is the plan inside one island."""
+
+    name: str
+    plan: Plan | None
+    step_s: float = float("inf")
+    tokens_per_s: float = 0.0
+    cross_island_bytes_per_step: float = 0.0
+    inner_steps: int = 1
+    fragments: int = 1
+    outer_dtype: str = ""
+    outer_sync_s: float = 0.0  # one outer all-reduce (DiLoCo)
+    exposed_s: float = 0.0  # per outer round, not hidden behind inner steps (DiLoCo)
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready comparison row."""
+        out: dict[str, Any] = {
+            "strategy": self.name,
+            "available": self.plan is not None,
+            "predicted_step_s": self.step_s if self.plan is not None else None,
+            "tokens_per_s": self.tokens_per_s,
+            "cross_island_bytes_per_step": self.cross_island_bytes_per_step,
+        }
+        if self.plan is None:
+            out["why"] = self.why
+            return out
+        lay = self.plan.layout
+        out["plan"] = {
+            "replica": lay.replica,
+            "stages": lay.stages,
+            "data": lay.data,
+            "tensor": lay.tensor,
+            "microbatches": lay.microbatches,
+            "schedule": lay.schedule,
+            "virtual_stages": lay.virtual_stages,
+            "remat": self.plan.remat,
+            "layers_per_stage": list(self.plan.layers_per_stage),
+        }
+        if self.name == "diloco":
+            out.update(
+                inner_steps=self.inner_steps,
+                fragments=self.fragments,
+                outer_dtype=self.outer_dtype,
+                inner_step_s=self.plan.predicted_step_s,
+                outer_sync_s=self.outer_sync_s,
+                exposed_s_per_outer_step=self.exposed_s,
+            )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyChoice:
+    """The priced strategies and the one the config allows (``chosen``), with the reason."""
+
+    prices: tuple[StrategyPrice, ...]
+    chosen: str
+    reason: str
+
+    def price(self, name: str) -> StrategyPrice:
+        return next(p for p in self.prices if p.name == name)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The chosen strategy's plan (DiLoCo: the plan inside one island)."""
+        return self.price(self.chosen).plan
+
+
+def outer_sync_s(
+    params: float, dtype: str, replicas: int, link_bytes_per_s: float, lat_s: float
+) -> float:
+    """One outer all-reduce: ``2(R-1)/R · P·β / bw + 2(R-1)·lat`` (see the module doc)."""
+    if replicas <= 1:
+        return 0.0
+    ring = 2 * (replicas - 1) / replicas
+    return ring * params * OUTER_BYTES[dtype] / link_bytes_per_s + 2 * (replicas - 1) * lat_s
+
+
+def exposed_outer_s(sync_s: float, inner_s: float, inner_steps: int, fragments: int) -> float:
+    """Outer-sync time per outer round not hidden behind inner steps: all of it when
+    ``fragments = 1``; else ``F · max(0, T/F − (H/F)·t)``."""
+    if fragments <= 1:
+        return sync_s
+    per = sync_s / fragments - inner_steps / fragments * inner_s
+    return fragments * max(0.0, per)
+
+
+def price_strategies(
+    cfg: Any,
+    topology: Topology,
+    method: str = "optimal",
+    calibration: Any = None,
+    plan: Plan | None = None,
+) -> StrategyChoice:
+    """Price pipeline, hierarchical and DiLoCo for ``cfg`` on ``topology``; choose one.
+
+    ``plan`` (from :func:`holmes_jax.planner.plans.make_plan`) is reused for its own
+    strategy (replica 1: pipeline, else hierarchical), so only the other is searched.
+    """
+    from holmes_jax.planner.plans import specs_from_config
+
+    model, run = specs_from_config(cfg)
+    tokens = run.global_batch_size * model.seq_len
+    search = dict(
+        method=method, calibration=calibration, remats=REMAT_POLICIES, schedules=SCHEDULES
+    )
+    islands = topology.islands
+    R = len(islands)
+    equal = R > 1 and len({isl.num_devices for isl in islands}) == 1
+    prices = []
+    for name, replica in (("pipeline", 1), ("hierarchical", R)):
+        why = ""
+        found = plan if plan is not None and (plan.layout.replica == 1) == (replica == 1) else None
+        if found is None:
+            if name == "hierarchical" and not equal:
+                why = "needs >= 2 islands of equal size"
+            else:
+                try:
+                    found = search_plan(topology, model, run, replica=replica, **search)
+                except ConfigError as e:
+                    why = str(e)
+        if found is None:
+            prices.append(StrategyPrice(name, None, why=why))
+            continue
+        prices.append(
+            StrategyPrice(
+                name,
+                found,
+                found.predicted_step_s,
+                tokens / found.predicted_step_s,
+                _sync_cross_bytes(found, model, run),
+            )
+        )
+    prices.append(_price_diloco(cfg, topology, model, run, tokens, search, equal))
+    return _choose(cfg, tuple(prices))
+
+
+def resolve_diloco(cfg: Any, topology: Topology | None) -> tuple[bool, StrategyChoice | None]:
+    """For the trainer: does ``cfg.diloco.enabled`` (true | false | auto) mean DiLoCo here?
+
+    ``true``/``false`` are returned as they are (no pricing; ``None`` choice); ``auto``
+    prices the strategies on ``topology`` and returns ``(chosen == "diloco", choice)``;
+    ``choice.plan`` is then the plan inside one island. No topology: auto means false.
+    """
+    enabled = cfg.diloco.enabled
+    if enabled is True or enabled is False:
+        return enabled, None
+    if topology is None:
+        return False, None
+    choice = price_strategies(cfg, topology)
+    return choice.chosen == "diloco", choice
+
+
+def _sync_cross_bytes(plan: Plan, model: Any, run: Any) -> float:
+    """Bytes crossing islands per step: hierarchical, the ring all-reduce of the
+    gradients (``2(R-1)/R · P · grad bytes``); pipeline, the activations over every stage
+    boundary whose two stages sit on different islands."""
+    lay = plan.layout
+    if lay.replica > 1:
+        r = lay.replica
+        return 2 * (r - 1) / r * model.num_params * run.grad_bytes
+    isl, p2p = plan.stage_islands, plan.prediction.p2p_bytes
+    return float(sum(b for s, b in enumerate(p2p[: len(isl) - 1]) if isl[s] != isl[s + 1]))
+
+
+def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyPrice:
+    dl = cfg.diloco
+    H, F, dtype = dl.inner_steps, dl.fragments, dl.outer_dtype
+    islands = topology.islands
+    R = len(islands)
+    base = dict(inner_steps=H, fragments=F, outer_dtype=dtype)
+    if not equal:
+        return StrategyPrice("diloco", None, why="needs >= 2 islands of equal size", **base)
+    if run.global_batch_size % R:
+        why = f"train.global_batch_size={run.global_batch_size}: not divisible by {R} islands"
+        return StrategyPrice("diloco", None, why=why, **base)
+    # The inner plan: one pipeline copy per island (replica = R, each on B/R of the batch,
+    # the slowest island setting the pace) with the cross-island gradient ring priced free,
+    # since DiLoCo sends nothing across between outer steps: one search instead of R.
+    free = Link(FREE_GBPS, 0.0)
+    alone = dataclasses.replace(topology, inter_island_default=free, inter_island_overrides=())
+    try:
+        inner = search_plan(alone, model, run, replica=R, **search)
+    except ConfigError as e:
+        return StrategyPrice("diloco", None, why=str(e), **base)
+    links = [
+        topology.inter_island(a.name, b.name) for a in islands for b in islands if a.name < b.name
+    ]
+    slow = min(links, key=lambda x: x.bytes_per_s)
+    hosts = min(isl.num_hosts for isl in islands)
+    sync = outer_sync_s(model.num_params, dtype, R, hosts * slow.bytes_per_s, slow.latency_s)
+    t = inner.predicted_step_s
+    exposed = exposed_outer_s(sync, t, H, F)
+    step = t + exposed / H
+    cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dtype] / H
+    return StrategyPrice("diloco", inner, step, tokens / step, cross, H, F, dtype, sync, exposed)
+
+
+def _choose(cfg: Any, prices: tuple[StrategyPrice, ...]) -> StrategyChoice:
+    sync = [p for p in prices[:2] if p.plan is not None]
+    best = min(sync, key=lambda p: p.step_s) if sync else None
+    dl = prices[2]
+    enabled = cfg.diloco.enabled
+    if enabled is True:
+        if dl.plan is None:
+            raise ConfigError(f"diloco.enabled=true: DiLoCo cannot run on this topology ({dl.why})")
+        return StrategyChoice(prices, "diloco", "diloco.enabled=true")
+    if best is None:
+        raise ConfigError("no synchronous strategy fits: " + "; ".join(p.why for p in prices[:2]))
+    if enabled is False or dl.plan is None:
+        why = "diloco.enabled=false" if enabled is False else f"diloco unavailable ({dl.why})"
+        return StrategyChoice(prices, best.name, f"{why}: the faster synchronous strategy")
+    speedup = best.step_s / dl.step_s
+    need = cfg.diloco.auto_min_speedup
+    if speedup >= need:
+        reason = (
+            f"diloco.enabled=auto: DiLoCo predicted {speedup:.2f}x faster than {best.name} "
+            f">= auto_min_speedup {need} (it changes the optimisation, so it must win clearly)"
+        )
+        return StrategyChoice(prices, "diloco", reason)
+    reason = (
+        f"diloco.enabled=auto: DiLoCo predicted {speedup:.2f}x vs {best.name} < "
+        f"auto_min_speedup {need}; kept synchronous (DiLoCo changes the optimisation)"
+    )
+    return StrategyChoice(prices, best.name, reason)
