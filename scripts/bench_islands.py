@@ -64,7 +64,6 @@ os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
     "device_count=8", "device_count=4"
 )
 
-from holmes_jax.cluster.launcher import launch  # noqa: E402
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.errors import ConfigError  # noqa: E402
 from holmes_jax.planner.plans import predict_config, specs_from_config  # noqa: E402
@@ -114,27 +113,8 @@ def calibrate(cfg, topology):
 
 
 def probe_launch(mesh: str, extra: list[str], folder: str, name: str):
-    """Profile measured by ``launch --program probe --emulate``: the topology with its
-    measured links, the calibration and the per-island layer times (ms)."""
-    from holmes_jax.planner.profiles import load_profile
-
-    out = os.path.join(folder, f"profile-{name}.json")
-    args = [a for o in MODEL + extra for a in ("--set", o)]
-    args += ["--out", out, "--repeats", "10", "--sizes-kib", "4,64,1024,8192"]
-    print(
-        f"bench_islands: probe {os.path.basename(mesh)} through the emulated network",
-        file=sys.stderr,
-    )
-    code = launch(mesh, args, emulate=True, out=sys.stderr, program="probe")
-    if code:
-        raise RuntimeError(f"probe on {mesh}: the emulated launch exited with code {code}")
-    with open(out) as f:
-        compute = json.load(f)["compute"]
-    topology, calibration = load_profile(out, load_topology(mesh))
-    layer_ms = {
-        k: round((v["layer_fwd_s"] + v["layer_bwd_s"]) * 1e3, 2) for k, v in compute.items()
-    }
-    return topology, calibration, layer_ms
+    """Profile measured by ``launch --program probe --emulate`` (benchlib.emulated_probe)."""
+    return benchlib.emulated_probe(mesh, MODEL + extra, folder, f"profile-{name}", "bench_islands")
 
 
 def predicted_step(cfg, topology, calibration) -> float:
@@ -176,17 +156,7 @@ def island_bytes(cfg, topology) -> int:
 
 def measured_step(mesh: str, extra: list[str], steps: int, folder: str, name: str) -> float:
     """Median step time (after the first) of an emulated launch."""
-    metrics = os.path.join(folder, f"{name}.jsonl")
-    args = [a for o in MODEL + extra for a in ("--set", o)]
-    args += ["--set", f"train.steps={steps}", "--set", f"train.metrics_path={metrics}"]
-    print(
-        f"bench_islands: {name}: launch --mesh {os.path.basename(mesh)} --emulate", file=sys.stderr
-    )
-    code = launch(mesh, args, emulate=True, out=sys.stderr)
-    if code:
-        raise RuntimeError(f"{name}: the emulated launch exited with code {code}")
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f]
+    records = benchlib.emulated_run(mesh, MODEL + extra, steps, folder, name, "bench_islands")
     times = [r["step_time_s"] for r in records if not r.get("includes_compile")]
     if not times:
         raise RuntimeError(f"{name}: no step after the first was logged (--steps >= 2)")

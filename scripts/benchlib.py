@@ -58,3 +58,48 @@ def program_runner(cfg, shape, batch_rows: Callable[[int], object] | None = None
 
     run.program = program
     return run
+
+
+def emulated_probe(mesh: str, overrides: list[str], folder: str, name: str, tag: str):
+    """Profile measured by ``launch --program probe --emulate`` on ``mesh`` (root): the
+    topology with its links as gloo sees them through the namespaces, the calibration and
+    the per-island layer fwd+bwd times (ms)."""
+    import json
+
+    from holmes_jax.cluster.launcher import launch
+    from holmes_jax.planner.profiles import load_profile
+    from holmes_jax.planner.topology import load_topology
+
+    out = os.path.join(folder, f"{name}.json")
+    args = [a for o in overrides for a in ("--set", o)]
+    args += ["--out", out, "--repeats", "10", "--sizes-kib", "4,64,1024,8192"]
+    print(f"{tag}: probe {os.path.basename(mesh)} through the emulated network", file=sys.stderr)
+    code = launch(mesh, args, emulate=True, out=sys.stderr, program="probe")
+    if code:
+        raise RuntimeError(f"probe on {mesh}: the emulated launch exited with code {code}")
+    with open(out) as f:
+        compute = json.load(f)["compute"]
+    topology, calibration = load_profile(out, load_topology(mesh))
+    layer_ms = {
+        k: round((v["layer_fwd_s"] + v["layer_bwd_s"]) * 1e3, 2) for k, v in compute.items()
+    }
+    return topology, calibration, layer_ms
+
+
+def emulated_run(
+    mesh: str, overrides: list[str], steps: int, folder: str, name: str, tag: str
+) -> list[dict]:
+    """The metrics records of a training run through ``launch --emulate`` on ``mesh``."""
+    import json
+
+    from holmes_jax.cluster.launcher import launch
+
+    metrics = os.path.join(folder, f"{name}.jsonl")
+    args = [a for o in overrides for a in ("--set", o)]
+    args += ["--set", f"train.steps={steps}", "--set", f"train.metrics_path={metrics}"]
+    print(f"{tag}: {name}: launch --mesh {os.path.basename(mesh)} --emulate", file=sys.stderr)
+    code = launch(mesh, args, emulate=True, out=sys.stderr)
+    if code:
+        raise RuntimeError(f"{name}: the emulated launch exited with code {code}")
+    with open(metrics) as f:
+        return [json.loads(line) for line in f]

@@ -14,11 +14,16 @@ gradient ring priced free), ``P`` parameters and ``β`` bytes per element of
 ``diloco.outer_dtype`` (fp32 4, bf16 2, int8 ``1 + 4/INT8_BLOCK``: a fp32 scale per block)::
 
     T_outer = 2(R-1)/R · P·β / (h · bw) + 2(R-1) · lat     # one outer all-reduce
-    exposed = T_outer                          if F = 1   (blocking outer step)
-            = F · max(0, T_outer/F - (H/F)·t)  if F > 1   (streaming: each fragment's
-                                                          transfer hides behind H/F steps)
-    step    = t + exposed / H
+    step    = t + T_outer / H                                # every outer sync blocks
     cross-island bytes per step (per replica) = 2(R-1)/R · P·β / H
+    peak bytes of one sync = 2(R-1)/R · P·β / F              # F fragments, F syncs per H
+
+Fragments (streaming DiLoCo) spread the same bytes over F syncs on different steps, so
+the peak volume (and the longest pause) drops F-fold; the runtime runs each fragment's
+sync as its own program between two inner steps, blocking them (the next inner step needs
+the fragment's new parameters), so the total per H steps is unchanged. Hiding a
+fragment's transfer behind the following inner steps would need the delayed merge of
+Streaming DiLoCo (apply the fragment's outer update τ steps later), which is not built.
 
 ``bw``/``lat``: the slowest inter-island link (per host), ``h``: hosts of the smallest
 island (each host carries its share of the shards). ``enabled: false`` picks the faster of
@@ -58,6 +63,7 @@ class StrategyPrice:
     outer_dtype: str = ""
     outer_sync_s: float = 0.0  # one outer all-reduce (DiLoCo)
     exposed_s: float = 0.0  # per outer round, not hidden behind inner steps (DiLoCo)
+    # (all of outer_sync_s: fragment syncs block; see the module doc)
     why: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,13 +129,10 @@ def outer_sync_s(
     return ring * params * OUTER_BYTES[dtype] / link_bytes_per_s + 2 * (replicas - 1) * lat_s
 
 
-def exposed_outer_s(sync_s: float, inner_s: float, inner_steps: int, fragments: int) -> float:
-    """Outer-sync time per outer round not hidden behind inner steps: all of it when
-    ``fragments = 1``; else ``F · max(0, T/F − (H/F)·t)``."""
-    if fragments <= 1:
-        return sync_s
-    per = sync_s / fragments - inner_steps / fragments * inner_s
-    return fragments * max(0.0, per)
+def exposed_outer_s(sync_s: float, fragments: int) -> tuple[float, float]:
+    """(exposed time per outer round, longest single pause): the runtime's fragment syncs
+    block (module doc), so all of ``sync_s`` is exposed, in ``fragments`` pauses."""
+    return sync_s, sync_s / max(1, fragments)
 
 
 def price_strategies(
@@ -198,6 +201,47 @@ def resolve_diloco(cfg: Any, topology: Topology | None) -> tuple[bool, StrategyC
     return choice.chosen == "diloco", choice
 
 
+def predict_diloco_config(
+    cfg: Any, topology: Topology, calibration: Any = None, *, sync_collectives: bool = False
+) -> tuple[float, float, float]:
+    """``(step, inner step, one outer sync)`` in seconds for ``cfg`` as the trainer runs it
+    with DiLoCo on (its own degrees, ``parallel.replica`` = islands), by the module doc's
+    formula: the inner step priced by :func:`~holmes_jax.planner.plans.predict_config` with
+    the inter-island link free (nothing crosses between outer syncs), plus the blocking
+    outer syncs spread over ``H`` steps."""
+    from holmes_jax.planner.plans import predict_config, specs_from_config
+
+    islands = topology.islands
+    R = len(islands)
+    inner = predict_config(
+        cfg, _islands_alone(topology), calibration, sync_collectives=sync_collectives
+    ).step_s
+    slow = _slowest_inter_island(topology)
+    hosts = min(isl.num_hosts for isl in islands)
+    model, _ = specs_from_config(cfg)
+    dl = cfg.diloco
+    sync = outer_sync_s(
+        model.num_params, dl.outer_dtype, R, hosts * slow.bytes_per_s, slow.latency_s
+    )
+    exposed, _ = exposed_outer_s(sync, dl.fragments)
+    return inner + exposed / dl.inner_steps, inner, sync
+
+
+def _islands_alone(topology: Topology) -> Topology:
+    """``topology`` with every inter-island link free: DiLoCo's inner steps send nothing
+    across, so its inner plan is priced as if the islands stood alone."""
+    free = Link(FREE_GBPS, 0.0)
+    return dataclasses.replace(topology, inter_island_default=free, inter_island_overrides=())
+
+
+def _slowest_inter_island(topology: Topology) -> Link:
+    islands = topology.islands
+    links = [
+        topology.inter_island(a.name, b.name) for a in islands for b in islands if a.name < b.name
+    ]
+    return min(links, key=lambda x: x.bytes_per_s)
+
+
 def _sync_cross_bytes(plan: Plan, model: Any, run: Any) -> float:
     """Bytes crossing islands per step: hierarchical, the ring all-reduce of the
     gradients (``2(R-1)/R · P · grad bytes``); pipeline, the activations over every stage
@@ -224,20 +268,15 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
     # The inner plan: one pipeline copy per island (replica = R, each on B/R of the batch,
     # the slowest island setting the pace) with the cross-island gradient ring priced free,
     # since DiLoCo sends nothing across between outer steps: one search instead of R.
-    free = Link(FREE_GBPS, 0.0)
-    alone = dataclasses.replace(topology, inter_island_default=free, inter_island_overrides=())
     try:
-        inner = search_plan(alone, model, run, replica=R, **search)
+        inner = search_plan(_islands_alone(topology), model, run, replica=R, **search)
     except ConfigError as e:
         return StrategyPrice("diloco", None, why=str(e), **base)
-    links = [
-        topology.inter_island(a.name, b.name) for a in islands for b in islands if a.name < b.name
-    ]
-    slow = min(links, key=lambda x: x.bytes_per_s)
+    slow = _slowest_inter_island(topology)
     hosts = min(isl.num_hosts for isl in islands)
     sync = outer_sync_s(model.num_params, dtype, R, hosts * slow.bytes_per_s, slow.latency_s)
     t = inner.predicted_step_s
-    exposed = exposed_outer_s(sync, t, H, F)
+    exposed, _ = exposed_outer_s(sync, F)
     step = t + exposed / H
     cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dtype] / H
     return StrategyPrice("diloco", inner, step, tokens / step, cross, H, F, dtype, sync, exposed)

@@ -1,0 +1,282 @@
+"""Benchmark: pipeline vs hierarchical data parallel vs DiLoCo across islands (issue 13).
+
+    sudo .venv/bin/python scripts/bench_strategies.py [--part speed|quality|both] \\
+        [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
+        [--keep-logs DIR]
+
+**Speed** (root): the 4-host two-island emulation (``launch --emulate``: each host a process
+in its own network namespace, ``tc htb`` links), 1 Gbit/s inside each island and
+100 Mbit/s (meshes/emu-4host-2island.yaml) or 10 Mbit/s (meshes/emu-4host-2island-slow.yaml)
+between them, the quickstart model (1.64M parameters). For each link speed, side by side:
+
+(a) pipeline:     the planner's best ``replica = 1`` plan (the stage axis spans the islands);
+(b) hierarchical: the planner's best ``replica = 2`` plan (ZeRO-1 gradient shards
+    all-reduced across the islands every step);
+(c) diloco:       (b)'s degrees with ``diloco.enabled=true``, ``H = --inner-steps``
+    (fp32 outer gradients), and the same with int8 outer gradients.
+
+Each variant's time per step is the mean over all logged windows after the first (the
+first compiles): DiLoCo's windows include its outer syncs in their true proportion (the run
+is ``2H + 1`` steps, two outer syncs). Tokens/s = global batch × sequence / step. Beside
+each, the planner's prediction for exactly that config, from a profile that
+``holmes_jax.probe`` measures through the same emulated launch (the links as gloo sees
+them, the layer times with four processes on the machine's cores), with blocking
+collectives (gloo): (a), (b) by :func:`holmes_jax.planner.plans.predict_config`, (c) by
+:func:`holmes_jax.planner.strategy.predict_diloco_config`.
+
+**Quality** (no root, one process, 8 simulated devices): the quickstart model on the
+stdlib corpus for ``--quality-steps`` steps of 32 × 128 tokens (the same tokens for every
+variant), ``replica = 2`` × data 4: synchronous (hierarchical data parallel, the reference
+any synchronous plan reproduces) against DiLoCo with H = 10, 25, 50 (fragments 1, fp32),
+H = 50 with 4 fragments and H = 50 with int8 outer gradients. Eval loss every 50 steps
+(the global model for DiLoCo); the curves go to ``--png``, the final losses to a table.
+
+Targets (issue 13): at 10 Mbit/s DiLoCo >= 3x the tokens/s of the best synchronous plan;
+final eval loss within 3% of synchronous for some H >= 10; predictions within 25%.
+Prints one JSON line; progress and the runs' output go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import benchlib
+
+# 4 simulated devices in this process, as the emulated topology has (pricing only).
+os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
+    "device_count=8", "device_count=4"
+)
+
+from holmes_jax.core.config import load_config  # noqa: E402
+from holmes_jax.core.errors import ConfigError  # noqa: E402
+from holmes_jax.planner.plans import predict_config, specs_from_config  # noqa: E402
+from holmes_jax.planner.strategy import predict_diloco_config, price_strategies  # noqa: E402
+from holmes_jax.planner.topology import load_topology  # noqa: E402
+
+QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
+MESHES = {
+    "100mbit": f"{benchlib.ROOT}/meshes/emu-4host-2island.yaml",
+    "10mbit": f"{benchlib.ROOT}/meshes/emu-4host-2island-slow.yaml",
+}
+# The quickstart model and batch, without its files, checkpoints or evaluation.
+COMMON = [
+    "checkpoint.dir=null",
+    "train.metrics_path=null",
+    "logging.tensorboard_dir=null",
+    "logging.progress=plain",
+]
+SPEED = COMMON + ["train.eval_every=0", "train.eval_batches=1", "data.max_bytes=2000000"]
+QUALITY = COMMON + [
+    "parallel.mesh=null",
+    "parallel.replica=2",
+    "parallel.stages=1",
+    "parallel.data=4",
+    "parallel.microbatches=1",
+    "parallel.layers_per_stage=null",
+    "train.eval_every=50",
+    "logging.log_every=50",
+]
+QUALITY_VARIANTS = {
+    "sync": [],
+    "H10": ["diloco.inner_steps=10"],
+    "H25": ["diloco.inner_steps=25"],
+    "H50": ["diloco.inner_steps=50"],
+    "H50-F4": ["diloco.inner_steps=50", "diloco.fragments=4"],
+    "H50-int8": ["diloco.inner_steps=50", "diloco.outer_dtype=int8"],
+}
+
+
+def log(msg: str) -> None:
+    print(f"bench_strategies: {msg}", file=sys.stderr, flush=True)
+
+
+def plan_overrides(plan) -> list[str]:
+    """The ``--set`` overrides that make the trainer run ``plan``'s degrees and split."""
+    lay = plan.layout
+    split = ",".join(str(n) for n in plan.layers_per_stage)
+    return [
+        f"parallel.replica={lay.replica}",
+        f"parallel.stages={lay.stages}",
+        f"parallel.data={lay.data}",
+        f"parallel.tensor={lay.tensor}",
+        f"parallel.microbatches={lay.microbatches}",
+        f"parallel.schedule={lay.schedule}",
+        f"parallel.virtual_stages={lay.virtual_stages}",
+        f"parallel.layers_per_stage=[{split}]",
+        f"model.remat={plan.remat}",
+    ]
+
+
+def speed_variants(mesh: str, inner_steps: int) -> dict[str, list[str]]:
+    """(a), (b), (c) for one topology: the planner's best plans for each strategy."""
+    cfg = load_config(QUICKSTART, SPEED + [f"parallel.mesh={mesh}", "diloco.enabled=false"])
+    choice = price_strategies(cfg, load_topology(mesh))
+    out = {}
+    for name in ("pipeline", "hierarchical"):
+        price = choice.price(name)
+        if price.plan is None:
+            raise RuntimeError(f"{name} has no plan on {mesh}: {price.why}")
+        out[name] = plan_overrides(price.plan)
+    diloco = out["hierarchical"] + ["diloco.enabled=true", f"diloco.inner_steps={inner_steps}"]
+    out["diloco"] = diloco
+    out["diloco-int8"] = diloco + ["diloco.outer_dtype=int8"]
+    return out
+
+
+def measure_speed(args, folder: str) -> dict:
+    from holmes_jax.cluster.netns import check_privileges
+
+    check_privileges()
+    rows = {}
+    for link, mesh in MESHES.items():
+        variants = speed_variants(mesh, args.inner_steps)
+        probe_set = SPEED + variants["pipeline"] + [f"parallel.mesh={mesh}"]
+        log(f"{link}: probe the links and the layer through the emulated launch")
+        topology, calibration, _ = benchlib.emulated_probe(
+            mesh, probe_set, folder, f"profile-{link}", "bench_strategies"
+        )
+        table = {}
+        for name, extra in variants.items():
+            steps = 2 * args.inner_steps + 1 if name.startswith("diloco") else args.speed_steps
+            window = 10 if name.startswith("diloco") else 5
+            overrides = SPEED + extra + [f"parallel.mesh={mesh}", f"logging.log_every={window}"]
+            cfg = load_config(QUICKSTART, overrides + [f"train.steps={steps}"])
+            if name.startswith("diloco"):
+                predicted = predict_diloco_config(
+                    cfg, topology, calibration, sync_collectives=True
+                )[0]
+            else:
+                predicted = predict_config(cfg, topology, calibration, sync_collectives=True).step_s
+            log(f"{link}: {name}: {steps} steps")
+            records = benchlib.emulated_run(
+                mesh, overrides, steps, folder, f"{link}-{name}", "bench_strategies"
+            )
+            timed = [r for r in records if not r.get("includes_compile")]
+            done = [r["step"] for r in records]  # the first record is the compiling step
+            spans = [b - a for a, b in zip(done, done[1:], strict=False)]  # steps per window
+            step_s = sum(r["step_time_s"] * n for r, n in zip(timed, spans, strict=True))
+            step_s /= sum(spans)
+            model, run = specs_from_config(cfg)
+            tokens = run.global_batch_size * model.seq_len
+            table[name] = {
+                "step_ms": round(step_s * 1e3, 1),
+                "tokens_per_s": round(tokens / step_s, 1),
+                "predicted_ms": round(predicted * 1e3, 1),
+                "prediction_error": round((predicted - step_s) / step_s, 3),
+                "plan": [o for o in extra if o.startswith(("parallel.", "diloco."))],
+            }
+        sync = min(table["pipeline"]["step_ms"], table["hierarchical"]["step_ms"])
+        best = min(table["diloco"]["step_ms"], table["diloco-int8"]["step_ms"])
+        rows[link] = {"variants": table, "diloco_over_best_sync_tokens": round(sync / best, 2)}
+    return rows
+
+
+def measure_quality(args, folder: str) -> dict:
+    curves = {}
+    for name, extra in QUALITY_VARIANTS.items():
+        metrics = os.path.join(folder, f"quality-{name}.jsonl")
+        diloco = ["diloco.enabled=true"] if extra else ["diloco.enabled=false"]
+        sets = QUALITY + diloco + extra
+        sets += [f"train.steps={args.quality_steps}", f"train.metrics_path={metrics}"]
+        cmd = [sys.executable, "-m", "holmes_jax.train", "--config", QUICKSTART]
+        cmd += [a for s in sets for a in ("--set", s)]
+        log(f"quality: {name}: {args.quality_steps} steps")
+        code = subprocess.call(cmd, cwd=benchlib.ROOT, stdout=sys.stderr)
+        if code:
+            raise RuntimeError(f"quality run {name} exited with code {code}")
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+        curves[name] = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    sync = curves["sync"][-1][1]
+    final = {k: round(v[-1][1], 4) for k, v in curves.items()}
+    gap = {k: round(v / sync - 1, 4) for k, v in final.items()}
+    if args.png:
+        draw(curves, args.png)
+    return {
+        "steps": args.quality_steps,
+        "tokens": args.quality_steps * 32 * 128,
+        "final_eval_loss": final,
+        "gap_vs_sync": gap,
+        "curves": curves,
+        "png": args.png,
+    }
+
+
+def draw(curves: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curves.items():
+        steps, losses = zip(*points, strict=True)
+        style = "k-" if name == "sync" else "-"
+        ax.plot(steps, losses, style, marker="o", markersize=3, label=name)
+    ax.set_xlabel("step (32 x 128 tokens each)")
+    ax.set_ylabel("eval loss (global model)")
+    ax.set_title("Synchronous vs DiLoCo across 2 replicas, quickstart model")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"curves drawn to {path}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=("speed", "quality", "both"), default="both")
+    parser.add_argument("--speed-steps", type=int, default=11, help="steps of (a), (b) (>= 6)")
+    parser.add_argument("--inner-steps", type=int, default=50, help="DiLoCo's H in the speed part")
+    parser.add_argument("--quality-steps", type=int, default=300, help="steps of each quality run")
+    parser.add_argument("--png", default="docs/strategies.png", help="eval-loss curves")
+    parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
+    args = parser.parse_args(argv)
+    if args.speed_steps < 6:
+        print(f"error: --speed-steps={args.speed_steps}: must be >= 6", file=sys.stderr)
+        return 2
+    if args.quality_steps < 50 or args.quality_steps % 50:
+        print(
+            f"error: --quality-steps={args.quality_steps}: must be a positive multiple of 50 "
+            "(eval every 50 steps)",
+            file=sys.stderr,
+        )
+        return 2
+    folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_strategies_")
+    os.makedirs(folder, exist_ok=True)
+    result: dict = {"bench": "strategies"}
+    try:
+        if args.part in ("speed", "both"):
+            result["speed"] = measure_speed(args, folder)
+        if args.part in ("quality", "both"):
+            result["quality"] = measure_quality(args, folder)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    targets = {}
+    if "speed" in result:
+        ratio = result["speed"]["10mbit"]["diloco_over_best_sync_tokens"]
+        errors = [
+            abs(v["prediction_error"])
+            for row in result["speed"].values()
+            for v in row["variants"].values()
+        ]
+        targets["diloco >= 3x best sync tokens/s at 10 Mbit/s"] = ratio >= 3
+        targets["predictions within 25%"] = max(errors) <= 0.25
+    if "quality" in result:
+        gap = result["quality"]["gap_vs_sync"]
+        targets["some H >= 10 within 3% of sync"] = any(
+            v <= 0.03 for k, v in gap.items() if k != "sync"
+        )
+    result["targets"] = targets
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
