@@ -371,7 +371,7 @@ def read_params(
     running_model: dict[str, Any] | None = None,
 ) -> Any:
     """The parameters of one checkpoint step, restored alone (the fp32 ``master`` of a bf16
-    run when it has one).
+    run when it has one; a DiLoCo run's global model, ``outer.global``).
 
     Args:
       step_dir: a step directory (:func:`find_step`).
@@ -389,8 +389,11 @@ def read_params(
     state_dir = epath.Path(step_dir) / "state"
     try:
         stored = handler.metadata(state_dir).tree
-        part = "master" if stored.get("master") else "params"
-        stored = stored[part]
+        if (stored.get("outer") or {}).get("global"):  # DiLoCo: the global model
+            part, sub = "outer", "global"
+        else:
+            part, sub = ("master" if stored.get("master") else "params"), None
+        stored = stored[part] if sub is None else stored[part][sub]
     except Exception as e:  # noqa: BLE001 (any unreadable checkpoint is one line)
         raise ConfigError(f"{key}={step_dir}: cannot be read ({_reason(e, step_dir)})") from None
     if target is None:
@@ -406,19 +409,20 @@ def read_params(
             ),
             target,
         )
+    item, args = ({part: target}, {part: restore_args})
+    if sub is not None:
+        item, args = ({part: {sub: target}}, {part: {sub: restore_args}})
     try:
         out = handler.restore(
             state_dir,
-            args=ocp.args.PyTreeRestore(
-                item={part: target}, restore_args={part: restore_args}, partial_restore=True
-            ),
+            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
         )
     except Exception as e:  # noqa: BLE001
         _quiet_abandoned_reads()
         raise ConfigError(f"{key}={step_dir}: cannot be read ({_reason(e, step_dir)})") from None
     finally:
         handler.close()
-    return out[part]
+    return out[part] if sub is None else out[part][sub]
 
 
 def _check_params(stored: Any, target: Any, where: str, saved_model, running_model) -> None:
@@ -458,7 +462,9 @@ def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
     The parameters are restored straight into the logical parameters' shardings in fp32,
     then one jitted function builds the logical state (compute-dtype copies, optimizer
     moments, fp32 master for bf16) with its shardings, and the program converts it to its
-    own layout (the pipeline's ``[stage, slot, ...]`` when it has one).
+    own layout (the pipeline's ``[stage, slot, ...]`` when it has one). Under DiLoCo every
+    replica starts from these parameters, and so does the global model
+    (:meth:`Program.fresh_state`).
 
     Returns:
       (state, the step directory read).
@@ -468,8 +474,10 @@ def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
     """
     step_dir, meta = find_step(path, "checkpoint.init_from")
     logical = program.abstract_logical_state
+    # DiLoCo: the parameters without the per-replica axis (as the global model holds them)
+    one = logical.outer["global"] if program.diloco else logical.params
     target = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding), logical.params
+        lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding), one
     )
     params = read_params(
         step_dir,
@@ -478,18 +486,8 @@ def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
         saved_model=meta["config"]["model"],
         running_model=program.cfg.to_dict()["model"],
     )
-    bf16 = logical.master is not None
-
-    def fresh(p):
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=jax.tree.map(lambda a: a.astype(program.dtype), p),
-            opt_state=program.tx.init(p),
-            master=p if bf16 else None,
-        )
-
     with program.context():
-        state = jax.jit(fresh, out_shardings=program.logical_state_sharding)(params)
+        state = jax.jit(program.fresh_state, out_shardings=program.logical_state_sharding)(params)
     return program.from_logical(state), step_dir
 
 

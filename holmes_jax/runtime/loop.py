@@ -3,15 +3,20 @@
 Read top to bottom, :func:`run` does:
 
 1. resolve the mesh degrees against the visible devices, let the planner fill in what the
-   config leaves open, and build the mesh; on a topology (``parallel.mesh``), predict the
-   step with the planner's cost model;
+   config leaves open (``diloco.enabled: auto`` too: DiLoCo or not, by
+   :func:`holmes_jax.planner.strategy.resolve_diloco` on the topology; without one auto
+   means false), and build the mesh; on a topology (``parallel.mesh``), predict the step
+   with the planner's cost model;
 2. load the corpus and build the (seed, step) → batch sampler and fixed eval batches;
 3. build the :class:`~holmes_jax.runtime.program.Program` (shardings, jitted steps);
 4. restore the newest checkpoint in ``checkpoint.dir``, or else start from the parameters
    of ``checkpoint.init_from`` (a fresh optimizer at step 0), or else initialise sharded
    state;
-5. loop: make this process's part of the batch, step, and on log steps fetch metrics
-   (only then does the host wait for the device), evaluate, checkpoint;
+5. loop: make this process's part of the batch, step (under DiLoCo: the inner step, then
+   the outer step of each fragment due after it), and on log steps fetch metrics (only
+   then does the host wait for the device; DiLoCo's per-replica loss and grad norm are
+   averaged here, on the host, gathered from all processes only on log steps), evaluate
+   (the global model under DiLoCo), checkpoint;
 6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
 
 Printed through the metrics logger (process 0 only): before training, on a topology, the
@@ -27,6 +32,7 @@ window of the compiling first step left out.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -43,6 +49,7 @@ from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
 from holmes_jax.planner.plans import memory_inputs_from_config, predict_config, resolve_auto
 from holmes_jax.planner.report import format_run_plan, format_step_check
+from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
 from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
@@ -100,6 +107,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     # 1. mesh (and the layer split, when the planner is asked for it)
     devices = jax.devices()
     topology = load_mesh_topology(cfg)
+    asked_diloco = cfg.diloco.enabled
+    diloco, choice = resolve_diloco(cfg, topology)
+    cfg = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled=diloco))
     shape = resolve_shape(cfg, len(devices), topology)
     asked_remat, asked_split = cfg.model.remat, cfg.parallel.layers_per_stage
     cfg = resolve_auto(cfg, shape, topology)
@@ -142,7 +152,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         cfg, flops=flops, num_devices=shape.num_devices, start_step=start, is_main=is_main
     )
     logger.message(
-        f"holmes_jax: {cfg.model.spec.num_params / 1e6:.2f}M params | mesh stage={shape.stages} "
+        f"holmes_jax: {cfg.model.spec.num_params / 1e6:.2f}M params | mesh "
+        + (f"replica={shape.replica} " if shape.replica > 1 else "")
+        + f"stage={shape.stages} "
         f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
         f"{devices[0].platform} devices | {corpus.description}"
     )
@@ -153,6 +165,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
             f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
         )
+    for line in diloco_lines(cfg, program, asked_diloco, choice):
+        logger.message(line)
     if asked_remat == "auto":
         logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
     if resumed:
@@ -179,6 +193,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 state, metrics = program.train_step(state, batch)
                 step += 1
                 window_steps += 1
+                for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
+                    state = program.outer_step(state, fragment)
+                    logger.message(
+                        f"diloco: outer step of fragment {fragment}/{cfg.diloco.fragments} "
+                        f"after step {step}"
+                    )
 
                 evaluate = step == total or (
                     cfg.train.eval_every and step % cfg.train.eval_every == 0
@@ -189,13 +209,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     requested = log_step and any_process(requested)
                 stopping = requested or (stop_at_step is not None and step >= stop_at_step)
                 if log_step or stopping:
-                    values = jax.device_get(metrics)  # waits for this step
+                    values = fetch_metrics(metrics)  # waits for this step
                     elapsed = (time.perf_counter() - window_start) / window_steps
                     rec = logger.record(step, values, elapsed)
                     if first:
                         rec["includes_compile"] = True
                     if evaluate:
-                        rec["eval_loss"] = _evaluate(program, state.params, eval_set)
+                        rec["eval_loss"] = _evaluate(program, program.eval_params(state), eval_set)
                     history.append(rec)
                     logger.write(rec, advance=step - logged_at)
                     logged_at, first = step, False
@@ -233,6 +253,41 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         measured = [r["step_time_s"] for r in history if not r.get("includes_compile")]
         logger.message(format_step_check(predicted_s, measured))
     return history
+
+
+def diloco_lines(cfg: Config, program: Program, asked, choice) -> list[str]:
+    """What the log says about DiLoCo: nothing when it was never asked for."""
+    if asked is False:
+        return []
+    d = cfg.diloco
+    why = f" (diloco.enabled=auto: {choice.reason})" if choice is not None else ""
+    if asked == "auto" and choice is None:
+        why = " (diloco.enabled=auto without parallel.mesh: no topology to price, so off)"
+    if not program.diloco:
+        if d.enabled:
+            why += f"; off: parallel.replica={program.replicas} (DiLoCo needs >= 2 replicas)"
+        return [f"diloco: off{why}"]
+    return [
+        f"diloco: on across {program.replicas} replicas{why}: H={d.inner_steps} inner steps, "
+        f"outer lr {d.outer_lr}, Nesterov momentum {d.outer_momentum}, {d.fragments} "
+        f"fragment(s), outer deltas sent as {d.outer_dtype}"
+    ]
+
+
+def fetch_metrics(metrics: dict[str, jax.Array]) -> dict[str, Any]:
+    """Device metrics to host numbers: waits for the step. Per-replica values (DiLoCo's
+    loss and grad norm, ``[R]`` sharded over ``replica``) are averaged here, on the host;
+    with several processes they are first gathered with ``process_allgather`` (only on the
+    steps that log, so the inner steps between stay free of cross-island traffic)."""
+    out = {}
+    for key, value in metrics.items():
+        if not value.is_fully_addressable and not value.is_fully_replicated:
+            from jax.experimental import multihost_utils
+
+            value = multihost_utils.process_allgather(value, tiled=True)
+        value = np.asarray(jax.device_get(value))
+        out[key] = value.mean() if value.ndim else value
+    return out
 
 
 def describe_plan(
@@ -275,6 +330,15 @@ def describe_plan(
     else:
         split = "even (parallel.layers_per_stage unset)"
     lines = format_run_plan(cfg, shape, topology, prediction, sync_collectives=sync, split=split)
+    if cfg.diloco.enabled is True and shape.replica > 1:
+        # The plan above prices replica > 1 as hierarchical (a cross-island gradient ring
+        # every step); DiLoCo's inner steps send nothing across: price those instead.
+        step, inner, outer = predict_diloco_config(cfg, topology, sync_collectives=sync)
+        lines.append(
+            f"diloco: predicted inner step {inner:.4g}s (islands alone) + one outer sync "
+            f"{outer:.4g}s every {cfg.diloco.inner_steps} steps = {step:.4g}s per step"
+        )
+        return lines, step
     return lines, prediction.step_s
 
 

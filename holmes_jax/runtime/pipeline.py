@@ -167,6 +167,7 @@ class PipelineEngine:
         seed: int,
         grad_dims: Any = None,
         nan_bubbles: bool = False,
+        independent_replicas: bool = False,
     ):
         if layout.stages != mesh.shape[STAGE]:
             raise ValueError(
@@ -181,7 +182,10 @@ class PipelineEngine:
         self.segments = tick_segments(self.schedule)
         self.seed = seed
         self.data = mesh.shape[DATA]
-        self.replica = mesh.shape[REPLICA]
+        # DiLoCo: every replica has its own parameters ([R, S, ...]) and nothing is reduced
+        # over replica; loss and grad norm come back per replica.
+        self.independent = independent_replicas and mesh.shape[REPLICA] > 1
+        self.replica = 1 if self.independent else mesh.shape[REPLICA]  # reduced over
         # Per leaf, the (pipeline-layout) dim that ZeRO-1 scatters over data, or -1.
         self.grad_dims = grad_dims
         self.nan_bubbles = nan_bubbles
@@ -208,23 +212,32 @@ class PipelineEngine:
 
     def loss_and_grads(self, params, batch, step):
         """Returns ``(loss, grads, grad_norm)``: mean loss, reduced (unclipped) gradients in
-        the pipeline layout (1/d shards with ZeRO-1) and their global norm.
+        the pipeline layout (1/d shards with ZeRO-1) and their global norm. With
+        ``independent_replicas`` (DiLoCo) each replica's own: loss and norm ``[R]`` over
+        ``replica``, grads ``[R, S, ...]``, and no collective over ``replica``.
 
         Args:
-          params: pipeline-layout parameters (leading stage axis).
+          params: pipeline-layout parameters (leading stage axis; ``[R, S, ...]`` with
+            ``independent_replicas``).
           batch: ``[B, T+1]`` int32 tokens sharded over ``data``.
           step: int32 scalar (dropout keys derive from seed, step, microbatch, layer).
         """
         dims = self._dims(params)
-        param_specs = jax.tree.map(lambda _: PartitionSpec(STAGE), params)
+        lead = (REPLICA, STAGE) if self.independent else (STAGE,)  # [R,] S leading axes
+        param_specs = jax.tree.map(lambda _: PartitionSpec(*lead), params)
         grad_specs = jax.tree.map(
-            lambda a, dim: sharded_spec(PartitionSpec(STAGE), dim, a.ndim), params, dims
+            lambda a, dim: sharded_spec(
+                PartitionSpec(*lead), dim + len(lead) - 1 if dim >= 0 else -1, a.ndim
+            ),
+            params,
+            dims,
         )
+        scalar = PartitionSpec(REPLICA) if self.independent else PartitionSpec()  # [R] or []
         fn = jax.shard_map(
             self._body,
             mesh=self.mesh,
             in_specs=(param_specs, PartitionSpec(BATCH_AXES), PartitionSpec()),
-            out_specs=(PartitionSpec(), grad_specs, PartitionSpec()),
+            out_specs=(scalar, grad_specs, scalar),
             axis_names={REPLICA, STAGE, DATA},
             check_vma=False,
         )
@@ -268,7 +281,8 @@ class PipelineEngine:
         n_layers = jnp.asarray(self.layout.chunk_layers())[stage]  # [v]
         first_layer = jnp.asarray(self.layout.chunk_first_layer())[stage]  # [v]
 
-        p = jax.tree.map(lambda a: a[0], params)  # drop the local stage axis (size 1)
+        # drop the local stage axis (size 1), and the replica axis (size 1) under DiLoCo
+        p = jax.tree.map(lambda a: a[0, 0] if self.independent else a[0], params)
         local = batch.reshape(M, batch.shape[0] // M, batch.shape[1])  # [M, mb, T+1]
         tokens, targets = local[:, :, :-1], local[:, :, 1:]  # [M, mb, T]
         mb, T, H = tokens.shape[1], tokens.shape[2], self.cfg.hidden_size
@@ -558,6 +572,8 @@ class PipelineEngine:
         owned += jnp.where(st.is_last, squared_norm(grads["head"], dims["head"]), 0.0)
         loss, norm = chain_sum((jnp.where(st.is_last, loss, 0.0), owned), S)
         norm = jnp.sqrt(norm)
+        if self.independent:  # this replica's own: [1] each, [R] outside; grads [1, 1, ...]
+            return loss[None], jax.tree.map(lambda g: g[None, None], grads), norm[None]
         return loss, jax.tree.map(lambda g: g[None], grads), norm
 
 

@@ -8,7 +8,14 @@ A :class:`Program` is built once per (config, mesh). It owns
   outputs are already sharded, so nothing is ever materialised whole on one device;
 - ``train_step(state, batch)``: loss, gradients, AdamW update, in one jit with
   in/out shardings and the state donated;
-- ``eval_loss(params, batch)``.
+- ``eval_loss(params, batch)``;
+- with DiLoCo (``diloco.enabled`` true and ``replica`` > 1, :mod:`holmes_jax.runtime.diloco`):
+  a leading ``[R]`` axis sharded over ``replica`` on every parameter, optimizer-moment and
+  master leaf (each island owns its own model and AdamW state; the step counts stay
+  shared), the outer state ``outer = {'global', 'momentum'}`` (fp32, no ``[R]`` axis,
+  sharded like the ZeRO-1 moments), an inner ``train_step`` with no collective over
+  ``replica`` (loss and grad norm come back per replica, ``[R]`` sharded over
+  ``replica``: the host averages them) and ``outer_step(state, fragment)``.
 
 Batches are ``[B, T + 1]`` int32 token windows sharded over ``data``: inputs are
 ``[:, :-1]`` and targets ``[:, 1:]``. Dropout keys derive from (seed, step), so a resumed
@@ -29,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.core.axes import DATA, REPLICA
 from holmes_jax.core.config import Config
+from holmes_jax.runtime.diloco import OuterStep, due_fragments, stack_spec
 from holmes_jax.runtime.mesh import batch_sharding, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES
 from holmes_jax.runtime.optim import clip_by_global_norm, learning_rate_schedule, make_optimizer
@@ -43,6 +51,8 @@ class TrainState:
     params: Any  # {'embed', 'blocks' (every leaf [L, ...]), 'head'}, compute dtype
     opt_state: Any  # optax state mirroring the fp32 parameters
     master: Any = None  # bf16 runs: the fp32 master parameters (sharded like opt_state)
+    # DiLoCo: {'global': fp32 params (no [R] axis), 'momentum': the same}; None otherwise.
+    outer: Any = None
 
 
 class Program:
@@ -71,6 +81,9 @@ class Program:
             or mesh.shape[REPLICA] > 1
             or self.dtype != jnp.float32  # fp32 accumulation and reduction of bf16 grads
         )
+        self.replicas = mesh.shape[REPLICA]
+        # DiLoCo: each replica trains on its own (loop.run resolves ``auto`` to a bool).
+        self.diloco = cfg.diloco.enabled is True and self.replicas > 1
         self.model = GPT(m, deterministic=True)
         self.train_model = GPT(m, deterministic=m.dropout == 0.0)
         self.tx = make_optimizer(cfg.optimizer, cfg.train.steps, clip=not self.pipelined)
@@ -124,6 +137,7 @@ class Program:
                 seed=cfg.train.seed,
                 grad_dims=self.grad_dims,
                 nan_bubbles=nan_bubbles,
+                independent_replicas=self.diloco,
             )
         else:
             self.param_sharding = logical_sharding
@@ -133,18 +147,33 @@ class Program:
             self.param_sharding, abstract_params, opt_param_sharding
         )
         self.abstract_state = self._abstract_state(abstract_params, self.state_sharding)
+        # What eval runs on: the global model (fp32, sharded like the moments) under DiLoCo.
+        self.eval_sharding = opt_param_sharding if self.diloco else self.param_sharding
 
+        # Metrics: loss and grad norm per replica under DiLoCo ([R] over replica: a mean
+        # here would be a cross-island collective every step), else replicated scalars.
+        per_replica = NamedSharding(mesh, PartitionSpec(REPLICA))
+        self.metrics_sharding = (
+            {"loss": per_replica, "grad_norm": per_replica, "lr": replicated(mesh)}
+            if self.diloco
+            else replicated(mesh)
+        )
         self._init = jax.jit(self._init_state, out_shardings=self.state_sharding)
         self._train_step = jax.jit(
             self._step,
             in_shardings=(self.state_sharding, self.batch_sharding),
-            out_shardings=(self.state_sharding, replicated(mesh)),
+            out_shardings=(self.state_sharding, self.metrics_sharding),
             donate_argnums=(0,),
         )
         self._eval = jax.jit(
             self._eval_loss,
-            in_shardings=(self.param_sharding, self.batch_sharding),
+            in_shardings=(self.eval_sharding, self.batch_sharding),
             out_shardings=replicated(mesh),
+        )
+        self.outer = (
+            OuterStep(cfg.diloco, self.layout, mesh, self.state_sharding, self.dtype)
+            if self.diloco
+            else None
         )
         self._to_logical = jax.jit(
             self._state_to_logical,
@@ -175,14 +204,28 @@ class Program:
         )
 
     def _state_sharding(self, param_sharding, abstract_params, opt_param_sharding) -> TrainState:
-        """Shardings of the train state; the optimizer's moments follow ``opt_param_sharding``."""
+        """Shardings of the train state; the optimizer's moments follow ``opt_param_sharding``.
+        Under DiLoCo what each replica owns gets the leading [R] axis over ``replica``
+        (:func:`~holmes_jax.runtime.diloco.stack_spec`); the outer state, like the moments
+        of one replica, has none."""
+        outer = None
+        if self.diloco:
+            outer = {"global": opt_param_sharding, "momentum": opt_param_sharding}
+            param_sharding, opt_param_sharding = (
+                jax.tree.map(
+                    lambda s: NamedSharding(self.mesh, stack_spec(s.spec)),
+                    t,
+                    is_leaf=lambda x: isinstance(x, NamedSharding),
+                )
+                for t in (param_sharding, opt_param_sharding)
+            )
         abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
         opt_sharding = optax.tree_map_params(
             self.tx,
             lambda _, sharding: sharding,
             abstract_opt,
             opt_param_sharding,
-            transform_non_params=lambda _: replicated(self.mesh),
+            transform_non_params=lambda _: replicated(self.mesh),  # step counts: shared
         )
         master = opt_param_sharding if self.dtype != jnp.float32 else None
         return TrainState(
@@ -190,20 +233,14 @@ class Program:
             params=param_sharding,
             opt_state=opt_sharding,
             master=master,
+            outer=outer,
         )
 
     def _abstract_state(self, abstract_params, sharding: TrainState) -> TrainState:
+        fp32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), abstract_params)
+        shapes = jax.eval_shape(self.fresh_state, fp32)
         return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            TrainState(
-                step=jax.ShapeDtypeStruct((), jnp.int32),
-                params=jax.tree.map(
-                    lambda a: jax.ShapeDtypeStruct(a.shape, self.dtype), abstract_params
-                ),
-                opt_state=jax.eval_shape(self.tx.init, abstract_params),
-                master=abstract_params if self.dtype != jnp.float32 else None,
-            ),
-            sharding,
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, sharding
         )
 
     # ------------------------------------------------------------------ public
@@ -221,11 +258,29 @@ class Program:
             return self._init(jax.random.key(seed))
 
     def train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
-        """One optimizer step. ``state`` is donated; metrics stay on device."""
+        """One optimizer step (DiLoCo: one inner step of every replica, nothing crossing
+        ``replica``). ``state`` is donated; metrics stay on device."""
         with self.context():
             return self._train_step(state, batch)
 
+    def due_fragments(self, steps_done: int) -> list[int]:
+        """DiLoCo: the fragments whose outer step is due after ``steps_done`` inner steps."""
+        if not self.diloco:
+            return []
+        return due_fragments(steps_done, self.cfg.diloco.inner_steps, self.cfg.diloco.fragments)
+
+    def outer_step(self, state: TrainState, fragment: int) -> TrainState:
+        """DiLoCo: the outer step of ``fragment`` (:mod:`holmes_jax.runtime.diloco`);
+        ``state`` is donated."""
+        with self.context():
+            return self.outer(state, fragment)
+
+    def eval_params(self, state: TrainState) -> Any:
+        """The parameters eval runs on: the global model under DiLoCo, else ``params``."""
+        return state.outer["global"] if self.diloco else state.params
+
     def eval_loss(self, params: Any, batch: jax.Array) -> jax.Array:
+        """Mean loss of ``params`` (:meth:`eval_params`) on ``batch``."""
         with self.context():
             return self._eval(params, batch)
 
@@ -304,12 +359,22 @@ class Program:
         params = nn.unbox(self._init_boxed(key))
         if self.pipelined:
             params = self._params_from_logical(params)
-        bf16 = self.dtype != jnp.float32
+        return self.fresh_state(params)
+
+    def fresh_state(self, params) -> TrainState:
+        """Step 0 from fp32 ``params`` (either layout): compute-dtype copies, fresh AdamW
+        moments, the fp32 master under bf16; under DiLoCo every replica starts from
+        ``params`` ([R] axis) and so does the global model, with zero outer momentum."""
+        outer = None
+        if self.diloco:
+            outer = {"global": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
+            params = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.replicas, *a.shape)), params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=_cast(params, self.dtype),
             opt_state=self.tx.init(params),
-            master=params if bf16 else None,
+            master=params if self.dtype != jnp.float32 else None,
+            outer=outer,
         )
 
     def _params_from_logical(self, params):
@@ -317,6 +382,11 @@ class Program:
 
     def _convert_state(self, state: TrainState, fn, params_template) -> TrainState:
         parts = self.layout.parts_tree(params_template)
+        outer = None
+        if self.diloco:  # the outer trees convert like master; the [R] trees per replica
+            outer = {k: self.layout.map_parts(fn, v) for k, v in state.outer.items()}
+            one = fn
+            fn = lambda x, part: jax.vmap(lambda y: one(y, part))(x)  # noqa: E731
         opt_state = optax.tree_map_params(
             self.tx, fn, state.opt_state, parts, transform_non_params=lambda x: x
         )
@@ -326,6 +396,7 @@ class Program:
             params=self.layout.map_parts(fn, state.params),
             opt_state=opt_state,
             master=master,
+            outer=outer,
         )
 
     def _state_to_logical(self, state: TrainState) -> TrainState:
@@ -353,15 +424,25 @@ class Program:
         """AdamW on (1/d shards of) the fp32 gradients and master parameters; GSPMD then
         all-gathers the new parameters (in bf16 when the run computes in bf16)."""
         grads = _cast(grads, jnp.float32)
-        if self.pipelined:  # optax's own clip would see the pipeline layout: clip here
-            grads = clip_by_global_norm(grads, grad_norm, self.cfg.optimizer.grad_clip)
+        clip = self.cfg.optimizer.grad_clip
+        if self.diloco:  # grads [R, ...], norm [R]: each replica clips by its own norm
+            grads = jax.vmap(lambda g, n: clip_by_global_norm(g, n, clip))(grads, grad_norm)
+        elif self.pipelined:  # optax's own clip would see the pipeline layout: clip here
+            grads = clip_by_global_norm(grads, grad_norm, clip)
+        # AdamW is elementwise: on [R, ...] leaves it is R independent optimizers.
         target = state.params if state.master is None else state.master
         updates, opt_state = self.tx.update(grads, state.opt_state, target)
         new = optax.apply_updates(target, updates)
         if state.master is None:
-            return TrainState(step=state.step + 1, params=new, opt_state=opt_state)
+            return TrainState(
+                step=state.step + 1, params=new, opt_state=opt_state, outer=state.outer
+            )
         return TrainState(
-            step=state.step + 1, params=_cast(new, self.dtype), opt_state=opt_state, master=new
+            step=state.step + 1,
+            params=_cast(new, self.dtype),
+            opt_state=opt_state,
+            master=new,
+            outer=state.outer,
         )
 
     def _apply_gradients(self, state: TrainState, grads) -> TrainState:
@@ -369,6 +450,7 @@ class Program:
         return self._update(state, grads, norm)
 
     def _eval_loss(self, params, batch):
+        params = _cast(params, self.dtype)  # DiLoCo's global model is fp32
         if self.pipelined:  # gathers the stages' layers: fine for periodic eval
             params = self.layout.map_parts(self.layout.leaf_to_logical, params)
         return self.model.apply({"params": params}, batch[:, :-1], batch[:, 1:])

@@ -1,0 +1,243 @@
+"""DiLoCo across the ``replica`` axis: the outer step, its wire format and its fragments.
+
+With ``diloco.enabled`` (and ``replica`` = R > 1) every replica (one per island) owns its
+own parameters, AdamW moments and master copy: those leaves carry a leading ``[R]`` axis
+sharded over ``replica`` (:func:`stack_spec`), and the inner train step
+(:class:`holmes_jax.runtime.program.Program`, the engine with ``independent_replicas``)
+runs no collective over ``replica`` at all. The train state also holds the outer state
+``outer = {'global', 'momentum'}``: fp32, no ``[R]`` axis, sharded like one replica's
+ZeRO-1 moments (1/d per device inside an island).
+
+The outer step of fragment f (one jitted function per fragment, static slices), on each of
+its leaves, in order:
+
+1. ``Δ_r = global − θ_r`` in fp32 per replica (θ_r: the replica's master, else its
+   parameters), each device on its own 1/d shard.
+2. Encode for the wire in ``diloco.outer_dtype`` (:func:`encode`): fp32 as is; bf16; int8
+   with one absmax scale per replica and tensor, ``s = max|Δ_r| / 127``,
+   ``q = round(Δ_r / s)``, so ``|Δ_r − q·s| ≤ s/2`` elementwise.
+3. The only cross-island traffic: the encoded ``[R, ...]`` shards are all-gathered over
+   ``replica`` (an explicit ``all_gather`` in a ``shard_map``) in the encoded dtype (s8,
+   bf16 as its u16 bit pattern, f32 in the HLO; the int8 scales are R more floats).
+4. Decode and average in fp32: ``Δ = mean_r decode(q_r, s_r)``.
+5. Nesterov: ``m ← μ·m + Δ``; ``global ← global − lr·(Δ + μ·m)`` (``lr`` =
+   ``diloco.outer_lr``, ``μ`` = ``diloco.outer_momentum``).
+6. Every replica restarts from the new global model: ``θ_r ← global`` (compute dtype; the
+   master, under bf16, in fp32). The AdamW moments and step counts are kept.
+
+With H = 1, lr = 1, μ = 0 the outer step makes every replica the mean of the replicas'
+AdamW steps.
+
+Fragments (streaming DiLoCo). The F fragments are F contiguous ranges of the blocks' slot
+axis (``[.., S, v·slots, ...]``: the same slots of every stage), the embedding going with
+fragment 0 and the head with fragment F−1. Fragment f is due after inner step n (n > 0
+steps done) iff ``n mod H == ⌊f·H / F⌋`` (:func:`due_fragments`), so each fragment syncs
+once per H steps and the fragments' syncs are spread over the H steps. The phase follows
+from the step, so a checkpoint needs no field for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from holmes_jax.core.axes import REPLICA
+from holmes_jax.core.config import DilocoConfig
+from holmes_jax.core.errors import ConfigError
+
+INT8_MAX = 127.0
+
+
+def stack_spec(spec: PartitionSpec) -> PartitionSpec:
+    """The spec of a leaf with the leading per-replica [R] axis over ``replica``."""
+    return PartitionSpec(REPLICA, *tuple(spec))
+
+
+def due_fragments(steps_done: int, inner_steps: int, fragments: int) -> list[int]:
+    """The fragments whose outer step follows inner step ``steps_done`` (0: none)."""
+    if steps_done <= 0:
+        return []
+    phase = steps_done % inner_steps
+    return [f for f in range(fragments) if phase == (f * inner_steps) // fragments]
+
+
+def fragment_slots(slots: int, fragments: int) -> list[tuple[int, int]]:
+    """F contiguous ``[start, stop)`` ranges of a stage's ``slots`` block slots (the
+    earlier fragments take the remainder).
+
+    Raises:
+      ConfigError: more fragments than slots.
+    """
+    if fragments > slots:
+        raise ConfigError(
+            f"diloco.fragments={fragments}: must be <= the {slots} block slots of a pipeline "
+            "stage (a fragment is a range of every stage's layers)"
+        )
+    base, extra = divmod(slots, fragments)
+    out, start = [], 0
+    for f in range(fragments):
+        stop = start + base + (f < extra)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def encode(delta: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
+    """``delta [R, ...]`` fp32 -> (payload [R, ...] in the wire dtype, scale [R] fp32).
+
+    int8: per replica and tensor ``s = max|Δ_r| / 127`` (1 where Δ_r is all zero) and
+    ``q = round(Δ_r / s)``; bf16 and fp32 carry scale 1.
+    """
+    R = delta.shape[0]
+    ones = jnp.ones((R,), jnp.float32)
+    if dtype == "fp32":
+        return delta, ones
+    if dtype == "bf16":
+        return delta.astype(jnp.bfloat16), ones
+    if dtype != "int8":
+        raise ValueError(f"outer dtype {dtype!r}")
+    # [R]: a max over the local shard, then over data (a reshape would gather the shards)
+    absmax = jnp.max(jnp.abs(delta), axis=tuple(range(1, delta.ndim)))
+    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    q = jnp.round(delta / _per_replica(scale, delta.ndim))
+    return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
+def decode(payload: jax.Array, scale: jax.Array) -> jax.Array:
+    """The fp32 ``[R, ...]`` deltas from :func:`encode`'s output."""
+    return payload.astype(jnp.float32) * _per_replica(scale, payload.ndim)
+
+
+def _per_replica(scale, ndim: int):
+    return scale.reshape((-1,) + (1,) * (ndim - 1))
+
+
+class OuterStep:
+    """The jitted outer steps of one program, one per fragment (built on first use).
+
+    Args:
+      cfg: the ``diloco`` section.
+      layout: the pipeline layout (fragments are ranges of its ``v·slots`` block slots).
+      mesh: the program's mesh.
+      state_sharding: the program's ``TrainState`` of shardings (``outer`` set).
+      dtype: the compute dtype of the parameters.
+
+    Raises:
+      ConfigError: ``diloco.fragments`` larger than a stage's block slots.
+    """
+
+    def __init__(self, cfg: DilocoConfig, layout, mesh: Mesh, state_sharding, dtype):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.dtype = dtype
+        self.state_sharding = state_sharding
+        self.ranges = fragment_slots(layout.virtual * layout.slots, cfg.fragments)
+        self._jitted: dict[int, Any] = {}
+
+    def __call__(self, state, fragment: int):
+        return self.jitted(fragment)(state)
+
+    def jitted(self, fragment: int):
+        """The jitted outer step of ``fragment`` (state donated)."""
+        if fragment not in self._jitted:
+            self._jitted[fragment] = jax.jit(
+                lambda state: self.step(state, fragment),
+                in_shardings=(self.state_sharding,),
+                out_shardings=self.state_sharding,
+                donate_argnums=(0,),
+            )
+        return self._jitted[fragment]
+
+    def step(self, state, fragment: int):
+        """Steps 1–6 on fragment ``fragment``'s leaves (traced); the rest passes through."""
+        last = self.cfg.fragments - 1
+        start, stop = self.ranges[fragment]
+        parts = ["blocks"] + ["embed"] * (fragment == 0) + ["head"] * (fragment == last)
+        params, glob, mom = (
+            dict(state.params),
+            dict(state.outer["global"]),
+            dict(state.outer["momentum"]),
+        )
+        master = None if state.master is None else dict(state.master)
+        for part in parts:
+            # blocks: slots [start, stop) of the slot axis (1 in the outer trees, 2 with [R])
+            cut = (slice(None), slice(start, stop)) if part == "blocks" else ()
+            lead = (slice(None), *cut)
+            treedef = jax.tree.structure(state.params[part])
+            p_leaves = treedef.flatten_up_to(state.params[part])
+            w_leaves = p_leaves if master is None else treedef.flatten_up_to(master[part])
+            g_leaves = treedef.flatten_up_to(glob[part])
+            m_leaves = treedef.flatten_up_to(mom[part])
+            specs = [
+                s.spec for s in treedef.flatten_up_to(self.state_sharding.outer["global"][part])
+            ]
+            out = [[], [], [], []]  # params, master, global, momentum
+            for p, w, g, m, spec in zip(p_leaves, w_leaves, g_leaves, m_leaves, specs, strict=True):
+                theta, g_new, m_new = self._sync(w[lead], g[cut], m[cut], spec)
+                out[0].append(p.at[lead].set(theta.astype(p.dtype)))
+                out[1].append(w.at[lead].set(theta))
+                out[2].append(g.at[cut].set(g_new))
+                out[3].append(m.at[cut].set(m_new))
+            params[part], glob[part], mom[part] = (treedef.unflatten(out[k]) for k in (0, 2, 3))
+            if master is not None:
+                master[part] = treedef.unflatten(out[1])
+        return state.replace(params=params, master=master, outer={"global": glob, "momentum": mom})
+
+    def _sync(self, mine, g, m, spec: PartitionSpec):
+        """Steps 1–6 for one leaf (slice): ``mine`` ``[R, ...]`` (the replicas' master or
+        parameters), ``g``/``m`` ``[...]`` fp32 sharded by ``spec`` (1/d over data inside an
+        island). Returns (the replicas' new fp32 ``[R, ...]``, global, momentum)."""
+        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+        # 1. per replica, each device on its own 1/d shard (no traffic)
+        delta = g[None] - mine.astype(jnp.float32)  # [R, ...]
+        delta = lax.with_sharding_constraint(delta, self._sharding(stack_spec(spec)))
+        # 2.-3. encode; all-gathered across islands in the wire dtype
+        payload, scale = self._gather(*encode(delta, self.cfg.outer_dtype), spec)
+        # 4. decode and average in fp32: [...] sharded like g
+        avg = jnp.mean(decode(payload, scale), axis=0)
+        # 5. Nesterov momentum
+        m = mu * m + avg
+        g = g - lr * (avg + mu * m)
+        # 6. every replica restarts from the global model (the barrier: one value of g, not
+        #    two fusions that could round differently)
+        g = lax.optimization_barrier(g)
+        return jnp.broadcast_to(g, mine.shape), g, m
+
+    def _gather(self, payload, scale, spec: PartitionSpec):
+        """Step 3: ``payload [R, ...]`` (each device its replica's 1/d shard) all-gathered
+        over ``replica`` in its own dtype, with the int8 ``scale [R]`` (fp32 and bf16
+        carry none: their scales are ones).
+
+        An explicit ``all_gather`` in a ``shard_map`` (manual over every axis, the layout
+        as ``spec`` says), not a sharding constraint: given ``convert`` → constraint →
+        ``convert``, XLA folded the int8 / bf16 round trip into the producer and gathered
+        fp32, four times the bytes on the slowest link.
+        """
+        int8 = self.cfg.outer_dtype == "int8"
+
+        def gather(q, s):  # local [1, ...] and [1] -> [R, ...] and [R]
+            if q.dtype == jnp.bfloat16:  # XLA:CPU widens bf16 collectives to f32: send bits
+                bits = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint16), REPLICA, tiled=True)
+                q = lax.bitcast_convert_type(bits, jnp.bfloat16)
+            else:
+                q = lax.all_gather(q, REPLICA, tiled=True)
+            return q, (
+                lax.all_gather(s, REPLICA, tiled=True)
+                if int8
+                else jnp.ones_like(s, shape=(payload.shape[0],))
+            )
+
+        return jax.shard_map(
+            gather,
+            mesh=self.mesh,
+            in_specs=(stack_spec(spec), PartitionSpec(REPLICA)),
+            out_specs=(PartitionSpec(None, *spec), PartitionSpec()),
+            check_vma=False,
+        )(payload, scale)
+
+    def _sharding(self, spec: PartitionSpec) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
