@@ -186,7 +186,9 @@ def measure_quality(args, folder: str) -> dict:
         cmd = [sys.executable, "-m", "holmes_jax.train", "--config", QUICKSTART]
         cmd += [a for s in sets for a in ("--set", s)]
         log(f"quality: {name}: {args.quality_steps} steps")
-        code = subprocess.call(cmd, cwd=benchlib.ROOT, stdout=sys.stderr)
+        env = dict(os.environ)  # the trainer's own 8 devices, not this process's 4
+        env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("device_count=4", "device_count=8")
+        code = subprocess.call(cmd, cwd=benchlib.ROOT, stdout=sys.stderr, env=env)
         if code:
             raise RuntimeError(f"quality run {name} exited with code {code}")
         with open(metrics) as f:

@@ -331,8 +331,10 @@ class DilocoConfig:
     auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
-        if self.enabled not in DILOCO_CHOICES or isinstance(self.enabled, int) and not (
-            isinstance(self.enabled, bool)
+        if (
+            self.enabled not in DILOCO_CHOICES
+            or isinstance(self.enabled, int)
+            and not (isinstance(self.enabled, bool))
         ):
             raise ConfigError(f"diloco.enabled={self.enabled!r}: must be true, false or auto")
         _positive(self, "diloco", ("inner_steps", "fragments"))
