@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_strategies.py [--part speed|quality|both] \\
         [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
-        [--keep-logs DIR]
+        [--links 100mbit,10mbit] [--keep-logs DIR]
 
 **Speed** (root): the 4-host two-island emulation (``launch --emulate``: each host a process
 in its own network namespace, ``tc htb`` links), 1 Gbit/s inside each island and
@@ -133,7 +133,8 @@ def measure_speed(args, folder: str) -> dict:
 
     check_privileges()
     rows = {}
-    for link, mesh in MESHES.items():
+    for link in args.links.split(","):
+        mesh = MESHES[link]
         variants = speed_variants(mesh, args.inner_steps)
         probe_set = SPEED + variants["pipeline"] + [f"parallel.mesh={mesh}"]
         log(f"{link}: probe the links and the layer through the emulated launch")
@@ -237,6 +238,9 @@ def main(argv=None) -> int:
     parser.add_argument("--inner-steps", type=int, default=50, help="DiLoCo's H in the speed part")
     parser.add_argument("--quality-steps", type=int, default=300, help="steps of each quality run")
     parser.add_argument("--png", default="docs/strategies.png", help="eval-loss curves")
+    parser.add_argument(
+        "--links", default="100mbit,10mbit", help="comma-separated: 100mbit, 10mbit (speed part)"
+    )
     parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
     args = parser.parse_args(argv)
     if args.speed_steps < 6:
@@ -262,7 +266,7 @@ def main(argv=None) -> int:
         return 2
     targets = {}
     if "speed" in result:
-        ratio = result["speed"]["10mbit"]["diloco_over_best_sync_tokens"]
+        ratio = result["speed"].get("10mbit", {}).get("diloco_over_best_sync_tokens", 0.0)
         errors = [
             abs(v["prediction_error"])
             for row in result["speed"].values()

@@ -195,6 +195,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 window_steps += 1
                 for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
                     state = program.outer_step(state, fragment)
+                    # Wait for it: on simulated CPU devices an inner step dispatched while
+                    # the outer step's all-gather is still running deadlocked XLA's
+                    # in-process collectives (a reduce-scatter rendezvous one device never
+                    # joined, reproducibly after ~80 steps at H = 10). One host sync per
+                    # outer step costs nothing next to the sync itself.
+                    jax.block_until_ready(state)
                     logger.message(
                         f"diloco: outer step of fragment {fragment}/{cfg.diloco.fragments} "
                         f"after step {step}"
