@@ -139,7 +139,7 @@ def measure_speed(args, folder: str) -> dict:
         probe_set = SPEED + variants["pipeline"] + [f"parallel.mesh={mesh}"]
         log(f"{link}: probe the links and the layer through the emulated launch")
         topology, calibration, _ = benchlib.emulated_probe(
-            mesh, probe_set, folder, f"profile-{link}", "bench_strategies"
+            mesh, probe_set, folder, f"profile-{link}", "bench_strategies", QUICKSTART
         )
         table = {}
         for name, extra in variants.items():
@@ -155,7 +155,7 @@ def measure_speed(args, folder: str) -> dict:
                 predicted = predict_config(cfg, topology, calibration, sync_collectives=True).step_s
             log(f"{link}: {name}: {steps} steps")
             records = benchlib.emulated_run(
-                mesh, overrides, steps, folder, f"{link}-{name}", "bench_strategies"
+                mesh, overrides, steps, folder, f"{link}-{name}", "bench_strategies", QUICKSTART
             )
             timed = [r for r in records if not r.get("includes_compile")]
             done = [r["step"] for r in records]  # the first record is the compiling step

@@ -60,10 +60,12 @@ def program_runner(cfg, shape, batch_rows: Callable[[int], object] | None = None
     return run
 
 
-def emulated_probe(mesh: str, overrides: list[str], folder: str, name: str, tag: str):
+def emulated_probe(
+    mesh: str, overrides: list[str], folder: str, name: str, tag: str, config: str | None = None
+):
     """Profile measured by ``launch --program probe --emulate`` on ``mesh`` (root): the
     topology with its links as gloo sees them through the namespaces, the calibration and
-    the per-island layer fwd+bwd times (ms)."""
+    the per-island layer fwd+bwd times (ms). ``config``: a YAML the overrides apply to."""
     import json
 
     from holmes_jax.cluster.launcher import launch
@@ -71,7 +73,8 @@ def emulated_probe(mesh: str, overrides: list[str], folder: str, name: str, tag:
     from holmes_jax.planner.topology import load_topology
 
     out = os.path.join(folder, f"{name}.json")
-    args = [a for o in overrides for a in ("--set", o)]
+    args = ["--config", config] if config else []  # else the built-in defaults
+    args += [a for o in overrides for a in ("--set", o)]
     args += ["--out", out, "--repeats", "10", "--sizes-kib", "4,64,1024,8192"]
     print(f"{tag}: probe {os.path.basename(mesh)} through the emulated network", file=sys.stderr)
     code = launch(mesh, args, emulate=True, out=sys.stderr, program="probe")
@@ -87,7 +90,13 @@ def emulated_probe(mesh: str, overrides: list[str], folder: str, name: str, tag:
 
 
 def emulated_run(
-    mesh: str, overrides: list[str], steps: int, folder: str, name: str, tag: str
+    mesh: str,
+    overrides: list[str],
+    steps: int,
+    folder: str,
+    name: str,
+    tag: str,
+    config: str | None = None,
 ) -> list[dict]:
     """The metrics records of a training run through ``launch --emulate`` on ``mesh``."""
     import json
@@ -95,7 +104,8 @@ def emulated_run(
     from holmes_jax.cluster.launcher import launch
 
     metrics = os.path.join(folder, f"{name}.jsonl")
-    args = [a for o in overrides for a in ("--set", o)]
+    args = ["--config", config] if config else []  # else the built-in defaults
+    args += [a for o in overrides for a in ("--set", o)]
     args += ["--set", f"train.steps={steps}", "--set", f"train.metrics_path={metrics}"]
     print(f"{tag}: {name}: launch --mesh {os.path.basename(mesh)} --emulate", file=sys.stderr)
     code = launch(mesh, args, emulate=True, out=sys.stderr)
