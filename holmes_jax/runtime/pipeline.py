@@ -72,7 +72,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA, STAGE
 from holmes_jax.core.config import ModelConfig
-from holmes_jax.planner.schedule import BWD, FWD, WGT, Schedule, make_schedule
+from holmes_jax.planner.schedule import BWD, FWD, IDLE, WGT, Schedule, make_schedule
 from holmes_jax.runtime.buffers import (
     Residuals,
     dyn_index,
@@ -368,12 +368,22 @@ class PipelineEngine:
         not traced, and only the stage pairs in ``shape`` send.
         """
         op = st.at("op", t)
-        if shape.forward:
-            c = when(op == FWD, lambda c: self._forward(st, c, t), c)
-        if shape.backward:
-            c = when(op == BWD, lambda c: self._backward(st, c, t), c)
-        if shape.weights:
-            c = when(op == WGT, lambda c: self._weights(st, c, t), c)
+
+        def run(c):
+            if shape.forward:
+                c = when(op == FWD, lambda c: self._forward(st, c, t), c)
+            if shape.backward:
+                c = when(op == BWD, lambda c: self._backward(st, c, t), c)
+            if shape.weights:
+                c = when(op == WGT, lambda c: self._weights(st, c, t), c)
+            return c
+
+        # One guard around the tick's op: it carries the residual buffers that a FWD
+        # writes, so the next tick's op comes after every read of them in this one. With
+        # only the per-op guards, a BWD that only reads the buffers and a later FWD that
+        # writes them in place are unordered whenever they share no other state (an
+        # untied head), and XLA then copied every residual buffer on every FWD.
+        c = when(op != IDLE, run, c)
         return self._send(st, c, t, shape)
 
     def _send(self, st: _Local, c: dict, t, shape: TickShape) -> dict:

@@ -111,14 +111,11 @@ def test_model_within_15_percent_of_compiled(pipeline_temps):
         assert abs(predicted / measured["peak"] - 1) < 0.15, (remat, predicted, measured)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 14): the memory model under-predicts this llama step by ~41% "
-    "(505 MB predicted vs 852 MB compiled temporaries+arguments); the gpt2 cases hold",
-)
 def test_llama_model_within_15_percent_of_compiled():
     """Llama (GQA 8 query heads on 2 key/value heads, SwiGLU 1408 wide, untied head): a
-    2-stage 1F1B step under tensor 2, predicted against compiled."""
+    2-stage 1F1B step under tensor 2, predicted against compiled. (Until the tick loop got
+    one guard around each tick's op, XLA copied every residual buffer on every FWD of an
+    untied-head model: 852 MB compiled against 505 MB predicted.)"""
     overrides = [
         "model.arch=llama",
         "model.num_kv_heads=2",
