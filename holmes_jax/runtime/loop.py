@@ -167,6 +167,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         )
     for line in diloco_lines(cfg, program, asked_diloco, choice):
         logger.message(line)
+    if program.diloco:
+        began = time.perf_counter()
+        program.compile_outer_steps()
+        logger.message(
+            f"diloco: {cfg.diloco.fragments} outer-sync program(s) compiled before "
+            f"training ({time.perf_counter() - began:.1f} s)"
+        )
     if asked_remat == "auto":
         logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
     if resumed:
@@ -186,11 +193,18 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     last_saved = start if resumed else None
     window_start, window_steps, logged_at = time.perf_counter(), 0, start
     first = True
+    # Simulated CPU devices: wait for each step before dispatching the next. When two
+    # steps overlapped, XLA:CPU's in-process collectives aborted the run now and then (an
+    # all-reduce rendezvous that one device never joined within 40 s: a DiLoCo run after
+    # ~80 steps, a replica 2 x data 4 run at step ~170 on a loaded machine). GPUs overlap.
+    one_step_at_a_time = devices[0].platform == "cpu" and jax.local_device_count() > 1
     try:
         with StopRequest() as stop:
             while step < total:
                 batch = make_batch(sampler, step, program.batch_sharding)
                 state, metrics = program.train_step(state, batch)
+                if one_step_at_a_time:
+                    jax.block_until_ready(state)
                 step += 1
                 window_steps += 1
                 for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
@@ -199,7 +213,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     # the outer step's all-gather is still running deadlocked XLA's
                     # in-process collectives (a reduce-scatter rendezvous one device never
                     # joined, reproducibly after ~80 steps at H = 10). One host sync per
-                    # outer step costs nothing next to the sync itself.
+                    # outer step costs nothing next to the sync itself (and on GPUs the
+                    # next inner step needs the new parameters anyway).
                     jax.block_until_ready(state)
                     logger.message(
                         f"diloco: outer step of fragment {fragment}/{cfg.diloco.fragments} "

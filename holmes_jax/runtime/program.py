@@ -275,6 +275,12 @@ class Program:
         with self.context():
             return self.outer(state, fragment)
 
+    def compile_outer_steps(self) -> None:
+        """DiLoCo: compile the outer steps before training (see ``OuterStep.compile_all``)."""
+        if self.diloco:
+            with self.context():
+                self.outer.compile_all(self.abstract_state)
+
     def eval_params(self, state: TrainState) -> Any:
         """The parameters eval runs on: the global model under DiLoCo, else ``params``."""
         return state.outer["global"] if self.diloco else state.params
