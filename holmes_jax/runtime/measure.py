@@ -10,7 +10,8 @@ What is timed (median of ``--repeats`` runs after two warm-up calls):
    shape, fp32, no recompute) forward, and forward + backward (a ``jax.vjp`` giving the
    parameter and input gradients); backward = the difference. The batch is one
    micro-batch of the config, ``global_batch / (data × microbatches)``, on every device
-   at once, as training runs them: islands held by one process (all of them, on one CPU
+   at once (each timed run starts after a barrier across processes), as training runs
+   them: islands held by one process (all of them, on one CPU
    process) run as one program, since they share its machine (8 simulated CPU devices
    each run ~8x slower than one alone); islands on other processes run theirs at the
    same time. The forward on each island's first device alone is printed, not written.
@@ -253,8 +254,8 @@ def _time_layers(
     host_x = gen.standard_normal((*mesh.devices.shape, *shape)).astype(np.float32)
     x = jax.device_put(host_x, NamedSharding(mesh, spec))
     p = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    fwd_s = _median_time(partial(program(mesh, fwd, 1), p, x), repeats)
-    fwd_bwd_s = _median_time(partial(program(mesh, fwd_bwd, 2), p, x, x), repeats)
+    fwd_s = _median_time(partial(program(mesh, fwd, 1), p, x), repeats, together=True)
+    fwd_bwd_s = _median_time(partial(program(mesh, fwd_bwd, 2), p, x, x), repeats, together=True)
     out = []
     for i, isl in enumerate(topology.islands):
         first = devices[ranges[i][0]]
@@ -323,14 +324,25 @@ def _time_collective(
     return times
 
 
-def _median_time(call: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``call()`` until its result is ready, after warm-up calls."""
+def _median_time(call: Callable[[], Any], repeats: int, together: bool = False) -> float:
+    """Median seconds of ``call()`` until its result is ready, after warm-up calls.
+
+    ``together``: every process calls this at the same point (the layer programs), and
+    each timed run starts after a barrier across all processes, so all of them compute at
+    once as in training. Without it, processes that share a machine's cores (the emulated
+    cluster) drift apart (each compiles at its own pace) and time their few-millisecond
+    layers mostly alone: the profile then priced compute 2-3x faster than training ran.
+    """
     import jax
 
     for _ in range(_WARMUP):
         jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
+        if together and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("holmes_jax.probe: compute")
         start = time.perf_counter()
         jax.block_until_ready(call())
         times.append(time.perf_counter() - start)
