@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_strategies.py [--part speed|quality|both] \\
         [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
-        [--links 100mbit,10mbit] [--keep-logs DIR]
+        [--links 100mbit,10mbit] [--quality-variants sync,H10,...] [--keep-logs DIR]
 
 **Speed** (root): the 4-host two-island emulation (``launch --emulate``: each host a process
 in its own network namespace, ``tc htb`` links), 1 Gbit/s inside each island and
@@ -88,6 +88,14 @@ QUALITY_VARIANTS = {
     "H50": ["diloco.inner_steps=50"],
     "H50-F4": ["diloco.inner_steps=50", "diloco.fragments=4"],
     "H50-int8": ["diloco.inner_steps=50", "diloco.outer_dtype=int8"],
+}
+# What else to try when the quality target is missed (--quality-variants): plain
+# averaging of the replicas (outer lr 1, no momentum), less momentum, a larger outer step.
+QUALITY_TUNING = {
+    "H10-avg": ["diloco.inner_steps=10", "diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"],
+    "H25-avg": ["diloco.inner_steps=25", "diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"],
+    "H10-mu0.5": ["diloco.inner_steps=10", "diloco.outer_momentum=0.5"],
+    "H10-lr1": ["diloco.inner_steps=10", "diloco.outer_lr=1.0"],
 }
 
 
@@ -179,7 +187,9 @@ def measure_speed(args, folder: str) -> dict:
 
 def measure_quality(args, folder: str) -> dict:
     curves = {}
-    for name, extra in QUALITY_VARIANTS.items():
+    known = {**QUALITY_VARIANTS, **QUALITY_TUNING}
+    for name in args.quality_variants.split(","):
+        extra = known[name]
         metrics = os.path.join(folder, f"quality-{name}.jsonl")
         diloco = ["diloco.enabled=true"] if extra else ["diloco.enabled=false"]
         sets = QUALITY + diloco + extra
@@ -241,8 +251,22 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--links", default="100mbit,10mbit", help="comma-separated: 100mbit, 10mbit (speed part)"
     )
+    parser.add_argument(
+        "--quality-variants",
+        default=",".join(QUALITY_VARIANTS),
+        help=f"comma-separated, 'sync' first; also: {', '.join(QUALITY_TUNING)}",
+    )
     parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
     args = parser.parse_args(argv)
+    names = args.quality_variants.split(",")
+    unknown = [n for n in names if n not in {**QUALITY_VARIANTS, **QUALITY_TUNING}]
+    if names[0] != "sync" or unknown:
+        print(
+            f"error: --quality-variants={args.quality_variants}: must start with 'sync' and "
+            f"name only {', '.join([*QUALITY_VARIANTS, *QUALITY_TUNING])}",
+            file=sys.stderr,
+        )
+        return 2
     if args.speed_steps < 6:
         print(f"error: --speed-steps={args.speed_steps}: must be >= 6", file=sys.stderr)
         return 2
