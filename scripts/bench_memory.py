@@ -5,11 +5,15 @@ at the real per-device shapes on simulated CPU devices (nothing is allocated) an
 memory analysis gives the per-device peak; the memory model (holmes_jax.planner.memory) predicts
 it beside. Topologies with more than MAX_DEVICES devices are compiled with the
 data-parallel degree shrunk (same microbatch size, so the same activations per device);
-the prediction is then given at both degrees. Then a validation grid (model sizes,
+the prediction is then given at both degrees. Then the same for the plan that
+``python -m holmes_jax.plan`` proposes for each config on its topology (its own search over
+degrees, schedule and remat), beside the memory the planner printed for it: the planner's
+choice is proved to fit, not only the config's own degrees. Then a validation grid (model sizes,
 tensor 1/2/8, stages 1/2/4, schedules, remat policies, microbatch sizes, fp32/bf16)
 with its worst error.
 
-    python scripts/bench_memory.py            # ~5 min on 2 cores
+    python scripts/bench_memory.py            # ~10 min on 2 cores
+    python scripts/bench_memory.py --no-planned  # not the planner's plans
     python scripts/bench_memory.py --no-grid  # shipped configs only
     python scripts/bench_memory.py --no-grid --only llama  # shipped configs named *llama*
 
@@ -37,7 +41,12 @@ from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.spec import Degrees  # noqa: E402
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape  # noqa: E402
 from holmes_jax.planner.memory import device_memory  # noqa: E402
-from holmes_jax.planner.plans import memory_inputs_from_config, resolve_auto  # noqa: E402
+from holmes_jax.planner.plans import (  # noqa: E402
+    make_plan,
+    memory_inputs_from_config,
+    plan_overrides,
+    resolve_auto,
+)
 from holmes_jax.runtime.mesh import build_mesh  # noqa: E402
 from holmes_jax.runtime.model import attention_kernel  # noqa: E402
 from holmes_jax.runtime.program import Program, compute_dtype  # noqa: E402
@@ -159,10 +168,17 @@ def measure(cfg, shape: Degrees, split) -> tuple[float, float, dict]:
     return float(measured), float(worst.peak), worst.as_gb()
 
 
-def shipped_row(config: str, mesh: str) -> dict:
-    """Compile one shipped config on its topology (data degree shrunk if needed)."""
+def shipped_row(config: str, mesh: str, planned: bool = False) -> dict:
+    """Compile one shipped config on its topology (data degree shrunk if needed): its own
+    degrees, or with ``planned`` the plan ``python -m holmes_jax.plan`` prints for it (the
+    planner's search over degrees, schedule and remat), beside the planner's figure."""
     cfg = load_config(config, [f"parallel.mesh={mesh}"])
     topology = load_mesh_topology(cfg)
+    planner_gb, sets = None, []
+    if planned:
+        plan = make_plan(cfg, topology)
+        planner_gb, sets = max(plan.memory_per_stage_gb), plan_overrides(plan)
+        cfg = load_config(config, [f"parallel.mesh={mesh}", *sets])
     real = resolve_shape(cfg, topology.num_devices, topology)
     cfg = resolve_auto(cfg, real, topology)
     data = real.data
@@ -189,6 +205,7 @@ def shipped_row(config: str, mesh: str) -> dict:
     return {
         "config": os.path.basename(config),
         "mesh": os.path.basename(mesh),
+        "source": "plan" if planned else "config",
         "degrees": f"s{real.stages} d{real.data} t{real.tensor}"
         + (f" r{real.replica}" if real.replica > 1 else ""),
         "compiled_data": data,
@@ -199,6 +216,8 @@ def shipped_row(config: str, mesh: str) -> dict:
         "predicted_gb": predicted / 1e9,
         "error": predicted / measured - 1,
         "predicted_real_gb": float(at_real) / 1e9,
+        "planner_gb": planner_gb,
+        "plan": sets,
         "limit_gb": LIMIT_GB,
         "parts_gb": parts,
     }
@@ -231,6 +250,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-grid", action="store_true", help="shipped configs only")
     parser.add_argument(
+        "--no-planned", action="store_true", help="skip compiling the planner's plan of each"
+    )
+    parser.add_argument(
         "--only", default="", help="only configs whose file name contains this (e.g. llama)"
     )
     args = parser.parse_args()
@@ -242,10 +264,15 @@ def main() -> int:
         flush=True,
     )
     shipped = []
-    for config, mesh in SHIPPED:
+    rows = [(c, m, False) for c, m in SHIPPED]
+    if not args.no_planned:  # then what `python -m holmes_jax.plan` proposes for each
+        rows += [(c, m, True) for c, m in SHIPPED]
+    for config, mesh, planned in rows:
         if args.only not in os.path.basename(config):
             continue
-        r = shipped_row(config, mesh)
+        if planned and not any(r["source"] == "plan" for r in shipped):
+            print("the planner's plan for each (python -m holmes_jax.plan):", flush=True)
+        r = shipped_row(config, mesh, planned)
         shipped.append(r)
         note = (
             ""
@@ -261,6 +288,11 @@ def main() -> int:
             f"{r['error']:>+7.1%}{note}",
             flush=True,
         )
+        if planned:
+            print(
+                f"    plan: {' '.join(r['plan'])}; the planner printed {r['planner_gb']:.2f} GB",
+                flush=True,
+            )
     grid = []
     if not args.no_grid:
         print("validation grid (bf16 unless noted, global batch 32 unless noted):", flush=True)

@@ -54,7 +54,11 @@ os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
 
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.errors import ConfigError  # noqa: E402
-from holmes_jax.planner.plans import predict_config, specs_from_config  # noqa: E402
+from holmes_jax.planner.plans import (  # noqa: E402
+    plan_overrides,
+    predict_config,
+    specs_from_config,
+)
 from holmes_jax.planner.strategy import predict_diloco_config, price_strategies  # noqa: E402
 from holmes_jax.planner.topology import load_topology  # noqa: E402
 
@@ -101,23 +105,6 @@ QUALITY_TUNING = {
 
 def log(msg: str) -> None:
     print(f"bench_strategies: {msg}", file=sys.stderr, flush=True)
-
-
-def plan_overrides(plan) -> list[str]:
-    """The ``--set`` overrides that make the trainer run ``plan``'s degrees and split."""
-    lay = plan.layout
-    split = ",".join(str(n) for n in plan.layers_per_stage)
-    return [
-        f"parallel.replica={lay.replica}",
-        f"parallel.stages={lay.stages}",
-        f"parallel.data={lay.data}",
-        f"parallel.tensor={lay.tensor}",
-        f"parallel.microbatches={lay.microbatches}",
-        f"parallel.schedule={lay.schedule}",
-        f"parallel.virtual_stages={lay.virtual_stages}",
-        f"parallel.layers_per_stage=[{split}]",
-        f"model.remat={plan.remat}",
-    ]
 
 
 def speed_variants(mesh: str, inner_steps: int) -> dict[str, list[str]]:

@@ -117,6 +117,24 @@ def make_plan(
     return dataclasses.replace(plan, by_schedule=by)
 
 
+def plan_overrides(plan: Plan) -> list[str]:
+    """The ``--set`` overrides that make the trainer run ``plan``'s degrees, schedule,
+    split and remat policy (benchmarks compile and run exactly what the planner chose)."""
+    lay = plan.layout
+    split = ",".join(str(n) for n in plan.layers_per_stage)
+    return [
+        f"parallel.replica={lay.replica}",
+        f"parallel.stages={lay.stages}",
+        f"parallel.data={lay.data}",
+        f"parallel.tensor={lay.tensor}",
+        f"parallel.microbatches={lay.microbatches}",
+        f"parallel.schedule={lay.schedule}",
+        f"parallel.virtual_stages={lay.virtual_stages}",
+        f"parallel.layers_per_stage=[{split}]",
+        f"model.remat={plan.remat}",
+    ]
+
+
 def schedule_alternatives(
     topology: Topology,
     model: ModelSpec,
