@@ -47,7 +47,12 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, flops_per_token
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
-from holmes_jax.planner.plans import memory_inputs_from_config, predict_config, resolve_auto
+from holmes_jax.planner.plans import (
+    memory_inputs_from_config,
+    plan_overrides,
+    predict_config,
+    resolve_auto,
+)
 from holmes_jax.planner.report import format_run_plan, format_step_check
 from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
 from holmes_jax.planner.topology import Topology
@@ -287,6 +292,9 @@ def diloco_lines(cfg: Config, program: Program, asked, choice) -> list[str]:
     if not program.diloco:
         if d.enabled:
             why += f"; off: parallel.replica={program.replicas} (DiLoCo needs >= 2 replicas)"
+            if choice is not None and choice.plan is not None:  # the planner's DiLoCo plan
+                sets = " ".join(f"--set {o}" for o in plan_overrides(choice.plan))
+                why += f"; to run the planner's DiLoCo plan: {sets}"
         return [f"diloco: off{why}"]
     return [
         f"diloco: on across {program.replicas} replicas{why}: H={d.inner_steps} inner steps, "

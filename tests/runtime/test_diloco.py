@@ -326,6 +326,23 @@ def test_the_log_says_whether_diloco_runs_and_what_auto_became(average, hierarch
         "diloco: on across 2 replicas: H=1 inner steps, outer lr 1.0, Nesterov momentum 0.0, "
         "1 fragment(s), outer deltas sent as fp32"
     )
+    # auto picks DiLoCo on the 10 Mbit/s emulated mesh, but this config's replica is 1:
+    # the log says so and gives the planner's DiLoCo degrees to run it.
+    from holmes_jax.planner.strategy import resolve_diloco
+    from holmes_jax.planner.topology import load_topology
+
+    mesh = os.path.join(ROOT, "meshes", "emu-4host-2island-slow.yaml")
+    cfg = load_config(os.path.join(ROOT, "configs", "quickstart.yaml"), [f"parallel.mesh={mesh}"])
+    on, choice = resolve_diloco(
+        dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled="auto")),
+        load_topology(mesh),
+    )
+    assert on and choice.chosen == "diloco"
+    cfg = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled=True))
+    one_replica = type("Program", (), {"diloco": False, "replicas": 1})()
+    [line] = diloco_lines(cfg, one_replica, "auto", choice)
+    assert "off: parallel.replica=1 (DiLoCo needs >= 2 replicas)" in line, line
+    assert "to run the planner's DiLoCo plan: --set parallel.replica=2 " in line, line
 
 
 # --------------------------------------------------------------------------- resume
