@@ -40,7 +40,7 @@ import jax  # noqa: E402
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.spec import Degrees  # noqa: E402
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape  # noqa: E402
-from holmes_jax.planner.memory import device_memory  # noqa: E402
+from holmes_jax.planner.memory import device_memory, stage_peaks  # noqa: E402
 from holmes_jax.planner.plans import (  # noqa: E402
     make_plan,
     memory_inputs_from_config,
@@ -162,8 +162,9 @@ def measure(cfg, shape: Degrees, split) -> tuple[float, float, dict]:
     measured = program.compiled_memory()["peak"]
     dtype = compute_dtype(cfg.train.precision)
     x = memory_inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
-    stages = len(split)
-    peaks = [device_memory(x, max(split), last_stage=s == stages - 1) for s in range(stages)]
+    v = x.virtual_stages
+    stages, slots = len(split) // v, v * max(split)
+    peaks = [device_memory(x, slots, last_stage=s == stages - 1) for s in range(stages)]
     worst = max(peaks, key=lambda b: b.peak)
     return float(measured), float(worst.peak), worst.as_gb()
 
@@ -201,7 +202,7 @@ def shipped_row(config: str, mesh: str, planned: bool = False) -> dict:
     )
     split = small.parallel.layers_per_stage
     measured, predicted, parts = measure(small, shape, split)
-    at_real = device_memory(memory_inputs_from_config(cfg, real.data), max(split)).peak
+    at_real = max(stage_peaks(memory_inputs_from_config(cfg, real.data), split))
     return {
         "config": os.path.basename(config),
         "mesh": os.path.basename(mesh),
@@ -215,7 +216,7 @@ def shipped_row(config: str, mesh: str, planned: bool = False) -> dict:
         "measured_gb": measured / 1e9,
         "predicted_gb": predicted / 1e9,
         "error": predicted / measured - 1,
-        "predicted_real_gb": float(at_real) / 1e9,
+        "predicted_real_gb": at_real / 1e9,
         "planner_gb": planner_gb,
         "plan": sets,
         "limit_gb": LIMIT_GB,

@@ -74,7 +74,9 @@ from holmes_jax.planner.formulas import (
 from holmes_jax.planner.memory import (
     MemoryInputs,
     buffer_depth,
+    deferred_weight_sets,
     device_memory,
+    weight_stash_bytes,
 )
 from holmes_jax.planner.placement import StageHardware
 
@@ -398,7 +400,7 @@ def _memory_table(
     - zb (ZB-H1): 1F1B's residual sets (a micro-batch keeps its residuals until its W,
       and ZB-H1 keeps as many in flight as 1F1B), plus the deferred weight-gradient state:
       for each micro-batch whose B ran but whose W has not, each layer's output cotangents
-      of its four matmuls (``b·s·(2h + 3h/t + f/t)·β``), at most
+      of its weight matmuls (:func:`~holmes_jax.planner.memory.weight_stash_bytes`), at most
       :func:`deferred_weight_sets` of them. Weight gradients are accumulated into the
       fp32 accumulators as W runs (never stashed per micro-batch).
     """
@@ -413,8 +415,7 @@ def _memory_table(
     n = np.arange(L + 1)
     extra = 0.0
     if layout.schedule == "zb":
-        h, f, t = model.hidden_size, model.mlp_size, layout.tensor
-        cot = b * model.seq_len * (2 * h + 3 * h / t + f / t) * run.act_bytes
+        cot = weight_stash_bytes(model, b, layout.tensor, run.act_bytes)
         extra = deferred_weight_sets(p, m) * n * cot
     peaks = {}
     for last in (False, True):
@@ -442,13 +443,6 @@ def _by_slots(value, slots):
     return value[slots] if np.ndim(value) else value
 
 
-def deferred_weight_sets(stages: int, microbatches: int) -> int:
-    """Weight-gradient stashes (B done, W not yet) on the busiest device of ZB-H1
-    (:attr:`holmes_jax.planner.schedule.Schedule.stash_slots`): stage s defers up to s
-    W's and stashes its current B's, so the last stage holds ``min(p, m)``."""
-    return min(stages, microbatches)
-
-
 def memory_inputs(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> MemoryInputs:
     """The memory model's inputs for a run with ``b`` sequences per microbatch."""
     return MemoryInputs(
@@ -464,6 +458,7 @@ def memory_inputs(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> Mem
         act_bytes=run.act_bytes,
         zero1=run.zero1 and layout.data > 1,
         master=run.optimizer_bytes > 8,
+        virtual_stages=layout.virtual_stages,
     )
 
 

@@ -21,8 +21,10 @@ head. Per device:
 - **tick loop** (temporaries, alive through the whole pipeline):
   fp32 gradient accumulators ``4·P``; the reduced block gradients ``4·P_blocks/d``;
   residual buffers ``K·n·R`` with R a layer's residual bytes under the remat policy
-  (:func:`layer_residual_bytes`); activation buffers ``(6 + K)·b·s·h·β`` (inbox, sends,
-  receives, head cotangents).
+  (:func:`layer_residual_bytes`; interleaved: K chunk sets of n/v layers); activation
+  buffers ``(6 + K)·b·s·h·β`` (inbox, sends, receives, head cotangents); under ``zb``
+  the stash of deferred weight gradients, ``min(S, M)·n`` times
+  :func:`weight_stash_bytes`.
 - **working set** of the largest single op on top of the loop: a layer's backward
   (what it recomputes, its fp32 weight gradient, and with XLA attention the
   ``[b, a/t, s, s]`` fp32 scores, probabilities and their gradients) or the head (fp32
@@ -138,6 +140,23 @@ def layer_residual_bytes(
     raise ValueError(f"remat='{remat}': must be one of {', '.join(REMAT_POLICIES)}")
 
 
+def deferred_weight_sets(stages: int, microbatches: int) -> int:
+    """Weight-gradient stashes (B done, W not yet) on the busiest device of ZB-H1
+    (:attr:`holmes_jax.planner.schedule.Schedule.stash_slots`): stage s defers up to s
+    W's and stashes its current B's, so the last stage holds ``min(p, m)``."""
+    return min(stages, microbatches)
+
+
+def weight_stash_bytes(m: ModelSpec, b: int, t: int, act_bytes: int) -> float:
+    """What zb's B keeps of one layer for its deferred W, per microbatch: the output
+    cotangents of the layer's weight matmuls (gpt2: qkv ``3h/t``, attention projection
+    ``h``, fc ``f/t``, its projection ``h``; llama: q ``h/t``, k and v ``2k/t``, o ``h``,
+    gate and up ``2f/t``, down ``h``), ``[b, s, ·]`` in the compute dtype."""
+    h, f = m.hidden_size, m.mlp_size
+    width = 2 * h + (h + 2 * m.kv_size) / t + (2 if m.gated else 1) * f / t
+    return b * m.seq_len * width * act_bytes
+
+
 def model_residual_bytes(remat: str, m: ModelSpec, b: int, t: int, act_bytes: int) -> float:
     """:func:`layer_residual_bytes` of a layer of model ``m``."""
     return layer_residual_bytes(
@@ -161,6 +180,7 @@ class MemoryInputs:
     act_bytes: int = 2  # β: compute dtype
     zero1: bool = True
     master: bool = True  # fp32 master copy (bf16 runs)
+    virtual_stages: int = 1  # interleaved: chunks per device (slots are v chunks of n)
 
 
 def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBreakdown:
@@ -188,11 +208,15 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
     optimizer = P / zd * (8 + (4 if x.master else 0))
 
     grads = 4 * P + 4 * blocks / zd
-    K = buffer_depth(x.schedule, x.stages, x.microbatches)
+    # K residual sets in flight, each of one chunk's slots / v layers (v = 1: all slots)
+    K = buffer_depth(x.schedule, x.stages, x.microbatches, x.virtual_stages)
     R = model_residual_bytes(x.remat, m, b, t, beta)
-    residuals = K * slots * R
+    residuals = K * slots / x.virtual_stages * R
     act = b * s * h * beta
     buffers = (6 + K) * act
+    if x.schedule == "zb":  # the deferred W's inputs, beside the residual sets
+        stash = weight_stash_bytes(m, b, t, beta)
+        buffers = buffers + deferred_weight_sets(x.stages, x.microbatches) * slots * stash
 
     # Working set: one layer's backward (recomputed activations when remat, the fp32
     # gradient of its weights, its weights in fp32) or, on the last stage, the head.
@@ -216,6 +240,14 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
     )
 
 
+def stage_peaks(x: MemoryInputs, layers_per_stage) -> list[float]:
+    """Predicted peak bytes of a device of each stage. ``layers_per_stage`` has one entry
+    per virtual stage (S·v with interleaving); every device pads to v times the largest."""
+    v = x.virtual_stages
+    stages, slots = len(layers_per_stage) // v, v * max(layers_per_stage)
+    return [float(device_memory(x, slots, last_stage=s == stages - 1).peak) for s in range(stages)]
+
+
 def check_fits(x: MemoryInputs, layers_per_stage, limit_bytes: float) -> list[float]:
     """Refuse a run whose predicted per-device peak exceeds the device memory.
 
@@ -231,8 +263,8 @@ def check_fits(x: MemoryInputs, layers_per_stage, limit_bytes: float) -> list[fl
       ConfigError: one line naming the first stage that does not fit, its predicted GB,
         the limit and the switches that lower it.
     """
-    slots, stages = max(layers_per_stage), len(layers_per_stage)
-    peaks = [float(device_memory(x, slots, last_stage=s == stages - 1).peak) for s in range(stages)]
+    peaks = stage_peaks(x, layers_per_stage)
+    slots = x.virtual_stages * max(layers_per_stage)
     for s, peak in enumerate(peaks):
         if peak > limit_bytes:
             raise ConfigError(
