@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_strategies.py [--part speed|quality|both] \\
         [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
-        [--links 100mbit,10mbit] [--quality-variants sync,H10,...] [--keep-logs DIR]
+        [--links 100mbit,10mbit] [--quality-variants sync,H10,...] [--keep-logs DIR [--reuse]]
 
 **Speed** (root): the 4-host two-island emulation (``launch --emulate``: each host a process
 in its own network namespace, ``tc htb`` links), 1 Gbit/s inside each island and
@@ -183,14 +183,20 @@ def measure_quality(args, folder: str) -> dict:
         sets += [f"train.steps={args.quality_steps}", f"train.metrics_path={metrics}"]
         cmd = [sys.executable, "-m", "holmes_jax.train", "--config", QUICKSTART]
         cmd += [a for s in sets for a in ("--set", s)]
-        log(f"quality: {name}: {args.quality_steps} steps")
-        env = dict(os.environ)  # the trainer's own 8 devices, not this process's 4
-        env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("device_count=4", "device_count=8")
-        code = subprocess.call(cmd, cwd=benchlib.ROOT, stdout=sys.stderr, env=env)
-        if code:
-            raise RuntimeError(f"quality run {name} exited with code {code}")
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f]
+        records = _finished(metrics, args.quality_steps) if args.reuse else None
+        if records is not None:
+            log(f"quality: {name}: reusing {metrics} (finished, {args.quality_steps} steps)")
+        else:
+            log(f"quality: {name}: {args.quality_steps} steps")
+            env = dict(os.environ)  # the trainer's own 8 devices, not this process's 4
+            env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("device_count=4", "device_count=8")
+            if os.path.exists(metrics):
+                os.remove(metrics)  # the trainer appends
+            code = subprocess.call(cmd, cwd=benchlib.ROOT, stdout=sys.stderr, env=env)
+            if code:
+                raise RuntimeError(f"quality run {name} exited with code {code}")
+            with open(metrics) as f:
+                records = [json.loads(line) for line in f]
         curves[name] = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     sync = curves["sync"][-1][1]
     final = {k: round(v[-1][1], 4) for k, v in curves.items()}
@@ -205,6 +211,16 @@ def measure_quality(args, folder: str) -> dict:
         "curves": curves,
         "png": args.png,
     }
+
+
+def _finished(metrics: str, steps: int) -> list[dict] | None:
+    """The records of an earlier run in ``metrics`` if it evaluated at step ``steps``."""
+    if not os.path.exists(metrics):
+        return None
+    with open(metrics) as f:
+        records = [json.loads(line) for line in f]
+    done = any(r.get("step") == steps and "eval_loss" in r for r in records)
+    return records if done else None
 
 
 def draw(curves: dict, path: str) -> None:
@@ -244,6 +260,11 @@ def main(argv=None) -> int:
         help=f"comma-separated, 'sync' first; also: {', '.join(QUALITY_TUNING)}",
     )
     parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="quality: reuse a variant's finished metrics in --keep-logs instead of rerunning",
+    )
     args = parser.parse_args(argv)
     names = args.quality_variants.split(",")
     unknown = [n for n in names if n not in {**QUALITY_VARIANTS, **QUALITY_TUNING}]
