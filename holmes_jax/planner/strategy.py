@@ -11,7 +11,8 @@ Three ways to span islands (issue 13):
 DiLoCo's step time, for inner step ``t`` (the best plan with one copy per island, each on
 ``B / R`` of the global batch ``B``, the slowest island setting the pace, the cross-island
 gradient ring priced free), ``P`` parameters and ``β`` bytes per element of
-``diloco.outer_dtype`` (fp32 4, bf16 2, int8 ``1 + 4/INT8_BLOCK``: a fp32 scale per block)::
+``diloco.outer_dtype`` (fp32 4, bf16 2, int8 1: the runtime adds one fp32 scale per tensor
+and replica, which the price leaves out)::
 
     T_outer = 2(R-1)/R · P·β / (h · bw) + 2(R-1) · lat     # one outer all-reduce
     step    = t + T_outer / H                                # every outer sync blocks
@@ -43,9 +44,8 @@ from holmes_jax.planner.search import Plan, search_plan
 from holmes_jax.planner.topology import Link, Topology
 
 STRATEGIES = ("pipeline", "hierarchical", "diloco")
-INT8_BLOCK = 256  # elements per fp32 scale of int8 outer gradients
 FREE_GBPS = 1e12  # the inter-island link DiLoCo's inner plan is priced on (nothing crosses)
-OUTER_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}
+OUTER_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}  # per element (runtime.diloco.encode)
 
 
 @dataclasses.dataclass(frozen=True)
