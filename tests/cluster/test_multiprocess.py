@@ -149,7 +149,9 @@ def test_emulated_islands_match_one(tmp_path, env):
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "between islands 100 Mbit/s" in done.stdout
-    assert set(list_namespaces()) == before  # everything it created is gone
+    # Everything it created is gone. The launcher also removes namespaces left by dead
+    # launches (an interrupted benchmark), so the set may shrink but never grow.
+    assert set(list_namespaces()) <= before
     got = losses(metrics)
     assert sorted(got) == [1, 2, 3]
     compare(got, _reference(EMULATED))
