@@ -76,7 +76,7 @@ from holmes_jax.planner.memory import (
     buffer_depth,
     deferred_weight_sets,
     device_memory,
-    weight_stash_bytes,
+    zb_stash_bytes,
 )
 from holmes_jax.planner.placement import StageHardware
 
@@ -399,8 +399,9 @@ def _memory_table(
     - interleaved: v·n layer slots; ``K_c`` chunk residual sets in flight, each of n layers.
     - zb (ZB-H1): 1F1B's residual sets (a micro-batch keeps its residuals until its W,
       and ZB-H1 keeps as many in flight as 1F1B), plus the deferred weight-gradient state:
-      for each micro-batch whose B ran but whose W has not, each layer's output cotangents
-      of its weight matmuls (:func:`~holmes_jax.planner.memory.weight_stash_bytes`), at most
+      for each micro-batch whose B ran but whose W has not, what of each layer's stash
+      (output cotangents of its weight matmuls) its B-only residuals cannot hold
+      (:func:`~holmes_jax.planner.memory.zb_stash_bytes`: 0 under remat none), at most
       :func:`deferred_weight_sets` of them. Weight gradients are accumulated into the
       fp32 accumulators as W runs (never stashed per micro-batch).
     """
@@ -415,7 +416,7 @@ def _memory_table(
     n = np.arange(L + 1)
     extra = 0.0
     if layout.schedule == "zb":
-        cot = weight_stash_bytes(model, b, layout.tensor, run.act_bytes)
+        cot = zb_stash_bytes(model, b, layout.tensor, run.act_bytes, run.remat)
         extra = deferred_weight_sets(p, m) * n * cot
     peaks = {}
     for last in (False, True):

@@ -23,8 +23,8 @@ head. Per device:
   residual buffers ``K·n·R`` with R a layer's residual bytes under the remat policy
   (:func:`layer_residual_bytes`; interleaved: K chunk sets of n/v layers); activation
   buffers ``(6 + K)·b·s·h·β`` (inbox, sends, receives, head cotangents); under ``zb``
-  the stash of deferred weight gradients, ``min(S, M)·n`` times
-  :func:`weight_stash_bytes`.
+  the stash of deferred weight gradients where the residual slot's B-only leaves cannot
+  hold it, ``min(S, M)·n`` times :func:`zb_stash_bytes` (0 under ``remat: none``).
 - **working set** of the largest single op on top of the loop: a layer's backward
   (what it recomputes, its fp32 weight gradient, and with XLA attention the
   ``[b, a/t, s, s]`` fp32 scores, probabilities and their gradients) or the head (fp32
@@ -147,14 +147,49 @@ def deferred_weight_sets(stages: int, microbatches: int) -> int:
     return min(stages, microbatches)
 
 
-def weight_stash_bytes(m: ModelSpec, b: int, t: int, act_bytes: int) -> float:
-    """What zb's B keeps of one layer for its deferred W, per microbatch: the output
-    cotangents of the layer's weight matmuls (gpt2: qkv ``3h/t``, attention projection
-    ``h``, fc ``f/t``, its projection ``h``; llama: q ``h/t``, k and v ``2k/t``, o ``h``,
-    gate and up ``2f/t``, down ``h``), ``[b, s, ·]`` in the compute dtype."""
-    h, f = m.hidden_size, m.mlp_size
-    width = 2 * h + (h + 2 * m.kv_size) / t + (2 if m.gated else 1) * f / t
+def weight_stash_bytes(m: ModelSpec, b: int, t: int, act_bytes: int, remat: str = "none") -> float:
+    """What zb's B keeps of one layer for its deferred W, per microbatch, ``[b, s, ·]`` in
+    the compute dtype (``holmes_jax.runtime.wgrad``'s stash):
+
+    - the output cotangents of the weight matmuls (gpt2: qkv ``3h/t``, attention
+      projection ``h``, fc ``f/t``, its projection ``h``; llama: q ``h/t``, k and v
+      ``2k/t``, o ``h``, gate and up ``2f/t``, down ``h``) and of the two norms ``2h``;
+    - under ``remat: full``, the forward matmul outputs W reads that the residuals no
+      longer hold: attention's value product ``h/t``, the attention projection ``h`` and
+      the MLP input projections (``f/t``, llama ``2f/t``).
+    """
+    h, f, g = m.hidden_size, m.mlp_size, (2 if m.gated else 1)
+    width = 4 * h + (h + 2 * m.kv_size + g * f) / t
+    if remat == "full":
+        width += h + (h + g * f) / t
     return b * m.seq_len * width * act_bytes
+
+
+def b_only_bytes(m: ModelSpec, b: int, t: int, act_bytes: int, remat: str = "none") -> float:
+    """Residual bytes of one layer that only zb's B reads (W reads the rest), per
+    microbatch: after B they are dead, and the engine writes the stash there
+    (``holmes_jax.runtime.buffers.StashLayout``).
+
+    - ``none``: all but the two norms' fp32 normalised values, their ``β`` casts, the
+      attention output ``h/t`` and the MLP's activated value ``f/t``.
+    - ``selective``: q, k and v ``(h + 2k)/t``.
+    - ``full``: nothing (W reads the layer input).
+    """
+    h, f, s = m.hidden_size, m.mlp_size, m.seq_len
+    if remat == "full":
+        return 0.0
+    if remat == "selective":
+        return b * s * act_bytes * (h + 2 * m.kv_size) / t
+    w_reads = b * s * (2 * 4 * h + act_bytes * (2 * h + (h + f) / t))
+    return model_residual_bytes("none", m, b, t, act_bytes) - w_reads
+
+
+def zb_stash_bytes(m: ModelSpec, b: int, t: int, act_bytes: int, remat: str = "none") -> float:
+    """zb's stash of one layer beyond the residual slot it shares, per deferred microbatch:
+    what of :func:`weight_stash_bytes` does not fit in :func:`b_only_bytes` (0 with
+    ``remat: none``, where zb keeps 1F1B's activation memory)."""
+    stash = weight_stash_bytes(m, b, t, act_bytes, remat)
+    return max(0.0, stash - b_only_bytes(m, b, t, act_bytes, remat))
 
 
 def model_residual_bytes(remat: str, m: ModelSpec, b: int, t: int, act_bytes: int) -> float:
@@ -214,8 +249,8 @@ def device_memory(x: MemoryInputs, slots, last_stage: bool = True) -> MemoryBrea
     residuals = K * slots / x.virtual_stages * R
     act = b * s * h * beta
     buffers = (6 + K) * act
-    if x.schedule == "zb":  # the deferred W's inputs, beside the residual sets
-        stash = weight_stash_bytes(m, b, t, beta)
+    if x.schedule == "zb":  # the deferred W's inputs that B-only residuals cannot hold
+        stash = zb_stash_bytes(m, b, t, beta, x.remat)
         buffers = buffers + deferred_weight_sets(x.stages, x.microbatches) * slots * stash
 
     # Working set: one layer's backward (recomputed activations when remat, the fp32

@@ -8,7 +8,8 @@ tick loop; per stage, with K = ``Schedule.buffer_slots`` and an activation
     xbox     [Kx, mb, T, H]    activations waiting for FWD (slot from the schedule's tables)
     gbox     [Kg, mb, T, H]    gradients waiting for BWD
     head_ct  [K, mb, T, H]     last virtual stage: dloss/dx of each microbatch
-    stash    [Kw, slots, ...]  zb: what each layer's W needs from its B (``wgrad``)
+    stash    [Kw, slots, ...]  zb: what of W's inputs from B the residual slot cannot
+                               hold (``StashLayout``; none under remat none)
 
 Invariant: they are only ever updated in place. What keeps them so:
 
@@ -27,6 +28,8 @@ that are not the layer's weights, i.e. exactly what the ``model.remat`` policy s
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +179,115 @@ class Residuals:
 def _is_key(x) -> bool:
     """A typed PRNG key array (``jax.random.key``), which cannot be stored as bits."""
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+# --------------------------------------------------------------------------- zb stash
+
+
+class StashLayout:
+    """Where zb's B keeps what W needs: in the residual slot's B-only leaves, where it can.
+
+    Between a micro-batch's B and W (ZB-H1), its residual slot stays held for W, but the
+    leaves only B reads (``SplitBackward.w_reads`` names the others) are dead once B has
+    run that layer. B writes the stash there, in the same ``res[.][k, j]`` cells: the
+    B-only leaves of a layer are one byte stream (each leaf's bytes, in order) and the
+    stash values are laid out along it, a value possibly spanning two leaves. W reads them
+    back from the same cells. Values that do not fit go to a separate ``[Kw, slots, ...]``
+    buffer per value (``leftover``), indexed by the schedule's stash slot.
+
+    With ``remat: none`` a layer's B-only leaves are ~3x its stash: nothing is left over
+    and zb keeps 1F1B's activation memory. Under ``selective`` / ``full`` the policy saved
+    little that only B reads (the stash, the cotangents of every weight matmul, is then
+    larger than the residuals), so most of it is left over: zb costs memory there.
+    """
+
+    def __init__(self, buffered, w_reads, stash):
+        """``buffered``: the residual leaves' shapes (``Residuals.buffered``); ``w_reads``:
+        indices of those W reads; ``stash``: B's values for W (``SplitBackward.stash``)."""
+        self.stash = list(stash)
+        self.bins = [
+            (n, _nbytes(r))
+            for n, r in enumerate(buffered)
+            if n not in w_reads and _nbytes(r) >= _MIN_BIN
+        ]
+        self.buffered = list(buffered)
+        capacity = sum(size for _, size in self.bins)
+        self.offsets: dict[int, int] = {}  # stash index -> byte offset in the stream
+        used = 0
+        for n in sorted(range(len(self.stash)), key=lambda n: -_nbytes(self.stash[n])):
+            if used + _nbytes(self.stash[n]) <= capacity:
+                self.offsets[n] = used
+                used += _nbytes(self.stash[n])
+        self.used = used
+        self.leftover = [n for n in range(len(self.stash)) if n not in self.offsets]
+
+    @property
+    def packed_bytes(self) -> int:
+        """Stash bytes per layer kept in the residual slot."""
+        return self.used
+
+    def write(self, res, values, k, j):
+        """B: the packed stash ``values`` (all of them, in ``stash`` order) into the B-only
+        cells ``res[.][k, j]``; returns ``res``. Bins beyond the packed bytes are left as
+        they are."""
+        if not self.offsets:
+            return res
+        stream = jnp.concatenate(
+            [_as_bytes(values[n]) for n in sorted(self.offsets, key=self.offsets.get)]
+        )
+        # The stream exists before any bin is written: fused into the writes, each would
+        # read the others' cells (the values come from this layer's residuals), a cycle
+        # XLA breaks by copying whole residual buffers.
+        stream = lax.optimization_barrier(stream)
+        res = list(res)
+        start = 0
+        for n, size in self.bins:
+            if start >= self.used:
+                break
+            piece = stream[start : start + size]
+            if piece.shape[0] < size:
+                piece = jnp.pad(piece, (0, size - piece.shape[0]))
+            cell = jax.ShapeDtypeStruct(self.buffered[n].shape, res[n].dtype)  # as stored
+            res[n] = put(res[n], _from_bytes(piece, cell), k, j)
+            start += size
+        return res
+
+    def read(self, res, k, j) -> dict:
+        """W: the packed stash values from ``res[.][k, j]``, by stash index."""
+        out = {}
+        cells: dict[int, jax.Array] = {}
+        for n, off in self.offsets.items():
+            want, pieces, start = _nbytes(self.stash[n]), [], 0
+            for leaf, size in self.bins:
+                lo, hi = max(off, start), min(off + want, start + size)
+                if lo < hi:
+                    if leaf not in cells:
+                        cells[leaf] = _as_bytes(get(res[leaf], k, j))
+                    pieces.append(cells[leaf][lo - start : hi - start])
+                start += size
+            data = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+            out[n] = _from_bytes(data, self.stash[n])
+        return out
+
+
+_MIN_BIN = 64  # bytes: scalar leaves (a dropout rate, a key) are not worth a bin
+
+
+def _nbytes(s) -> int:
+    return int(math.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+
+
+def _as_bytes(x):
+    """Any array as its bytes, flat ``[nbytes] uint8`` (a bitcast and a reshape)."""
+    x = x.reshape(-1)
+    if x.dtype != jnp.uint8:
+        x = lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+    return x
+
+
+def _from_bytes(data, like):
+    """``[nbytes] uint8`` as an array of ``like``'s shape and dtype."""
+    size = jnp.dtype(like.dtype).itemsize
+    if size > 1:
+        data = data.reshape(-1, size)
+    return lax.bitcast_convert_type(data, like.dtype).reshape(like.shape)

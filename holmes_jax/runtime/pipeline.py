@@ -25,7 +25,8 @@ The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over `
      :mod:`holmes_jax.runtime.zero` phase 1); embedding backward on the first virtual stage.
      Under ``zb`` BWD is only the input gradient, and WGT, later, the weight gradient
      (:mod:`holmes_jax.runtime.wgrad` splits the layer's backward in the two; what WGT needs
-     from BWD waits in the stash buffer).
+     from BWD waits over the residuals only BWD read, in the micro-batch's residual slot,
+     which stays held until WGT; what does not fit, in the stash buffer).
    - IDLE: nothing. Bubble ticks cost no compute and never touch real data.
    Then the tick's sends: one ``ppermute`` for activations and one for gradients, each
    naming exactly the stage pairs that send at this tick (``Schedule.fwd_pairs`` /
@@ -75,6 +76,7 @@ from holmes_jax.core.config import ModelConfig
 from holmes_jax.planner.schedule import BWD, FWD, IDLE, WGT, Schedule, make_schedule
 from holmes_jax.runtime.buffers import (
     Residuals,
+    StashLayout,
     dyn_index,
     dyn_set,
     from_bits,
@@ -115,6 +117,7 @@ class _Local:
     slot_dims: Any  # ZeRO dims of one block slot (the per-layer bucket)
     res: Residuals  # which leaves of a layer's vjp the residual buffers hold
     split: SplitBackward | None  # zb: the layer's backward as B and W
+    stash: StashLayout | None  # zb: where B keeps W's inputs (B-only residuals, leftovers)
     fill: float  # bubble value of the send / receive buffers (NaN with nan_bubbles)
     tables: dict  # schedule tables (Schedule fields "op", "mb", ...): [ticks, S] int32
 
@@ -297,11 +300,12 @@ class PipelineEngine:
             jnp.zeros(act.shape, act.dtype),
         )
         res = Residuals(vjp0, w0)
-        split = None
+        split = stash = None
         if self.schedule.split_backward:
             split = split_backward(
                 lambda w, saved, ct: res.join(saved, w)(ct), w0, res.buffered, act
             )
+            stash = StashLayout(res.buffered, split.w_reads, split.stash)
         sched = self.schedule
         names = ("op", "mb", "chunk", "slot", "wslot", "xin", "gin", "xarr", "garr", "last")
         return _Local(
@@ -319,6 +323,7 @@ class PipelineEngine:
             slot_dims=slot_dims,
             res=res,
             split=split,
+            stash=stash,
             fill=jnp.nan if self.nan_bubbles else 0.0,
             tables={k: jnp.asarray(getattr(sched, k)) for k in names},
         )
@@ -352,10 +357,10 @@ class PipelineEngine:
             ),
             loss=jnp.zeros((), jnp.float32),
         )
-        if st.split is not None:  # zb: [Kw, slots, ...] per stashed value of B for W
+        if st.split is not None:  # zb: [Kw, slots, ...] per value of B for W left over
             c["stash"] = [
                 to_bits(jnp.zeros((sched.stash_slots, L, *r.shape), r.dtype))
-                for r in st.split.stash
+                for r in (st.split.stash[n] for n in st.stash.leftover)
             ]
         return c
 
@@ -474,13 +479,13 @@ class PipelineEngine:
             )
             c = dict(c, grads=dict(c["grads"], blocks=g_blocks), shards=shards)
         else:
-            ct, stash = lax.fori_loop(
+            ct, res, stash = lax.fori_loop(
                 0,
                 st.n_layers[ch],
-                lambda n, s: self._input_grad_layer(st, c["res"], t, n, s),
-                (ct, c["stash"]),
+                lambda n, s: self._input_grad_layer(st, t, n, s),
+                (ct, c["res"], c["stash"]),
             )
-            c = dict(c, stash=stash)
+            c = dict(c, res=res, stash=stash)
         g_embed = when(
             st.first_vs(ch),
             lambda g, ct: self._embed_backward(st, i, g, ct),
@@ -520,14 +525,17 @@ class PipelineEngine:
         )
         return dyn_set(g_blocks, slot, g_j), shards
 
-    def _input_grad_layer(self, st: _Local, res, t, n, state):
-        """zb B: the n-th layer from the top, input gradient only; W's inputs to the stash."""
-        ct, stash = state
+    def _input_grad_layer(self, st: _Local, t, n, state):
+        """zb B: the n-th layer from the top, input gradient only. W's inputs go over this
+        layer's B-only residuals (now dead) in ``res[.][k, j]``, the rest to the stash."""
+        ct, res, stash = state
         ch, k, kw = st.at("chunk", t), st.at("slot", t), st.at("wslot", t)
         j = st.n_layers[ch] - 1 - n
         w = dyn_index(st.blocks, ch * self.layout.slots + j)
         dx, kept = st.split.input_grad(w, self._saved(st, res, k, j), ct)
-        return dx, [put(b, x, kw, j) for b, x in zip(stash, kept, strict=True)]
+        res = st.stash.write(res, kept, k, j)
+        left = [kept[m] for m in st.stash.leftover]
+        return dx, res, [put(b, x, kw, j) for b, x in zip(stash, left, strict=True)]
 
     def _weights(self, st: _Local, c: dict, t) -> dict:
         """zb W of (micro-batch, chunk) at tick t: every layer's weight gradient from its
@@ -535,20 +543,23 @@ class PipelineEngine:
         ch, k, kw = st.at("chunk", t), st.at("slot", t), st.at("wslot", t)
 
         def layer(j, state):
-            g_blocks, shards = state
+            g_blocks, shards, res = state
             slot = ch * self.layout.slots + j
             w = dyn_index(st.blocks, slot)
-            kept = [
-                from_bits(get(b, kw, j), r.dtype)
-                for b, r in zip(c["stash"], st.split.stash, strict=True)
-            ]
-            dw = st.split.weight_grad(w, self._saved(st, c["res"], k, j), kept)
-            return self._add_layer_grad(st, t, slot, dw, g_blocks, shards)
+            kept = st.stash.read(res, k, j)  # by stash index
+            for b, m in zip(c["stash"], st.stash.leftover, strict=True):
+                kept[m] = from_bits(get(b, kw, j), st.split.stash[m].dtype)
+            kept = [kept[m] for m in range(len(st.split.stash))]
+            # W reads only its own residual leaves (the B-only ones now hold the stash)
+            dw = st.split.weight_grad(w, self._saved(st, res, k, j), kept)
+            return *self._add_layer_grad(st, t, slot, dw, g_blocks, shards), res
 
-        g_blocks, shards = lax.fori_loop(
-            0, st.n_layers[ch], layer, (c["grads"]["blocks"], c["shards"])
+        # res is carried through the loop unchanged, not read from outside it: as a live-in
+        # of the loop XLA could not order it before the next tick's writes and copied it.
+        g_blocks, shards, res = lax.fori_loop(
+            0, st.n_layers[ch], layer, (c["grads"]["blocks"], c["shards"], c["res"])
         )
-        return dict(c, grads=dict(c["grads"], blocks=g_blocks), shards=shards)
+        return dict(c, grads=dict(c["grads"], blocks=g_blocks), shards=shards, res=res)
 
     def _embed_backward(self, st: _Local, i, g_embed, ct):
         """Stage 0: embedding gradient of microbatch i added to ``g_embed``; ct [mb, T, H]."""

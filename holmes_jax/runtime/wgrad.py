@@ -17,9 +17,13 @@ layer's ``jax.vjp`` rebuilt from its residuals) by slicing its jaxpr:
    the residuals hold). W reads the residuals (``saved``) and weights directly.
 
 Matmuls never run twice: B + W do the unsplit backward's matmuls plus a few elementwise
-ops. The engine buffers the stash per layer for the micro-batches whose W is pending
-(``Schedule.stash_slots`` of them): with ``remat: none`` about 11 activation-sized values
-per layer for a GPT-2 layer (its residuals are ~36), i.e. memory beyond 1F1B's.
+ops. A cotangent cast to a narrower dtype (rotary's fp32 cotangents to bf16) is stashed
+after the cast. ``w_reads`` names the residual leaves W reads; the others are dead once B
+has run, and the engine writes the stash over them (``buffers.StashLayout``): with
+``remat: none`` a GPT-2 layer's stash is 4h + (3h + f)/t wide, its B-only residuals about
+three times that, so zb keeps 1F1B's activation memory. Under ``selective`` / ``full`` the
+B-only residuals are small and most of the stash waits in its own buffer
+(``Schedule.stash_slots`` micro-batches of it).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class SplitBackward:
     input_grad: Any  # (w, saved, ct) -> (dx, [stash values])
     weight_grad: Any  # (w, saved, [stash values]) -> dw
     stash: list[jax.ShapeDtypeStruct]
+    w_reads: frozenset[int]  # indices of the ``saved`` leaves W reads (the rest: B only)
 
 
 def split_backward(backward, w, saved, ct) -> SplitBackward:
@@ -72,9 +77,13 @@ def split_backward(backward, w, saved, ct) -> SplitBackward:
         if any(v in from_ct for v in e.invars if isinstance(v, Var)):
             from_ct.update(e.outvars)
 
-    def recompute(e) -> bool:
+    def recompute(e, stashed) -> bool:
         """W recomputes e's output rather than B stashing it: shape-only ops, and forward
-        values (no cotangent in them) that take no matmul."""
+        values (no cotangent in them) that take no matmul. A cotangent cast to a narrower
+        dtype is stashed (rotary's fp32 cotangents cast to bf16) unless its input is anyway."""
+        x = e.invars[0] if e.invars else None
+        if e.primitive.name == "convert_element_type" and _shrinks(e) and x in from_ct:
+            return x in stashed
         if e.primitive.name in _CHEAP:
             return True
         if e.primitive.name in _COSTLY:
@@ -87,7 +96,9 @@ def split_backward(backward, w, saved, ct) -> SplitBackward:
         more = {
             id(producer[v]): producer[v]
             for v in stash
-            if v in producer and id(producer[v]) not in in_w_eqns and recompute(producer[v])
+            if v in producer
+            and id(producer[v]) not in in_w_eqns
+            and recompute(producer[v], set(stash))
         }
         if not more:
             break
@@ -112,7 +123,9 @@ def split_backward(backward, w, saved, ct) -> SplitBackward:
         return jax.tree.unflatten(w_def, [_read(env, v) for v in dw_out])  # dw: w's tree
 
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in stash]
-    return SplitBackward(input_grad, weight_grad, shapes)
+    read = {v for e in w_eqns for v in e.invars if isinstance(v, Var)} | set(dw_out)
+    w_reads = frozenset(n for n, v in enumerate(in_saved) if v in read)
+    return SplitBackward(input_grad, weight_grad, shapes, w_reads)
 
 
 def _inner(e):
@@ -157,6 +170,12 @@ _CHEAP = {
 
 # Work W should not redo: matmuls (a stashed matmul output costs memory, not FLOPs).
 _COSTLY = {"dot_general", "conv_general_dilated"}
+
+
+def _shrinks(e) -> bool:
+    """A cast to a narrower dtype (fp32 -> bf16)."""
+    (x,), (y,) = e.invars, e.outvars
+    return y.aval.dtype.itemsize < x.aval.dtype.itemsize
 
 
 def _stash(w_eqns, dw_out, b_defined) -> list:

@@ -198,7 +198,7 @@ def test_planned_splits_are_close_to_the_tables(mesh, stages, data, tensor, micr
 def test_memory_tables_are_the_memory_model():
     """Every schedule's table is memory.device_memory exactly (what the trainer checks and
     bench_memory compares with the compiled program): interleaved prices v·n slots and
-    its chunk sets, ZB-H1 adds its stashes."""
+    its chunk sets, ZB-H1 adds what of its stash the B-only residuals cannot hold."""
     from holmes_jax.planner.cost import memory_inputs
     from holmes_jax.planner.memory import device_memory
 
@@ -215,7 +215,10 @@ def test_memory_tables_are_the_memory_model():
             for s in range(2):
                 ref = device_memory(x, v * n, last_stage=s == 1).peak
                 np.testing.assert_allclose(tables[schedule][s], ref, rtol=1e-12)
-        assert (tables["zb"][:, 1:] > tables["1f1b"][:, 1:]).all()
+        # zb's stash goes over the residuals only B reads; under remat none they hold it all
+        zb_over = (tables["zb"][:, 1:] > tables["1f1b"][:, 1:]).all()
+        assert zb_over == (remat != "none"), remat
+        assert (tables["zb"][:, 1:] >= tables["1f1b"][:, 1:]).all()
         assert (tables["gpipe"][:, 1:] > tables["1f1b"][:, 1:]).all()
         # 2 chunks of 10 layers: 5 chunk sets in flight (50 layer residuals), against
         # 1F1B's 2 sets of 20 (40)
