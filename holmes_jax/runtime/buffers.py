@@ -218,13 +218,8 @@ class StashLayout:
             if used + _nbytes(self.stash[n]) <= capacity:
                 self.offsets[n] = used
                 used += _nbytes(self.stash[n])
-        self.used = used
+        self.packed_bytes = used  # stash bytes per layer kept in the residual slot
         self.leftover = [n for n in range(len(self.stash)) if n not in self.offsets]
-
-    @property
-    def packed_bytes(self) -> int:
-        """Stash bytes per layer kept in the residual slot."""
-        return self.used
 
     def write(self, res, values, k, j):
         """B: the packed stash ``values`` (all of them, in ``stash`` order) into the B-only
@@ -242,7 +237,7 @@ class StashLayout:
         res = list(res)
         start = 0
         for n, size in self.bins:
-            if start >= self.used:
+            if start >= self.packed_bytes:
                 break
             piece = stream[start : start + size]
             if piece.shape[0] < size:
