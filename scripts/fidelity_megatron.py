@@ -1,8 +1,10 @@
 """Print the cost model's fidelity table against Megatron-LM's published throughput.
 
 Narayanan et al. 2021 (arXiv 2104.04473) Table 1, A100-80GB: configuration, published
-teraFLOP/s per GPU, prediction, error, source. Device efficiency is calibrated once over
-the table (holmes_jax.planner.fidelity.calibrate) and shipped as cost.DEFAULT_EFFICIENCY.
+teraFLOP/s per GPU, prediction, error, source. The device efficiency and the element-wise
+passes are calibrated together over the table (holmes_jax.planner.fidelity.calibrate,
+minimax relative error) and shipped as placement.DEFAULT_EFFICIENCY and
+placement.DEFAULT_ELEMENTWISE_PASSES.
 
     python scripts/fidelity_megatron.py [--json] [--recalibrate]
 """
@@ -11,7 +13,7 @@ import argparse
 import json
 
 from holmes_jax.planner.fidelity import SOURCE, calibrate, fidelity_table
-from holmes_jax.planner.placement import DEFAULT_EFFICIENCY
+from holmes_jax.planner.placement import Calibration
 
 
 def main() -> None:
@@ -20,16 +22,21 @@ def main() -> None:
     ap.add_argument(
         "--recalibrate",
         action="store_true",
-        help="fit the efficiency again instead of using the shipped one",
+        help="fit the calibration again (~15 s) instead of using the shipped one",
     )
     args = ap.parse_args()
-    eff = calibrate() if args.recalibrate else DEFAULT_EFFICIENCY
-    rows = fidelity_table(eff)
+    cal = calibrate() if args.recalibrate else Calibration()
+    rows = fidelity_table(cal)
+    fit = {"efficiency": cal.efficiency, "elementwise_passes": cal.elementwise_passes}
     if args.json:
         for row in rows:
-            print(json.dumps({**row, "efficiency": eff}))
+            print(json.dumps({**row, **fit}))
         return
-    print(f"device efficiency {eff:.3f} of 312 TFLOP/s peak (calibrated once); source: {SOURCE}")
+    print(
+        f"device efficiency {cal.efficiency:.3f} of 312 TFLOP/s peak, element-wise work "
+        f"{cal.elementwise_passes:.2f} bytes per stored activation byte (calibrated together); "
+        f"source: {SOURCE}"
+    )
     print(f"| {'configuration':<44} | published | predicted | error  |")
     print(f"|{'-' * 46}|-----------|-----------|--------|")
     for r in rows:

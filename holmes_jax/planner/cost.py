@@ -109,6 +109,12 @@ class RunSpec:
     # each micro-batch once per stage boundary and direction.
     engine: str = "holmes_jax"
     memory_fraction: float = 0.9  # usable fraction of device memory
+    # Mechanisms of Megatron-LM 2022 (Korthikanti et al.), priced in time only, for the
+    # fidelity check's runs that had them; holmes_jax's runtime has neither. tp_overlap:
+    # the backward's tensor all-reduces hidden behind the weight-gradient matmuls.
+    # sequence_parallel: the element-wise work outside attention and MLP split over t too.
+    tp_overlap: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         check_positive("train.global_batch_size", self.global_batch_size)
@@ -226,13 +232,17 @@ def stage_costs(
     # Selective remat reruns the attention scores (q·kᵀ) and the element-wise ops.
     selective = 1.0 if run.remat == "selective" else 0.0
     scores_f = scores_fwd_flops(model, b) / t
-    # Element-wise work (norms, softmax, dropout, GELU, residuals) is memory bound: each
-    # activation byte a layer stores is written in the forward, read and its gradient
-    # written in the backward, and written again by a recomputed forward.
-    traffic = layer_activation_bytes(model, b, t, run.act_bytes) / mem_bw
+    # Element-wise work (norms, softmax, dropout, GELU, residuals) is memory bound: it
+    # moves `passes` bytes (its reads and writes) per activation byte the layer stores in
+    # the forward, twice that in the backward, and again in a recomputed forward.
+    passes = np.array([x.elementwise_passes for x in hw], dtype=np.float64)[:, None]
+    stored = layer_activation_bytes(model, b, t, run.act_bytes, run.sequence_parallel)
+    traffic = passes * stored / mem_bw
     layer_f = lf / fwd_rate + traffic
     layer_b = 2 * lf / bwd_rate + 2 * traffic + recompute * (lf / fwd_rate + traffic)
-    layer_b = layer_b + selective * (scores_f / fwd_rate + traffic)
+    # Megatron-LM's selective recompute reruns attention over V as well as q·kᵀ.
+    rerun_scores = 2.0 if run.engine == "megatron" else 1.0
+    layer_b = layer_b + selective * (rerun_scores * scores_f / fwd_rate + traffic)
     # The weight-gradient part W: the weight matmuls' gradients (the forward's matmul
     # FLOPs; the attention scores have no weights). The rest of the backward is B.
     layer_w = (lf - 2 * scores_f) / bwd_rate
@@ -255,7 +265,8 @@ def stage_costs(
     act = b * s * h * run.act_bytes
     ar = ring_allreduce_time(act, t, *_paths(hw, "tensor")) + np.zeros((p, 1))
     tensor_f = n * 2 * ar + first * ar
-    tensor_b = n * (2 + 2 * recompute) * ar
+    # tp_overlap: the backward's own two hide behind its weight-gradient matmuls.
+    tensor_b = n * (2 * (not run.tp_overlap) + 2 * recompute) * ar
 
     # Point-to-point: a micro-batch crosses each boundary once forward (its [b, s, h]
     # activations, sent by the stage that ran the forward) and once backward (its input

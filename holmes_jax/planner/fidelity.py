@@ -10,16 +10,24 @@ eq. 3 (:func:`holmes_jax.planner.cost.megatron_flops`).
 The prediction models those runs as they were made: fp16 parameters and activations,
 fp32 gradients all-reduced after the backward pass (no overlap, no ZeRO), fp32 master
 weights and Adam state, tied embeddings all-reduced between the first and last stage,
-micro-batch size 1 with the 1F1B schedule. One number is calibrated: the fraction of
-peak the device reaches on transformer layers (:data:`holmes_jax.planner.cost.DEFAULT_EFFICIENCY`,
-chosen by :func:`calibrate`). Pure Python; no jax import.
+micro-batch size 1 with the 1F1B schedule. Two numbers are calibrated, together, by
+:func:`calibrate` (minimax relative error over the table): the fraction of peak the
+layers' matmuls reach (:data:`holmes_jax.planner.placement.DEFAULT_EFFICIENCY`) and the
+bytes the element-wise work moves per stored activation byte
+(:data:`~holmes_jax.planner.placement.DEFAULT_ELEMENTWISE_PASSES`). One number alone (the
+efficiency, element-wise work at one pass) left a trend across the table: +8% on the
+1.7B model, -8% on the largest, because the memory-bound share of a layer falls as 1/h.
+Pure Python; no jax import.
 
 Deep pipelines (issue 12, item 4): :data:`DEEP_RUNS` are published runs with 8 or more
 stages and/or interleaving that the calibration did not see (Korthikanti et al. 2022
 Tables 3 and 5; Narayanan et al. 2021 Table 2), :data:`DEEP_RUNS_LOWER` those resting on
-an unstated detail or on hardware the efficiency was not calibrated on (MT-NLG 530B on
+an unstated detail or on hardware the calibration did not see (MT-NLG 530B on
 DeepSpeed, Llama 3 405B on H100). :func:`deep_fidelity_table` prices each with the same
-efficiency, nothing refitted, and reports published, predicted and the throughput error,
+calibration, nothing refitted, and with the mechanisms each run had (Korthikanti et al.'s
+backward tensor all-reduce overlap and sequence parallelism: ``DeepRun.tp_overlap``,
+``DeepRun.sequence_parallel``; Megatron's selective recompute reruns attention over V as
+well as q·kᵀ), and reports published, predicted and the throughput error,
 with the error under the row's alternative reading beside it
 (``python scripts/fidelity_deep.py``).
 """
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner.cost import RunSpec, even_chunks
 from holmes_jax.planner.partition import uniform_split
-from holmes_jax.planner.placement import DEFAULT_EFFICIENCY, Calibration
+from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.search import plan_for_layout
 from holmes_jax.planner.topology import Topology, topology_from_dict
 
@@ -115,7 +123,7 @@ def selene(gpus: int) -> Topology:
     )
 
 
-def predict_run(run: MegatronRun, efficiency: float = DEFAULT_EFFICIENCY) -> float:
+def predict_run(run: MegatronRun, calibration: Calibration | None = None) -> float:
     """Predicted teraFLOP/s per GPU (eq. 3 FLOPs / predicted iteration time)."""
     model = ModelSpec(run.num_layers, run.hidden_size, run.num_heads, 2048, 51200)
     plan = _megatron_plan(
@@ -127,7 +135,7 @@ def predict_run(run: MegatronRun, efficiency: float = DEFAULT_EFFICIENCY) -> flo
         remat="full",
         zero1=False,
         overlap_grad_sync=False,
-        efficiency=efficiency,
+        calibration=calibration,
     )
     return plan.tflops_per_device
 
@@ -138,37 +146,53 @@ def _chunked(totals: list[int], chunks: int) -> list[int]:
     return even_chunks(totals, chunks) if chunks > 1 else list(totals)
 
 
-def calibrate(runs: tuple[MegatronRun, ...] = TABLE_1) -> float:
-    """The efficiency minimising the worst relative error over ``runs`` (golden section).
+def calibrate(
+    runs: tuple[MegatronRun, ...] = TABLE_1, elementwise_passes: float | None = None
+) -> Calibration:
+    """The calibration minimising the worst relative error over ``runs``.
 
-    Predicted throughput scales almost linearly with efficiency, so the worst-error
-    curve is unimodal on [0.3, 0.9].
+    For a given ``elementwise_passes`` the efficiency is a golden-section search: predicted
+    throughput rises monotonically with it, so the worst-error curve is unimodal on
+    [0.3, 0.95]. Without one, the passes are searched the same way on [0.5, 4] around that
+    inner search (each a few hundred predictions; about 15 s in all).
     """
 
-    def worst(eff: float) -> float:
-        return max(abs(predict_run(r, eff) / r.tflops_per_gpu - 1) for r in runs)
+    def fit_efficiency(passes: float) -> tuple[float, Calibration]:
+        def worst(eff: float) -> float:
+            cal = Calibration(eff, passes)
+            return max(abs(predict_run(r, cal) / r.tflops_per_gpu - 1) for r in runs)
 
-    lo, hi = 0.3, 0.9
+        eff = _golden(worst, 0.3, 0.95, 30)
+        return worst(eff), Calibration(eff, passes)
+
+    if elementwise_passes is not None:
+        return fit_efficiency(elementwise_passes)[1]
+    passes = _golden(lambda k: fit_efficiency(k)[0], 0.5, 4.0, 20)
+    return fit_efficiency(passes)[1]
+
+
+def _golden(f, lo: float, hi: float, iters: int) -> float:
+    """The minimiser of a unimodal ``f`` on [lo, hi] (golden-section search)."""
     g = (math.sqrt(5) - 1) / 2
     a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-    fa, fb = worst(a), worst(b)
-    for _ in range(40):
+    fa, fb = f(a), f(b)
+    for _ in range(iters):
         if fa < fb:
             hi, b, fb = b, a, fa
             a = hi - g * (hi - lo)
-            fa = worst(a)
+            fa = f(a)
         else:
             lo, a, fa = a, b, fb
             b = lo + g * (hi - lo)
-            fb = worst(b)
+            fb = f(b)
     return (lo + hi) / 2
 
 
-def fidelity_table(efficiency: float = DEFAULT_EFFICIENCY) -> list[dict]:
+def fidelity_table(calibration: Calibration | None = None) -> list[dict]:
     """One row per Table 1 entry: configuration, published, predicted, relative error."""
     rows = []
     for run in TABLE_1:
-        pred = predict_run(run, efficiency)
+        pred = predict_run(run, calibration)
         rows.append(
             {
                 "configuration": run.label,
@@ -183,7 +207,7 @@ def fidelity_table(efficiency: float = DEFAULT_EFFICIENCY) -> list[dict]:
 
 # --------------------------------------------------------------------------- deep pipelines
 #
-# Item 4 of issue 12: the same model, with the efficiency above left as calibrated on
+# Item 4 of issue 12: the same model, with the calibration above left as fitted on
 # Table 1, against published runs with 8 or more pipeline stages and/or interleaving that
 # were not used to calibrate it. Every row states where its numbers come from and what had
 # to be assumed; a row whose answer moves a lot under a plausible alternative assumption is
@@ -260,6 +284,10 @@ class DeepRun:
     zero1: bool = False  # optimizer state sharded over data (ZeRO-1 / FSDP)
     overlap_grad_sync: bool = False
     split: tuple[int, ...] | None = None  # layers per stage; None: uniform
+    # Megatron-LM 2022 (Korthikanti et al.): the backward's tensor all-reduces overlapped
+    # with its weight-gradient matmuls; sequence parallelism (cost.RunSpec).
+    tp_overlap: bool = False
+    sequence_parallel: bool = False
     n_params: float = 0.0  # only for palm_tflops
     assumptions: str = ""
     # An alternative reading of what the source leaves open: field -> value. The table
@@ -284,28 +312,29 @@ DEEP_RUNS = (
     # §6 ("interleaving schedule with three interleaving stages for the 175B and 530B
     # models"; s = 2048, V = 51200; no data parallelism; Selene A100-80GB), Table 5
     # (end-to-end iteration time, full recompute without sequence parallelism, and "present
-    # work" = selective recompute + sequence parallelism).
+    # work" = selective recompute + sequence parallelism). Their Megatron-LM overlaps the
+    # backward's tensor all-reduces with the weight-gradient matmuls (tp_overlap, every row).
     DeepRun("GPT-3 175B, full recompute", 96, 12288, 96, 8, 8, 1, 3, 64, 18.13, "step_s",
-            f"{KORTHIKANTI}, Tables 3 and 5"),
+            f"{KORTHIKANTI}, Tables 3 and 5", tp_overlap=True),
     DeepRun("GPT-3 175B, selective + SP", 96, 12288, 96, 8, 8, 1, 3, 64, 13.75, "step_s",
-            f"{KORTHIKANTI}, Tables 3 and 5", remat="selective",
-            assumptions="sequence parallelism not modelled; selective = our policy"),
+            f"{KORTHIKANTI}, Tables 3 and 5", remat="selective", tp_overlap=True,
+            sequence_parallel=True),
     DeepRun("530B, full recompute", 105, 20480, 128, 8, 35, 1, 3, 280, 49.05, "step_s",
-            f"{KORTHIKANTI}, Tables 3 and 5"),
+            f"{KORTHIKANTI}, Tables 3 and 5", tp_overlap=True),
     DeepRun("530B, selective + SP", 105, 20480, 128, 8, 35, 1, 3, 280, 37.83, "step_s",
-            f"{KORTHIKANTI}, Tables 3 and 5", remat="selective",
-            assumptions="sequence parallelism not modelled; selective = our policy"),
+            f"{KORTHIKANTI}, Tables 3 and 5", remat="selective", tp_overlap=True,
+            sequence_parallel=True),
     DeepRun("530B, selective + SP, d8", 105, 20480, 128, 8, 35, 8, 3, 2240, 39.15,
             "step_s", f"{KORTHIKANTI}, §6.3 (8-way data parallel, 2240 GPUs)",
-            remat="selective",
-            assumptions="sequence parallelism not modelled; gradient all-reduce not overlapped"),
+            remat="selective", tp_overlap=True, sequence_parallel=True,
+            assumptions="gradient all-reduce not overlapped"),
     # 1T: 2 layers per stage and interleaving named only for 175B and 530B, so 1F1B.
     DeepRun("1T, full recompute", 128, 25600, 160, 8, 64, 1, 1, 512, 94.42, "step_s",
-            f"{KORTHIKANTI}, Tables 3 and 5", assumptions="not interleaved (§6)",
-            alternative=(("virtual_stages", 2),)),
+            f"{KORTHIKANTI}, Tables 3 and 5", tp_overlap=True,
+            assumptions="not interleaved (§6)", alternative=(("virtual_stages", 2),)),
     DeepRun("1T, selective + SP", 128, 25600, 160, 8, 64, 1, 1, 512, 71.49, "step_s",
-            f"{KORTHIKANTI}, Tables 3 and 5", remat="selective",
-            assumptions="not interleaved (§6); sequence parallelism not modelled",
+            f"{KORTHIKANTI}, Tables 3 and 5", remat="selective", tp_overlap=True,
+            sequence_parallel=True, assumptions="not interleaved (§6)",
             alternative=(("virtual_stages", 2),)),
     # Narayanan et al. 2021, Table 2 (PTD parallelism rows: model-parallel size 96 and 280,
     # batch 1536 and 2240, micro-batch 1, teraFLOP/s per GPU) with t = 8 (§4.1: "t = 8 in
@@ -366,7 +395,7 @@ DEEP_RUNS_LOWER = (
 # fmt: on
 
 
-def predict_deep(run: DeepRun, efficiency: float = DEFAULT_EFFICIENCY, **override):
+def predict_deep(run: DeepRun, calibration: Calibration | None = None, **override):
     """The planner's prediction for ``run`` (a :class:`holmes_jax.planner.search.Plan`),
     with fields of the run replaced by ``override`` (the table's alternative readings)."""
     if override:
@@ -389,12 +418,12 @@ def predict_deep(run: DeepRun, efficiency: float = DEFAULT_EFFICIENCY, **overrid
         remat=run.remat,
         zero1=run.zero1,
         overlap_grad_sync=run.overlap_grad_sync,
-        efficiency=efficiency,
+        calibration=calibration,
     )
 
 
 def _megatron_plan(
-    topology, model, run, *, microbatches, totals, remat, zero1, overlap_grad_sync, efficiency
+    topology, model, run, *, microbatches, totals, remat, zero1, overlap_grad_sync, calibration
 ):
     """The plan of a published Megatron-LM run (either table): its batch, degrees and
     chunks (``run``: batch, stages, data, tensor, virtual_stages), bf16 with fp32 Adam, the
@@ -410,6 +439,8 @@ def _megatron_plan(
         overlap_grad_sync=overlap_grad_sync,
         engine="megatron",
         memory_fraction=1.0,
+        tp_overlap=getattr(run, "tp_overlap", False),
+        sequence_parallel=getattr(run, "sequence_parallel", False),
     )
     v = run.virtual_stages
     layout = Layout(
@@ -421,7 +452,7 @@ def _megatron_plan(
         virtual_stages=v,
     )
     split = _chunked(totals, v)
-    return plan_for_layout(topology, model, spec, layout, split, Calibration(efficiency))
+    return plan_for_layout(topology, model, spec, layout, split, calibration or Calibration())
 
 
 def _predicted_metric(run: DeepRun, plan) -> float:
@@ -444,18 +475,18 @@ def _throughput_error(run: DeepRun, predicted: float) -> float:
 
 
 def deep_fidelity_table(
-    efficiency: float = DEFAULT_EFFICIENCY, runs: tuple[DeepRun, ...] = DEEP_RUNS
+    calibration: Calibration | None = None, runs: tuple[DeepRun, ...] = DEEP_RUNS
 ) -> list[dict]:
     """One row per run: layout, published, predicted, throughput error, and the error under
     the run's alternative reading (None when it has none)."""
     rows = []
     for run in runs:
-        pred = _predicted_metric(run, predict_deep(run, efficiency))
+        pred = _predicted_metric(run, predict_deep(run, calibration))
         alt = None
         if run.alternative:
             other = dict(run.alternative)
             alt_run = dataclasses.replace(run, **other)
-            alt_pred = _predicted_metric(alt_run, predict_deep(alt_run, efficiency))
+            alt_pred = _predicted_metric(alt_run, predict_deep(alt_run, calibration))
             alt = _throughput_error(alt_run, alt_pred)
         rows.append(
             {

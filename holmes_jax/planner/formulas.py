@@ -25,13 +25,17 @@ import numpy as np
 from holmes_jax.core.spec import ModelSpec
 
 
-def layer_activation_bytes(model: ModelSpec, b: int, t: int, act_bytes: int = 2) -> float:
+def layer_activation_bytes(
+    model: ModelSpec, b: int, t: int, act_bytes: int = 2, sequence_parallel: bool = False
+) -> float:
     """Activation bytes one layer stores per device for its backward, without recompute:
     ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` at 2 bytes per element (Korthikanti et al. 2022,
-    tensor parallel without sequence parallelism; the 1-byte dropout masks included),
-    scaled to ``act_bytes``."""
+    tensor parallel; the 1-byte dropout masks included), scaled to ``act_bytes``. With
+    sequence parallelism the 10 bytes outside attention and MLP are split over t too:
+    ``34/t + 5·a·s/(h·t)``."""
     h, s, a = model.hidden_size, model.seq_len, model.num_heads
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * act_bytes / 2
+    outside = 10 / t if sequence_parallel else 10
+    return s * b * h * (outside + 24 / t + 5 * a * s / (h * t)) * act_bytes / 2
 
 
 def p2p_time(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) -> float:

@@ -32,9 +32,13 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Layout
 from holmes_jax.planner.topology import Link, Topology
 
-# Fraction of peak FLOP/s that matmul-heavy transformer layers reach, calibrated once on
-# Megatron-LM's published A100 runs (holmes_jax.planner.fidelity, scripts/fidelity_megatron.py).
-DEFAULT_EFFICIENCY = 0.58
+# Device speed, calibrated together (minimax relative error) on Megatron-LM's published A100
+# runs (holmes_jax.planner.fidelity.calibrate, scripts/fidelity_megatron.py --recalibrate):
+# the fraction of peak FLOP/s the layers' matmuls reach, and the bytes the element-wise work
+# (norms, softmax, dropout, GELU, residual adds) moves through device memory per activation
+# byte a layer stores: each such op reads its input and writes its output, so about 2.
+DEFAULT_EFFICIENCY = 0.658
+DEFAULT_ELEMENTWISE_PASSES = 1.82
 Path = tuple[float, float]  # (bytes/s, latency s)
 _NONE: Path = (math.inf, 0.0)
 
@@ -44,6 +48,8 @@ class Calibration:
     """Achieved device speed: a fraction of peak, or measured FLOP/s per island."""
 
     efficiency: float = DEFAULT_EFFICIENCY
+    # Memory traffic of the element-wise work per stored activation byte (module constant).
+    elementwise_passes: float = DEFAULT_ELEMENTWISE_PASSES
     # {island name: (forward FLOP/s, backward FLOP/s)} per device, from a profile.
     island_flops: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # {island name: {"reduce-scatter" | "all-gather": per-host Link}}, from a profile.
@@ -70,7 +76,7 @@ class StageHardware:
     fwd_flops: float  # per device FLOP/s
     bwd_flops: float
     memory_bytes: float  # usable device memory
-    mem_bw: float  # device memory bytes/s (optimizer step)
+    mem_bw: float  # device memory bytes/s (optimizer step, element-wise work)
     tensor: tuple[float, float]  # one tensor all-reduce ring (inside a host)
     data: tuple[float, float]  # one data-parallel ring of this stage
     send: tuple[float, float]  # one data replica's activations to the next stage
@@ -80,6 +86,8 @@ class StageHardware:
     # data:<island>:<op> links); None: the data ring's all-reduce figures.
     scatter: tuple[float, float] | None = None
     gather: tuple[float, float] | None = None
+    # Bytes the element-wise work moves per stored activation byte (Calibration).
+    elementwise_passes: float = DEFAULT_ELEMENTWISE_PASSES
 
     @property
     def scatter_path(self) -> tuple[float, float]:
@@ -207,6 +215,7 @@ def stage_hardware(
                 cross=cross,
                 scatter=_slowest_path([x.scatter_path for x in hw]),
                 gather=_slowest_path([x.gather_path for x in hw]),
+                elementwise_passes=max(x.elementwise_passes for x in hw),
             )
         )
     return out
@@ -296,6 +305,7 @@ def naive_hardware(
             send=_NONE,
             scatter=op_path("reduce-scatter"),
             gather=op_path("all-gather"),
+            elementwise_passes=cal.elementwise_passes,
         )
     ]
 
@@ -349,6 +359,7 @@ def _stage(topology, layout, cal, memory_fraction, rep, s) -> StageHardware:
         tie=tie,
         scatter=ops.get("reduce-scatter"),
         gather=ops.get("all-gather"),
+        elementwise_passes=cal.elementwise_passes,
     )
 
 

@@ -154,7 +154,7 @@ def profile_from_dict(
         raise ConfigError(f"{source}: measured_with: {e}") from None
     b, t = dims["microbatch_size"], dims["tensor"]
     flops = layer_fwd_flops(measured, b) / t
-    traffic = layer_activation_bytes(measured, b, t, act_bytes)
+    traffic = base.elementwise_passes * layer_activation_bytes(measured, b, t, act_bytes)
     speeds = {}
     compute = top.get("compute", {})
     r.mapping(compute, "compute", optional=tuple(names))

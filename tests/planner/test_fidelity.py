@@ -1,57 +1,59 @@
 """Fidelity of the cost model on deep and interleaved pipelines (issue 12, item 4).
 
-The efficiency stays as calibrated on Narayanan et al. 2021 Table 1; these tests check
-that the deep-pipeline table is built from data not used to calibrate it, that the
-transcribed numbers are self-consistent, where the model stands on each row (so a model
-change that moves a row shows here and in docs/planner.md), and the issue's target, which
-the model does not meet yet (xfail, strict: meeting it must update this file).
+The calibration (efficiency and element-wise passes) stays as fitted on Narayanan et al.
+2021 Table 1; these tests check that the deep-pipeline table is built from data not used
+to calibrate it, that the transcribed numbers are self-consistent, where the model stands
+on each row (so a model change that moves a row shows here and in docs/planner.md), the
+issue's target (mean <= 5%, worst <= 10%), and that the one-number model before it missed
+that target (the test can fail).
 """
+
+import dataclasses
 
 import pytest
 
 from holmes_jax.core.spec import ModelSpec, megatron_flops
 from holmes_jax.planner import fidelity
-from holmes_jax.planner.placement import DEFAULT_EFFICIENCY
+from holmes_jax.planner.placement import Calibration
 
-# Table 1 as it stood before the deep-pipeline work (docs/planner.md, "Fidelity against
-# Megatron-LM"): every row must stay within half a point of it.
-TABLE_1_ERRORS = (0.082, 0.033, -0.065, -0.075, -0.031, -0.002, -0.031, -0.052, -0.076, -0.082)
+# Table 1 under the shipped calibration (docs/planner.md, "Fidelity against Megatron-LM").
+TABLE_1_ERRORS = (0.052, 0.023, -0.050, -0.053, 0.010, 0.052, 0.034, 0.025, 0.006, 0.010)
 
 # Where the model stands on each deep row (throughput error), as documented.
 DEEP_ERRORS = {
-    "GPT-3 175B, full recompute": -0.089,
-    "GPT-3 175B, selective + SP": -0.094,
-    "530B, full recompute": -0.158,
-    "530B, selective + SP": -0.154,
-    "530B, selective + SP, d8": -0.135,
-    "1T, full recompute": -0.193,
-    "1T, selective + SP": -0.203,
-    "GPT-3 175B, PTD-P, 384 GPUs": -0.026,
-    "GPT-3 175B, PTD-P, 768 GPUs": -0.022,
-    "GPT-3 175B, PTD-P, 1536 GPUs": -0.009,
-    "530B, PTD-P, 560 GPUs": -0.090,
-    "530B, PTD-P, 1120 GPUs": -0.080,
-    "530B, PTD-P, 2240 GPUs": -0.057,
-    "MT-NLG 530B, DeepSpeed PP, 2240 GPUs": 0.099,
-    "MT-NLG 530B, DeepSpeed PP, 2800 GPUs": 0.112,
-    "MT-NLG 530B, DeepSpeed PP, 3360 GPUs": 0.144,
-    "Llama 3 405B, 8192 H100": -0.092,
-    "Llama 3 405B, 16384 H100": -0.101,
+    "GPT-3 175B, full recompute": 0.005,
+    "GPT-3 175B, selective + SP": 0.039,
+    "530B, full recompute": -0.060,
+    "530B, selective + SP": -0.032,
+    "530B, selective + SP, d8": -0.013,
+    "1T, full recompute": -0.096,
+    "1T, selective + SP": -0.089,
+    "GPT-3 175B, PTD-P, 384 GPUs": 0.041,
+    "GPT-3 175B, PTD-P, 768 GPUs": 0.046,
+    "GPT-3 175B, PTD-P, 1536 GPUs": 0.059,
+    "530B, PTD-P, 560 GPUs": -0.003,
+    "530B, PTD-P, 1120 GPUs": 0.008,
+    "530B, PTD-P, 2240 GPUs": 0.032,
+    "MT-NLG 530B, DeepSpeed PP, 2240 GPUs": 0.204,
+    "MT-NLG 530B, DeepSpeed PP, 2800 GPUs": 0.216,
+    "MT-NLG 530B, DeepSpeed PP, 3360 GPUs": 0.251,
+    "Llama 3 405B, 8192 H100": -0.106,
+    "Llama 3 405B, 16384 H100": -0.114,
 }
 
 
 @pytest.fixture(scope="module")
 def deep_rows():
-    return fidelity.deep_fidelity_table(DEFAULT_EFFICIENCY)
+    return fidelity.deep_fidelity_table(Calibration())
 
 
 @pytest.fixture(scope="module")
 def lower_rows():
-    return fidelity.deep_fidelity_table(DEFAULT_EFFICIENCY, fidelity.DEEP_RUNS_LOWER)
+    return fidelity.deep_fidelity_table(Calibration(), fidelity.DEEP_RUNS_LOWER)
 
 
-def test_table_1_unchanged():
-    rows = fidelity.fidelity_table(DEFAULT_EFFICIENCY)
+def test_table_1_under_the_shipped_calibration():
+    rows = fidelity.fidelity_table(Calibration())
     got = [r["error"] for r in rows]
     assert got == pytest.approx(TABLE_1_ERRORS, abs=0.005), got
     assert max(abs(e) for e in got) <= 0.10
@@ -107,11 +109,24 @@ def test_same_generation_as_calibration_meets_target(deep_rows):
     assert mean <= 0.05 and worst <= 0.10, rows
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not met: Korthikanti et al. 2022's Megatron runs are 9-20% faster per GPU than "
-    "the model (same 530B configuration: 180 TFLOP/s there, 163 in the calibration table)",
-)
 def test_deep_target(deep_rows):
     mean, worst = fidelity.summary(deep_rows)
-    assert mean <= 0.05 and worst <= 0.10
+    assert mean <= 0.05 and worst <= 0.10, (mean, worst)
+
+
+def test_the_one_number_model_missed_the_deep_target():
+    """Before: efficiency alone (0.58, element-wise work at one pass) and the runs priced
+    without their tensor all-reduce overlap and sequence parallelism: 10.1% mean, 20.3%
+    worst. Either change alone is not enough; the target needs both."""
+    plain = tuple(
+        dataclasses.replace(r, tp_overlap=False, sequence_parallel=False)
+        for r in fidelity.DEEP_RUNS
+    )
+    old = fidelity.summary(fidelity.deep_fidelity_table(Calibration(0.58, 1.0), plain))
+    assert old == pytest.approx((0.101, 0.203), abs=0.002)
+    calibrated_only = fidelity.summary(fidelity.deep_fidelity_table(Calibration(), plain))
+    mechanisms_only = fidelity.summary(
+        fidelity.deep_fidelity_table(Calibration(0.58, 1.0), fidelity.DEEP_RUNS)
+    )
+    for mean, worst in (calibrated_only, mechanisms_only):
+        assert mean > 0.05 or worst > 0.10
