@@ -247,6 +247,29 @@ class StashLayout:
             start += size
         return res
 
+    def leftover_buffers(self, slots: int, layers: int) -> list:
+        """Zeroed ``[slots, layers, ...]`` buffers (as bits) of the values that do not fit,
+        in ``leftover`` order: the ``stash`` argument of :meth:`store` and :meth:`load`."""
+        return [
+            to_bits(jnp.zeros((slots, layers, *self.stash[n].shape), self.stash[n].dtype))
+            for n in self.leftover
+        ]
+
+    def store(self, res, stash, values, k, kw, j):
+        """B: all of a layer's stash ``values`` (in ``stash`` order) kept for W: the packed
+        ones over the B-only cells ``res[.][k, j]``, the leftovers at ``[kw, j]`` of their
+        buffers. Returns ``(res, stash)``."""
+        res = self.write(res, values, k, j)
+        left = [values[n] for n in self.leftover]
+        return res, [put(b, x, kw, j) for b, x in zip(stash, left, strict=True)]
+
+    def load(self, res, stash, k, kw, j) -> list:
+        """W: the values :meth:`store` kept for layer ``j``, in ``stash`` order."""
+        kept = self.read(res, k, j)
+        for b, n in zip(stash, self.leftover, strict=True):
+            kept[n] = from_bits(get(b, kw, j), self.stash[n].dtype)
+        return [kept[n] for n in range(len(self.stash))]
+
     def read(self, res, k, j) -> dict:
         """W: the packed stash values from ``res[.][k, j]``, by stash index."""
         out = {}

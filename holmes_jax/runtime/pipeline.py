@@ -358,10 +358,7 @@ class PipelineEngine:
             loss=jnp.zeros((), jnp.float32),
         )
         if st.split is not None:  # zb: [Kw, slots, ...] per value of B for W left over
-            c["stash"] = [
-                to_bits(jnp.zeros((sched.stash_slots, L, *r.shape), r.dtype))
-                for r in (st.split.stash[n] for n in st.stash.leftover)
-            ]
+            c["stash"] = st.stash.leftover_buffers(sched.stash_slots, L)
         return c
 
     # --------------------------------------------------------------- one tick
@@ -533,9 +530,8 @@ class PipelineEngine:
         j = st.n_layers[ch] - 1 - n
         w = dyn_index(st.blocks, ch * self.layout.slots + j)
         dx, kept = st.split.input_grad(w, self._saved(st, res, k, j), ct)
-        res = st.stash.write(res, kept, k, j)
-        left = [kept[m] for m in st.stash.leftover]
-        return dx, res, [put(b, x, kw, j) for b, x in zip(stash, left, strict=True)]
+        res, stash = st.stash.store(res, stash, kept, k, kw, j)
+        return dx, res, stash
 
     def _weights(self, st: _Local, c: dict, t) -> dict:
         """zb W of (micro-batch, chunk) at tick t: every layer's weight gradient from its
@@ -546,10 +542,7 @@ class PipelineEngine:
             g_blocks, shards, res = state
             slot = ch * self.layout.slots + j
             w = dyn_index(st.blocks, slot)
-            kept = st.stash.read(res, k, j)  # by stash index
-            for b, m in zip(c["stash"], st.stash.leftover, strict=True):
-                kept[m] = from_bits(get(b, kw, j), st.split.stash[m].dtype)
-            kept = [kept[m] for m in range(len(st.split.stash))]
+            kept = st.stash.load(res, c["stash"], k, kw, j)
             # W reads only its own residual leaves (the B-only ones now hold the stash)
             dw = st.split.weight_grad(w, self._saved(st, res, k, j), kept)
             return *self._add_layer_grad(st, t, slot, dw, g_blocks, shards), res
