@@ -83,8 +83,6 @@ from holmes_jax.planner.profiles import DATA_OPS
 from holmes_jax.planner.topology import Topology
 
 _WARMUP = 2  # untimed calls: compile, then one run to settle caches and allocators
-_BURST_S = 0.25  # a timed run of the layer programs lasts at least this (_median_time)
-_MAX_BURST = 1000  # calls per timed run at most
 # Ring steps per (n - 1) ranks of each collective, as holmes_jax.planner.cost counts them.
 Log = Callable[[str], None]
 
@@ -334,22 +332,11 @@ def _median_time(call: Callable[[], Any], repeats: int, together: bool = False) 
     once as in training. Without it, processes that share a machine's cores (the emulated
     cluster) drift apart (each compiles at its own pace) and time their few-millisecond
     layers mostly alone: the profile then priced compute 2-3x faster than training ran.
-    The barrier alone is not enough for layers of a few milliseconds: the processes leave
-    it a few milliseconds apart, so each still timed its layer mostly alone (the emulated
-    benchmark's steps ran 1.5-2.5x slower than priced). So each timed run is a burst of
-    back-to-back calls lasting at least ``_BURST_S`` (one warm call's time sets its
-    length), of which the processes overlap for all but the skew.
     """
     import jax
 
-    warm = []
     for _ in range(_WARMUP):
-        start = time.perf_counter()
         jax.block_until_ready(call())
-        warm.append(time.perf_counter() - start)
-    burst = 1
-    if together:
-        burst = max(1, min(_MAX_BURST, math.ceil(_BURST_S / max(min(warm), 1e-6))))
     times = []
     for _ in range(repeats):
         if together and jax.process_count() > 1:
@@ -357,9 +344,8 @@ def _median_time(call: Callable[[], Any], repeats: int, together: bool = False) 
 
             multihost_utils.sync_global_devices("holmes_jax.probe: compute")
         start = time.perf_counter()
-        for _ in range(burst):
-            jax.block_until_ready(call())
-        times.append((time.perf_counter() - start) / burst)
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
