@@ -62,6 +62,38 @@ def test_schedule_tables(schedule, stages, microbatches):
     assert sends.sum() == 2 * microbatches * (stages * v - 1)
 
 
+@pytest.mark.parametrize(
+    "schedule,stages,v",
+    [
+        ("1f1b", 4, 1),
+        ("zb", 4, 1),
+        ("interleaved", 4, 2),
+        ("interleaved", 3, 3),
+        ("interleaved", 8, 2),
+    ],
+)
+def test_tick_loop_length_is_flat_in_microbatches(schedule, stages, v):
+    """The traced program (unrolled ticks + one body per scan) stops growing once the
+    steady state repeats; interleaved's repeats every 2·S·v ticks (wrap-around sends)."""
+    from holmes_jax.runtime.pipeline import tick_segments
+
+    traced = {}
+    for m in (4 * stages, 8 * stages, 16 * stages):
+        sched = make_schedule(schedule, stages, m, v)
+        segments = tick_segments(sched)
+        covered = [start + i for start, period, reps in segments for i in range(period * reps)]
+        assert covered == list(range(sched.ticks))  # every tick once, in order
+        traced[m] = sum(period for _, period, _ in segments)
+    assert len(set(traced.values())) == 1, traced
+    # the old cap of 6 ticks unrolled interleaved's steady state: longer with every M
+    if schedule == "interleaved":
+        short = [
+            sum(p for _, p, _ in tick_segments(make_schedule(schedule, stages, m, v), 6))
+            for m in traced
+        ]
+        assert short[0] < short[1] < short[2], short
+
+
 # Llama with grouped-query attention: 2 key/value heads for 4 query heads.
 ARCH = {"gpt2": [], "llama": ["model.arch=llama", "model.num_kv_heads=2"]}
 
@@ -98,6 +130,7 @@ CASES = [
     (2, 2, 1, (1, 3, 2, 2), 4, "interleaved/2", True, "gpt2"),
     (4, 1, 2, (1, 1, 1, 1, 1, 1, 1, 1), 2, "interleaved/2", False, "gpt2"),
     (2, 4, 1, (2, 1, 1, 1, 2, 1), 2, "interleaved/3", False, "gpt2"),
+    (2, 2, 1, (2, 1, 3, 2), 8, "interleaved/2", False, "gpt2"),  # steady state: 8-tick scan
     # zb: each backward split into input gradient (B) and deferred weight gradient (W)
     (2, 4, 1, (1, 7), 2, "zb", True, "gpt2"),
     (4, 2, 1, (1, 3, 2, 2), 8, "zb", False, "gpt2"),
