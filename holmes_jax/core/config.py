@@ -319,7 +319,10 @@ class DilocoConfig:
     (streaming DiLoCo) the layers are cut into that many fragments, each synchronised on
     its own step offset inside the H steps, so the peak cross-island volume drops by that
     factor. ``enabled: auto`` lets the planner choose DiLoCo only when its predicted
-    speedup over the best synchronous plan is at least ``auto_min_speedup``.
+    speedup over the best synchronous plan is at least ``auto_min_speedup``. With
+    ``warmup_steps`` = K the first K steps each end with plain averaging of the replicas
+    (the DiLoCo paper starts from a synchronously trained model; averaging every step is
+    the nearest thing across a slow link), and the H-step rounds start after step K.
     """
 
     enabled: bool | str = False  # true | false | auto
@@ -329,6 +332,9 @@ class DilocoConfig:
     fragments: int = 1  # >= 1: streaming DiLoCo; <= inner_steps and num_layers; <= 4096
     outer_dtype: str = "fp32"  # fp32 | bf16 | int8: what crosses the link (state stays fp32)
     auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
+    # The first K steps each end with plain averaging of the replicas (every fragment,
+    # outer lr 1, momentum untouched: a synchronous-like start); then rounds of H steps.
+    warmup_steps: int = 0  # K; <= 1000000000
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         if (
@@ -343,6 +349,10 @@ class DilocoConfig:
             raise ConfigError(f"diloco.outer_lr={self.outer_lr}: must be > 0")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"diloco.outer_momentum={self.outer_momentum}: must be in [0, 1)")
+        if self.warmup_steps < 0:
+            raise ConfigError(
+                f"diloco.warmup_steps={self.warmup_steps}: must be >= 0 (0 = no warm-up)"
+            )
         if self.auto_min_speedup < 1:
             raise ConfigError(
                 f"diloco.auto_min_speedup={self.auto_min_speedup}: must be >= 1 (a speedup)"

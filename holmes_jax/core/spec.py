@@ -436,6 +436,7 @@ CONFIG_LIMITS: dict[str, Bound] = {
     "parallel.replica": ISLANDS,
     "diloco.inner_steps": INNER_STEPS,
     "diloco.fragments": LAYERS,
+    "diloco.warmup_steps": STEPS,
     "optimizer.warmup_steps": STEPS,
     "train.steps": STEPS,
     "train.global_batch_size": BATCH,

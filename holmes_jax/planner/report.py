@@ -270,7 +270,12 @@ def format_strategies(choice: StrategyChoice) -> list[str]:
             inner = f"one copy per island ({lay.replica}): " + inner.split(" x ", 1)[1]
             extra = (
                 f"; H={p.inner_steps}, fragments {p.fragments}, outer {p.outer_dtype}, "
-                f"outer sync {p.outer_sync_s:.3g}s, exposed {p.exposed_s:.3g}s per outer step"
+                + (
+                    f"averaging after each of the first {p.warmup_steps} steps, "
+                    if p.warmup_steps
+                    else ""
+                )
+                + f"outer sync {p.outer_sync_s:.3g}s, exposed {p.exposed_s:.3g}s per outer step"
             )
         lines.append(
             f"  {p.name:<12} step {p.step_s:.4g}s, {p.tokens_per_s:,.0f} tokens/s, "

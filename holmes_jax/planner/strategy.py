@@ -15,9 +15,13 @@ gradient ring priced free), ``P`` parameters and ``β`` bytes per element of
 and replica, which the price leaves out)::
 
     T_outer = 2(R-1)/R · P·β / (h · bw) + 2(R-1) · lat     # one outer all-reduce
-    step    = t + T_outer / H                                # every outer sync blocks
-    cross-island bytes per step (per replica) = 2(R-1)/R · P·β / H
+    step    = t + T_outer · n                                # every outer sync blocks
+    n       = (K + (N - K) / H) / N                          # outer syncs per step
+    cross-island bytes per step (per replica) = 2(R-1)/R · P·β · n
     peak bytes of one sync = 2(R-1)/R · P·β / F              # F fragments, F syncs per H
+
+``n`` is ``1/H`` without warm-up; ``diloco.warmup_steps`` = K adds a full sync after each
+of the first K of the run's N = ``train.steps`` steps (K ≥ N: every step).
 
 Fragments (streaming DiLoCo) spread the same bytes over F syncs on different steps, so
 the peak volume (and the longest pause) drops F-fold; the runtime runs each fragment's
@@ -64,6 +68,7 @@ class StrategyPrice:
     outer_sync_s: float = 0.0  # one outer all-reduce (DiLoCo)
     exposed_s: float = 0.0  # per outer round, not hidden behind inner steps (DiLoCo)
     # (all of outer_sync_s: fragment syncs block; see the module doc)
+    warmup_steps: int = 0  # DiLoCo: averaging syncs after each of the first K steps
     why: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +103,7 @@ class StrategyPrice:
                 inner_step_s=self.plan.predicted_step_s,
                 outer_sync_s=self.outer_sync_s,
                 exposed_s_per_outer_step=self.exposed_s,
+                warmup_steps=self.warmup_steps,
             )
         return out
 
@@ -224,7 +230,15 @@ def predict_diloco_config(
         model.num_params, dl.outer_dtype, R, hosts * slow.bytes_per_s, slow.latency_s
     )
     exposed, _ = exposed_outer_s(sync, dl.fragments)
-    return inner + exposed / dl.inner_steps, inner, sync
+    return inner + exposed * outer_syncs_per_step(cfg), inner, sync
+
+
+def outer_syncs_per_step(cfg: Any) -> float:
+    """Full outer syncs per step over the run (module doc's ``n``): ``1/H``, plus one after
+    each of the first ``diloco.warmup_steps`` of ``train.steps`` steps."""
+    dl, steps = cfg.diloco, max(1, cfg.train.steps)
+    warm = min(dl.warmup_steps, steps)
+    return (warm + (steps - warm) / dl.inner_steps) / steps
 
 
 def _islands_alone(topology: Topology) -> Topology:
@@ -259,7 +273,7 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
     H, F, dtype = dl.inner_steps, dl.fragments, dl.outer_dtype
     islands = topology.islands
     R = len(islands)
-    base = dict(inner_steps=H, fragments=F, outer_dtype=dtype)
+    base = dict(inner_steps=H, fragments=F, outer_dtype=dtype, warmup_steps=dl.warmup_steps)
     if not equal:
         return StrategyPrice("diloco", None, why="needs >= 2 islands of equal size", **base)
     if run.global_batch_size % R:
@@ -277,9 +291,12 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
     sync = outer_sync_s(model.num_params, dtype, R, hosts * slow.bytes_per_s, slow.latency_s)
     t = inner.predicted_step_s
     exposed, _ = exposed_outer_s(sync, F)
-    step = t + exposed / H
-    cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dtype] / H
-    return StrategyPrice("diloco", inner, step, tokens / step, cross, H, F, dtype, sync, exposed)
+    n = outer_syncs_per_step(cfg)
+    step = t + exposed * n
+    cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dtype] * n
+    return StrategyPrice(
+        "diloco", inner, step, tokens / step, cross, outer_sync_s=sync, exposed_s=exposed, **base
+    )
 
 
 def _choose(cfg: Any, prices: tuple[StrategyPrice, ...]) -> StrategyChoice:

@@ -25,6 +25,11 @@ its leaves, in order:
 6. Every replica restarts from the new global model: ``θ_r ← global`` (compute dtype; the
    master, under bf16, in fp32). The AdamW moments and step counts are kept.
 
+Warm-up (``diloco.warmup_steps`` = K): after each of the first K inner steps every fragment
+takes an *averaging* outer step instead: steps 1–4 and 6 with ``global ← global − Δ`` (the
+mean of the replicas) and the momentum left as it is (a second jitted function per
+fragment). The H-step rounds of the outer optimizer count from step K.
+
 With H = 1, lr = 1, μ = 0 the outer step makes every replica the mean of the replicas'
 AdamW steps.
 
@@ -57,12 +62,23 @@ def stack_spec(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(REPLICA, *tuple(spec))
 
 
-def due_fragments(steps_done: int, inner_steps: int, fragments: int) -> list[int]:
-    """The fragments whose outer step follows inner step ``steps_done`` (0: none)."""
+def due_fragments(
+    steps_done: int, inner_steps: int, fragments: int, warmup_steps: int = 0
+) -> list[int]:
+    """The fragments whose outer step follows inner step ``steps_done`` (0: none). During
+    the warm-up (``steps_done <= warmup_steps``) every fragment after every step (as plain
+    averaging, :func:`in_warmup`); after it the H-step rounds count from step K."""
     if steps_done <= 0:
         return []
-    phase = steps_done % inner_steps
+    if in_warmup(steps_done, warmup_steps):
+        return list(range(fragments))
+    phase = (steps_done - warmup_steps) % inner_steps
     return [f for f in range(fragments) if phase == (f * inner_steps) // fragments]
+
+
+def in_warmup(steps_done: int, warmup_steps: int) -> bool:
+    """Whether the outer steps after inner step ``steps_done`` are warm-up averaging."""
+    return 0 < steps_done <= warmup_steps
 
 
 def fragment_slots(slots: int, fragments: int) -> list[tuple[int, int]]:
@@ -136,32 +152,38 @@ class OuterStep:
         self.dtype = dtype
         self.state_sharding = state_sharding
         self.ranges = fragment_slots(layout.virtual * layout.slots, cfg.fragments)
-        self._jitted: dict[int, Any] = {}
+        self._jitted: dict[tuple[int, bool], Any] = {}
 
-    def __call__(self, state, fragment: int):
-        return self.jitted(fragment)(state)
+    def __call__(self, state, fragment: int, average: bool = False):
+        return self.jitted(fragment, average)(state)
 
-    def jitted(self, fragment: int):
-        """The jitted outer step of ``fragment`` (state donated)."""
-        if fragment not in self._jitted:
-            self._jitted[fragment] = jax.jit(
-                lambda state: self.step(state, fragment),
+    def jitted(self, fragment: int, average: bool = False):
+        """The jitted outer step of ``fragment`` (state donated); ``average``: the warm-up's
+        plain averaging (outer lr 1, momentum untouched)."""
+        key = (fragment, average)
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(
+                lambda state: self.step(state, fragment, average),
                 in_shardings=(self.state_sharding,),
                 out_shardings=self.state_sharding,
                 donate_argnums=(0,),
             )
-        return self._jitted[fragment]
+        return self._jitted[key]
 
     def compile_all(self, abstract_state) -> None:
         """Compile every fragment's outer step now (ahead of time) for ``abstract_state``
         (ShapeDtypeStructs with shardings): otherwise the first outer step of each
         fragment compiles in the middle of training, a pause of seconds that a benchmark
         would count as sync time."""
+        kinds = (False, True) if self.cfg.warmup_steps else (False,)
         for fragment in range(self.cfg.fragments):
-            self._jitted[fragment] = self.jitted(fragment).lower(abstract_state).compile()
+            for average in kinds:
+                compiled = self.jitted(fragment, average).lower(abstract_state).compile()
+                self._jitted[fragment, average] = compiled
 
-    def step(self, state, fragment: int):
-        """Steps 1–6 on fragment ``fragment``'s leaves (traced); the rest passes through."""
+    def step(self, state, fragment: int, average: bool = False):
+        """Steps 1–6 on fragment ``fragment``'s leaves (traced); the rest passes through.
+        ``average``: the warm-up's averaging step (module doc)."""
         last = self.cfg.fragments - 1
         start, stop = self.ranges[fragment]
         parts = ["blocks"] + ["embed"] * (fragment == 0) + ["head"] * (fragment == last)
@@ -185,7 +207,7 @@ class OuterStep:
             ]
             out = [[], [], [], []]  # params, master, global, momentum
             for p, w, g, m, spec in zip(p_leaves, w_leaves, g_leaves, m_leaves, specs, strict=True):
-                theta, g_new, m_new = self._sync(w[lead], g[cut], m[cut], spec)
+                theta, g_new, m_new = self._sync(w[lead], g[cut], m[cut], spec, average)
                 out[0].append(p.at[lead].set(theta.astype(p.dtype)))
                 out[1].append(w.at[lead].set(theta))
                 out[2].append(g.at[cut].set(g_new))
@@ -195,10 +217,11 @@ class OuterStep:
                 master[part] = treedef.unflatten(out[1])
         return state.replace(params=params, master=master, outer={"global": glob, "momentum": mom})
 
-    def _sync(self, mine, g, m, spec: PartitionSpec):
+    def _sync(self, mine, g, m, spec: PartitionSpec, average: bool = False):
         """Steps 1–6 for one leaf (slice): ``mine`` ``[R, ...]`` (the replicas' master or
         parameters), ``g``/``m`` ``[...]`` fp32 sharded by ``spec`` (1/d over data inside an
-        island). Returns (the replicas' new fp32 ``[R, ...]``, global, momentum)."""
+        island). Returns (the replicas' new fp32 ``[R, ...]``, global, momentum).
+        ``average``: ``global − mean Δ``, momentum unchanged (the warm-up)."""
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         # 1. per replica, each device on its own 1/d shard (no traffic)
         delta = g[None] - mine.astype(jnp.float32)  # [R, ...]
@@ -207,9 +230,12 @@ class OuterStep:
         payload, scale = self._gather(*encode(delta, self.cfg.outer_dtype), spec)
         # 4. decode and average in fp32: [...] sharded like g
         avg = jnp.mean(decode(payload, scale), axis=0)
-        # 5. Nesterov momentum
-        m = mu * m + avg
-        g = g - lr * (avg + mu * m)
+        # 5. Nesterov momentum (warm-up: plain averaging, the momentum kept for later)
+        if average:
+            g = g - avg
+        else:
+            m = mu * m + avg
+            g = g - lr * (avg + mu * m)
         # 6. every replica restarts from the global model (the barrier: one value of g, not
         #    two fusions that could round differently)
         g = lax.optimization_barrier(g)

@@ -213,7 +213,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 step += 1
                 window_steps += 1
                 for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
-                    state = program.outer_step(state, fragment)
+                    state = program.outer_step(state, fragment, step)
                     # Wait for it: on simulated CPU devices an inner step dispatched while
                     # the outer step's all-gather is still running deadlocked XLA's
                     # in-process collectives (a reduce-scatter rendezvous one device never
@@ -221,8 +221,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     # outer step costs nothing next to the sync itself (and on GPUs the
                     # next inner step needs the new parameters anyway).
                     jax.block_until_ready(state)
+                    kind = "averaging (warm-up)" if step <= cfg.diloco.warmup_steps else "outer"
                     logger.message(
-                        f"diloco: outer step of fragment {fragment}/{cfg.diloco.fragments} "
+                        f"diloco: {kind} step of fragment {fragment}/{cfg.diloco.fragments} "
                         f"after step {step}"
                     )
 
@@ -300,6 +301,7 @@ def diloco_lines(cfg: Config, program: Program, asked, choice) -> list[str]:
         f"diloco: on across {program.replicas} replicas{why}: H={d.inner_steps} inner steps, "
         f"outer lr {d.outer_lr}, Nesterov momentum {d.outer_momentum}, {d.fragments} "
         f"fragment(s), outer deltas sent as {d.outer_dtype}"
+        + (f"; averaging after each of the first {d.warmup_steps} steps" if d.warmup_steps else "")
     ]
 
 

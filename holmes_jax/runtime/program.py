@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.core.axes import DATA, REPLICA
 from holmes_jax.core.config import Config
-from holmes_jax.runtime.diloco import OuterStep, due_fragments, stack_spec
+from holmes_jax.runtime.diloco import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.runtime.mesh import batch_sharding, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES
 from holmes_jax.runtime.optim import clip_by_global_norm, learning_rate_schedule, make_optimizer
@@ -267,13 +267,15 @@ class Program:
         """DiLoCo: the fragments whose outer step is due after ``steps_done`` inner steps."""
         if not self.diloco:
             return []
-        return due_fragments(steps_done, self.cfg.diloco.inner_steps, self.cfg.diloco.fragments)
+        d = self.cfg.diloco
+        return due_fragments(steps_done, d.inner_steps, d.fragments, d.warmup_steps)
 
-    def outer_step(self, state: TrainState, fragment: int) -> TrainState:
-        """DiLoCo: the outer step of ``fragment`` (:mod:`holmes_jax.runtime.diloco`);
+    def outer_step(self, state: TrainState, fragment: int, steps_done: int = 0) -> TrainState:
+        """DiLoCo: the outer step of ``fragment`` due after ``steps_done`` inner steps
+        (:mod:`holmes_jax.runtime.diloco`; within ``diloco.warmup_steps``: averaging);
         ``state`` is donated."""
         with self.context():
-            return self.outer(state, fragment)
+            return self.outer(state, fragment, in_warmup(steps_done, self.cfg.diloco.warmup_steps))
 
     def compile_outer_steps(self) -> None:
         """DiLoCo: compile the outer steps before training (see ``OuterStep.compile_all``)."""

@@ -54,6 +54,22 @@ def test_diloco_price_matches_the_hand_computation():
     assert d.tokens_per_s == pytest.approx(run.global_batch_size * model.seq_len / d.step_s)
 
 
+def test_warmup_adds_a_full_sync_per_warmup_step():
+    """diloco.warmup_steps = K: n = (K + (N - K) / H) / N outer syncs per step (N steps)."""
+    plain = price_strategies(cfg("diloco.enabled=true", "train.steps=300"), SLOW).price("diloco")
+    sets = ("diloco.enabled=true", "train.steps=300", "diloco.inner_steps=10")
+    warm = price_strategies(cfg(*sets, "diloco.warmup_steps=50"), SLOW).price("diloco")
+    n = (50 + 250 / 10) / 300
+    assert warm.step_s == pytest.approx(warm.plan.predicted_step_s + warm.outer_sync_s * n)
+    assert warm.cross_island_bytes_per_step == pytest.approx(
+        plain.cross_island_bytes_per_step * 50 * n
+    )
+    every = price_strategies(cfg(*sets, "diloco.warmup_steps=400"), SLOW).price("diloco")
+    assert every.step_s == pytest.approx(every.plan.predicted_step_s + every.outer_sync_s)
+    with pytest.raises(ConfigError, match=r"diloco\.warmup_steps=-1: must be >= 0"):
+        cfg("diloco.warmup_steps=-1")
+
+
 def test_slow_link_auto_picks_diloco_and_mid_link_keeps_sync():
     on, choice = resolve_diloco(cfg("diloco.enabled=auto"), SLOW)
     assert on and choice.chosen == "diloco"

@@ -27,7 +27,14 @@ from holmes_jax.runtime.checkpoint import (
     read_params,
     save_params,
 )
-from holmes_jax.runtime.diloco import OuterStep, decode, due_fragments, encode, fragment_slots
+from holmes_jax.runtime.diloco import (
+    OuterStep,
+    decode,
+    due_fragments,
+    encode,
+    fragment_slots,
+    in_warmup,
+)
 from holmes_jax.runtime.loop import diloco_lines, run
 from holmes_jax.runtime.mesh import build_mesh
 from holmes_jax.runtime.model import GPT
@@ -172,6 +179,39 @@ def test_outer_nesterov_step_equals_hand_computed_reference(average):
                 after.outer["global"],
             )
     assert float(optax.tree.norm(before[2].outer["momentum"])) > 0  # μ·m entered step 2
+
+
+def test_warmup_steps_average_whatever_the_outer_optimizer(average):
+    """diloco.warmup_steps: the outer steps after the first K inner steps average the
+    replicas (the states of H = 1, lr 1, μ 0) although lr is 0.7 and μ 0.9, and leave the
+    momentum at zero for the rounds after step K."""
+    cfg = dataclasses.replace(
+        average.cfg.diloco, outer_lr=0.7, outer_momentum=0.9, inner_steps=2, warmup_steps=2
+    )
+    outer = OuterStep(cfg, average.layout, average.mesh, average.state_sharding, average.dtype)
+
+    def warm(state, f):
+        with average.context():
+            return outer(state, f, average=True)
+
+    _, plain = _train(average, 3, same_halves=False)  # H = 1, lr 1, μ 0
+    _, got = _train(average, 3, same_halves=False, outer=warm)
+    for n in range(3):
+        _close(got[n][1].params, plain[n][1].params, atol=1e-6)
+        _close(got[n][1].outer["global"], plain[n][1].outer["global"], atol=1e-6)
+        assert float(optax.tree.norm(got[n][1].outer["momentum"])) == 0.0
+    assert float(optax.tree.norm(plain[2][1].outer["momentum"])) > 0  # μ 0 still stores Δ
+
+
+def test_warmup_schedule_then_rounds_from_step_k():
+    # K = 3, H = 4, F = 2: every fragment after steps 1-3, then fragment 1 at phase 2 and
+    # fragment 0 at phase 0 of (n - 3) mod 4
+    got = [due_fragments(n, 4, 2, 3) for n in range(12)]
+    assert got == [[], [0, 1], [0, 1], [0, 1], [], [1], [], [0], [], [1], [], [0]]
+    assert [in_warmup(n, 3) for n in range(5)] == [False, True, True, True, False]
+    assert [due_fragments(n, 4, 2) for n in range(5)] == [
+        due_fragments(n, 4, 2, 0) for n in range(5)
+    ]
 
 
 # --------------------------------------------------------------------------- the wire
@@ -349,13 +389,16 @@ def test_the_log_says_whether_diloco_runs_and_what_auto_became(average, hierarch
 
 
 @pytest.mark.slow
-def test_resume_across_an_outer_step_is_exact(tmp_path, tiny_config, capsys):
-    """Killed after step 3 (between the outer steps after 2 and 4), resumed: the same
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_resume_across_an_outer_step_is_exact(tmp_path, tiny_config, capsys, warmup):
+    """Killed after step 3 (between the outer steps after 2 and 4; with a warm-up of 1
+    step: after the averaging after 1 and the outer step after 3), resumed: the same
     losses, eval losses (of the global model) and final state as the uninterrupted run."""
     base = [
         "parallel.replica=2",
         "diloco.enabled=true",
         "diloco.inner_steps=2",
+        f"diloco.warmup_steps={warmup}",
         "train.steps=5",
         "train.eval_every=2",
         "logging.log_every=1",
@@ -365,8 +408,15 @@ def test_resume_across_an_outer_step_is_exact(tmp_path, tiny_config, capsys):
     whole = run(full)
     log = capsys.readouterr().out
     assert "diloco: on across 2 replicas: H=2 inner steps" in log
-    outer = [line for line in log.splitlines() if "outer step" in line]
-    assert outer == [f"diloco: outer step of fragment 0/1 after step {n}" for n in (2, 4)]
+    outer = [line for line in log.splitlines() if "step of fragment" in line]
+    if warmup:
+        assert outer == [
+            "diloco: averaging (warm-up) step of fragment 0/1 after step 1",
+            "diloco: outer step of fragment 0/1 after step 3",
+            "diloco: outer step of fragment 0/1 after step 5",
+        ]
+    else:
+        assert outer == [f"diloco: outer step of fragment 0/1 after step {n}" for n in (2, 4)]
     first = run(cut, stop_at_step=3)
     second = run(cut)
     assert [r["step"] for r in first + second] == [1, 2, 3, 4, 5]
