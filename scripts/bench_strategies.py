@@ -104,6 +104,18 @@ QUALITY_TUNING = {
         "diloco.warmup_steps=50",
     ],
     "H10-w50": ["diloco.inner_steps=10", "diloco.warmup_steps=50"],
+    "H25-avg-w50": [
+        "diloco.inner_steps=25",
+        "diloco.outer_lr=1.0",
+        "diloco.outer_momentum=0.0",
+        "diloco.warmup_steps=50",
+    ],
+    "H50-avg-w50": [
+        "diloco.inner_steps=50",
+        "diloco.outer_lr=1.0",
+        "diloco.outer_momentum=0.0",
+        "diloco.warmup_steps=50",
+    ],
     "H10-avg": ["diloco.inner_steps=10", "diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"],
     "H25-avg": ["diloco.inner_steps=25", "diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"],
     "H10-mu0.5": ["diloco.inner_steps=10", "diloco.outer_momentum=0.5"],
