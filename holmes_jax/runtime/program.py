@@ -15,7 +15,8 @@ A :class:`Program` is built once per (config, mesh). It owns
   shared), the outer state ``outer = {'global', 'momentum'}`` (fp32, no ``[R]`` axis,
   sharded like the ZeRO-1 moments), an inner ``train_step`` with no collective over
   ``replica`` (loss and grad norm come back per replica, ``[R]`` sharded over
-  ``replica``: the host averages them) and ``outer_step(state, fragment)``.
+  ``replica``: the host averages them) and ``outer_step(state, fragment, steps_done)``
+  (plain averaging within ``diloco.warmup_steps``).
 
 Batches are ``[B, T + 1]`` int32 token windows sharded over ``data``: inputs are
 ``[:, :-1]`` and targets ``[:, 1:]``. Dropout keys derive from (seed, step), so a resumed

@@ -71,7 +71,7 @@ def _train(program, steps: int, same_halves: bool, outer=None):
         batch = jax.device_put(_rows(n, same_halves), program.batch_sharding)
         state, metrics = program.train_step(state, batch)
         for f in program.due_fragments(n + 1):
-            state = program.outer_step(state, f) if outer is None else outer(state, f)
+            state = program.outer_step(state, f, n + 1) if outer is None else outer(state, f)
         out.append((float(np.mean(metrics["loss"])), jax.device_get(program.to_logical(state))))
     return state, out
 
