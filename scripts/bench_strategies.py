@@ -96,28 +96,15 @@ QUALITY_VARIANTS = {
 # What else to try when the quality target is missed (--quality-variants): plain
 # averaging of the replicas (outer lr 1, no momentum), less momentum, a larger outer step,
 # a warm-up of averaging after every one of the first 50 steps (diloco.warmup_steps).
+AVERAGING = ["diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"]
+WARMUP_50 = ["diloco.warmup_steps=50"]
 QUALITY_TUNING = {
-    "H10-avg-w50": [
-        "diloco.inner_steps=10",
-        "diloco.outer_lr=1.0",
-        "diloco.outer_momentum=0.0",
-        "diloco.warmup_steps=50",
-    ],
-    "H10-w50": ["diloco.inner_steps=10", "diloco.warmup_steps=50"],
-    "H25-avg-w50": [
-        "diloco.inner_steps=25",
-        "diloco.outer_lr=1.0",
-        "diloco.outer_momentum=0.0",
-        "diloco.warmup_steps=50",
-    ],
-    "H50-avg-w50": [
-        "diloco.inner_steps=50",
-        "diloco.outer_lr=1.0",
-        "diloco.outer_momentum=0.0",
-        "diloco.warmup_steps=50",
-    ],
-    "H10-avg": ["diloco.inner_steps=10", "diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"],
-    "H25-avg": ["diloco.inner_steps=25", "diloco.outer_lr=1.0", "diloco.outer_momentum=0.0"],
+    "H10-avg-w50": ["diloco.inner_steps=10", *AVERAGING, *WARMUP_50],
+    "H10-w50": ["diloco.inner_steps=10", *WARMUP_50],
+    "H25-avg-w50": ["diloco.inner_steps=25", *AVERAGING, *WARMUP_50],
+    "H50-avg-w50": ["diloco.inner_steps=50", *AVERAGING, *WARMUP_50],
+    "H10-avg": ["diloco.inner_steps=10", *AVERAGING],
+    "H25-avg": ["diloco.inner_steps=25", *AVERAGING],
     "H10-mu0.5": ["diloco.inner_steps=10", "diloco.outer_momentum=0.5"],
     "H10-lr1": ["diloco.inner_steps=10", "diloco.outer_lr=1.0"],
 }

@@ -58,6 +58,7 @@ from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
 from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
+from holmes_jax.runtime.diloco import in_warmup
 from holmes_jax.runtime.mesh import build_mesh
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
@@ -221,7 +222,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     # outer step costs nothing next to the sync itself (and on GPUs the
                     # next inner step needs the new parameters anyway).
                     jax.block_until_ready(state)
-                    kind = "averaging (warm-up)" if step <= cfg.diloco.warmup_steps else "outer"
+                    warm = in_warmup(step, cfg.diloco.warmup_steps)
+                    kind = "averaging (warm-up)" if warm else "outer"
                     logger.message(
                         f"diloco: {kind} step of fragment {fragment}/{cfg.diloco.fragments} "
                         f"after step {step}"
