@@ -28,7 +28,8 @@ compiles), from the trainer's metrics.
 
 Predictions come from the cost model (holmes_jax.planner.cost / placement) fed with a profile that
 holmes_jax.probe measures first *through the same emulated launch* (``launch --program
-probe``, one per topology): one layer on every device while the 4 processes share the 2
+probe``, one per topology and plan micro-batch: the Holmes plans', and naive data
+parallel's): a stage of the plan on every device while the 4 processes share the 2
 cores, and the links as gloo sees them through the namespaces (all-reduce, ZeRO-1's
 reduce-scatter and all-gather inside each island, point-to-point between the islands). The
 model prices the step as the trainer runs it (holmes_jax.planner.plans.predict_config): each
@@ -199,10 +200,14 @@ def main(argv=None) -> int:
     folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_islands_")
     os.makedirs(folder, exist_ok=True)
     cfgs = {name: config(args.steps, extra, mesh) for name, (mesh, extra) in VARIANTS.items()}
+    # The probe times a stage at its plan's micro-batch: naive data parallel runs 2
+    # sequences of 4 layers per device, the Holmes plans 1 sequence of 2 layers.
     profiled = {"slow": probe_launch(SLOW, HOLMES, folder, "slow")}
+    if "naive" in VARIANTS:
+        profiled["naive"] = probe_launch(SLOW, NAIVE, folder, "naive")
     if "fast" in VARIANTS:
         profiled["fast"] = probe_launch(FAST, HOLMES, folder, "fast")
-    which = {"holmes": "slow", "naive": "slow", "fast": "fast", "zb": "slow"}
+    which = {"holmes": "slow", "naive": "naive", "fast": "fast", "zb": "slow"}
     predicted = {
         name: predicted_step(cfg, *profiled[which[name]][:2]) for name, cfg in cfgs.items()
     }

@@ -22,7 +22,10 @@ each, the planner's prediction for exactly that config, from a profile that
 ``holmes_jax.probe`` measures through the same emulated launch (the links as gloo sees
 them, the layer times with four processes on the machine's cores), with blocking
 collectives (gloo): (a), (b) by :func:`holmes_jax.planner.plans.predict_config`, (c) by
-:func:`holmes_jax.planner.strategy.predict_diloco_config`.
+:func:`holmes_jax.planner.strategy.predict_diloco_config`. The probe runs twice per link,
+with (a)'s and with (b)'s plan, since it times a stage at the plan's micro-batch (1 or 2
+sequences of 4 layers for (a), 8 sequences of 8 layers for (b) and (c)): on cores shared
+by four processes a layer's time per sequence is not the same at both.
 
 **Quality** (no root, one process, 8 simulated devices): the quickstart model on the
 stdlib corpus for ``--quality-steps`` steps of 32 × 128 tokens (the same tokens for every
@@ -85,6 +88,9 @@ QUALITY = COMMON + [
     "train.eval_every=50",
     "logging.log_every=50",
 ]
+# Plans the probe times a stage of (each its own micro-batch and layers per device); DiLoCo
+# runs the hierarchical plan's inner step.
+PROBED = ("pipeline", "hierarchical")
 QUALITY_VARIANTS = {
     "sync": [],
     "H10": ["diloco.inner_steps=10"],
@@ -138,13 +144,16 @@ def measure_speed(args, folder: str) -> dict:
     for link in args.links.split(","):
         mesh = MESHES[link]
         variants = speed_variants(mesh, args.inner_steps)
-        probe_set = SPEED + variants["pipeline"] + [f"parallel.mesh={mesh}"]
-        log(f"{link}: probe the links and the layer through the emulated launch")
-        topology, calibration, _ = benchlib.emulated_probe(
-            mesh, probe_set, folder, f"profile-{link}", "bench_strategies", QUICKSTART
-        )
+        profiles = {}  # the links, and a stage timed at each plan's micro-batch
+        for plan in PROBED:
+            log(f"{link}: probe the links and a stage of the {plan} plan (emulated launch)")
+            probe_set = SPEED + variants[plan] + [f"parallel.mesh={mesh}"]
+            profiles[plan] = benchlib.emulated_probe(
+                mesh, probe_set, folder, f"profile-{link}-{plan}", "bench_strategies", QUICKSTART
+            )
         table = {}
         for name, extra in variants.items():
+            topology, calibration, _ = profiles[name if name in PROBED else "hierarchical"]
             steps = 2 * args.inner_steps + 1 if name.startswith("diloco") else args.speed_steps
             window = 10 if name.startswith("diloco") else 5
             overrides = SPEED + extra + [f"parallel.mesh={mesh}", f"logging.log_every={window}"]
@@ -175,7 +184,11 @@ def measure_speed(args, folder: str) -> dict:
             }
         sync = min(table["pipeline"]["step_ms"], table["hierarchical"]["step_ms"])
         best = min(table["diloco"]["step_ms"], table["diloco-int8"]["step_ms"])
-        rows[link] = {"variants": table, "diloco_over_best_sync_tokens": round(sync / best, 2)}
+        rows[link] = {
+            "variants": table,
+            "diloco_over_best_sync_tokens": round(sync / best, 2),
+            "probe_layer_fwd_bwd_ms": {plan: profiles[plan][2] for plan in PROBED},
+        }
     return rows
 
 

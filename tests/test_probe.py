@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,6 +36,7 @@ from holmes_jax.planner.measurements import (
     Measurement,
     fit_link,
     island_pairs,
+    microbatch_size,
     pair_shape,
     profile_dict,
 )
@@ -237,6 +239,65 @@ def test_gather_merges_what_each_process_measured(monkeypatch):
     assert links[0].times_s == (1e-3, 2e-3)
 
 
+def test_gather_takes_the_fair_share_of_an_islands_processes(monkeypatch):
+    """Two processes of one island ran the layer at once, one favoured by the scheduler
+    (1 s and 3 s per call): the island's figure is the time per call at their summed rate
+    (the harmonic mean, 1.5 s), not the faster or slower one; links keep the slowest."""
+    from jax.experimental import multihost_utils
+
+    compute = [ComputeTiming("ib", "cpu:0", 2, 1.0, 2.0, 0.5)]
+    links = [LinkTiming("data:ib", "ib", "all-reduce", 2, 1, (4, 8), (1e-3, 3e-3))]
+    other = np.array([3.0, 6.0, 0.6, 2e-3, 1e-3])
+
+    def allgather(x):
+        return np.stack([x, other])
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    (ib,), (link,) = measure._gather(compute, links)
+    assert (ib.fwd_s, ib.fwd_bwd_s) == (pytest.approx(1.5), pytest.approx(3.0))
+    assert ib.alone_fwd_s == 0.6
+    assert link.times_s == (2e-3, 3e-3)
+
+
+def test_shared_times_alternate_the_calls_for_one_window(monkeypatch):
+    """Every process runs the programs in turn for the same windows, each after a barrier:
+    both are called equally often, for at least the windows, and each figure is per call."""
+    from jax.experimental import multihost_utils
+
+    barriers = []
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", barriers.append)
+    monkeypatch.setattr(measure, "CHAIN_S", 0.002)
+    monkeypatch.setattr(measure, "LOAD_FACTOR", 1)
+    calls = {"fast": 0, "slow": 0}
+
+    def call(name, seconds):
+        def run():
+            calls[name] += 1
+            time.sleep(seconds)
+            return np.zeros(())
+
+        return run
+
+    start = time.perf_counter()
+    fast, slow = measure._shared_times([call("fast", 0.001), call("slow", 0.003)], repeats=5)
+    assert time.perf_counter() - start >= 5 * 2 * 0.002
+    assert len(barriers) == measure.WINDOWS  # one before each window
+    assert calls["fast"] == calls["slow"] >= measure.WINDOWS + measure._WARMUP
+    assert 0.003 <= slow and 0.001 <= fast < slow
+
+
+def test_probe_times_one_micro_batch_of_a_replicated_plan():
+    """Every replica trains its own share of the global batch: 32 sequences over replica 2 x
+    data 4 x 1 micro-batch is 4 per micro-batch (the probe once timed 8)."""
+    topo = load_topology(TWO)
+    cfg = load_config(
+        CONFIG,
+        [f"parallel.mesh={TWO}", "parallel.replica=2", "parallel.stages=1", "parallel.data=4",
+         "parallel.microbatches=1", "parallel.layers_per_stage=null"],
+    )  # fmt: skip
+    assert microbatch_size(cfg, topo) == 4
+
+
 # --------------------------------------------------------------------------- real run
 
 
@@ -329,3 +390,19 @@ def test_module_imports_no_jax_and_entry_point_reports_errors():
         cwd=ROOT,
     )
     assert res.returncode == 2 and res.stderr.count("\n") == 1
+
+
+def test_the_timed_stage_has_the_layers_one_device_runs():
+    """A stage of the plan: the largest layers_per_stage entry, else the even split over
+    stages x virtual stages rounded up, capped."""
+    from holmes_jax.planner.measurements import stage_layers
+
+    base = [f"parallel.mesh={TWO}", "parallel.stages=2"]
+    cases = [
+        (["parallel.layers_per_stage=[3,5]"], 8, 5),
+        (["parallel.layers_per_stage=auto"], 8, 4),
+        (["model.num_layers=7", "parallel.layers_per_stage=auto"], 8, 4),
+        (["parallel.layers_per_stage=[3,5]"], 2, 2),
+    ]
+    for extra, most, want in cases:
+        assert stage_layers(load_config(CONFIG, base + extra), most) == want, extra

@@ -146,13 +146,27 @@ def fit_link(nbytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, 
 
 
 def microbatch_size(cfg: Config, topology: Topology) -> int:
-    """The config's micro-batch on the topology: ``global_batch / (data × microbatches)``.
+    """The config's micro-batch on the topology:
+    ``global_batch / (replica × data × microbatches)`` (every replica trains its own share).
 
     Raises:
       ConfigError: degrees that do not divide the devices, or a batch they do not divide.
     """
     shape = check_devices(cfg, topology.num_devices)
-    return cfg.train.global_batch_size // (shape.data * cfg.parallel.microbatches)
+    return cfg.train.global_batch_size // (shape.replica * shape.data * cfg.parallel.microbatches)
+
+
+def stage_layers(cfg: Config, most: int) -> int:
+    """Layers one device runs per micro-batch pass under the config's plan (the largest
+    entry of ``parallel.layers_per_stage``, else an even split over stages x virtual
+    stages, rounded up), at most ``most``: the probe times a stage of that many distinct
+    layers, whose weights and stored activations the training step also streams through."""
+    p = cfg.parallel
+    if isinstance(p.layers_per_stage, tuple):
+        n = max(p.layers_per_stage)
+    else:
+        n = math.ceil(cfg.model.num_layers / (p.stages * p.virtual_stages))
+    return max(1, min(most, n))
 
 
 def pair_shape(topology: Topology) -> Degrees:

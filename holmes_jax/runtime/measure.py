@@ -1,20 +1,33 @@
-"""Measure one layer and the links on the real devices (the probe's jax half).
+"""Measure a stage's layers and the links on the real devices (the probe's jax half).
 
 ``python -m holmes_jax.probe`` (:mod:`holmes_jax.probe`) parses the command line and calls
 :func:`measure`; the results, the link fits and the profile writer are jax-free
 (:mod:`holmes_jax.planner.measurements`).
 
-What is timed (median of ``--repeats`` runs after two warm-up calls):
+What is timed (median of ``--repeats`` runs after two warm-up calls, except as said):
 
-1. **Compute**, per island: one transformer layer (:class:`Block`, the config's model
-   shape, fp32, no recompute) forward, and forward + backward (a ``jax.vjp`` giving the
-   parameter and input gradients); backward = the difference. The batch is one
-   micro-batch of the config, ``global_batch / (data × microbatches)``, on every device
-   at once (each timed run starts after a barrier across processes), as training runs
-   them: islands held by one process (all of them, on one CPU
-   process) run as one program, since they share its machine (8 simulated CPU devices
-   each run ~8x slower than one alone); islands on other processes run theirs at the
-   same time. The forward on each island's first device alone is printed, not written.
+1. **Compute**, per island: a stage of the config's plan, ``n`` distinct transformer
+   layers (:class:`Block`, the config's model shape, fp32, no recompute; ``n`` the layers
+   one device runs per micro-batch, at most :data:`MAX_STACK` and
+   :data:`MAX_STACK_BYTES` of weights), forward through all of
+   them, and forward then backward through all of them (a ``jax.vjp`` giving parameter
+   and input gradients); per layer = the time / ``n``, backward = the difference. The
+   batch is one micro-batch of the config, ``global_batch / (replica × data ×
+   microbatches)``, on every device at once, as training runs them: islands held by one
+   process (all of them, on one CPU process) run as one program, since they share its
+   machine (8 simulated CPU devices each run ~8x slower than one alone); islands on
+   other processes run theirs at the same time. Each timed program runs the stage ``r``
+   times (a loop inside the program, each pass consuming the last one's output, the
+   weight gradients summed), ``r`` chosen so one call lasts about :data:`CHAIN_S` on a
+   device alone (the same ``r`` on every process). With several processes the two
+   programs alternate back to back for a window after a barrier, the mean per call in
+   each window and the median over windows kept (:func:`_shared_times`); an island's
+   processes are combined at their fair share (:func:`_fair_share`). Why a stage and
+   windows, not one layer once per repeat: on the emulated cluster (four processes on two
+   cores) one layer's few milliseconds after a barrier overlapped the other processes
+   only by chance, and one layer's weights and activations stay in cache where a stage's
+   do not, so the profile priced the trainer's compute up to 2x fast. The forward of one
+   layer on each island's first device alone is printed, not written.
 2. **Links**, each at several message sizes S (bytes per device), fitted by least squares
    on relative error to ``time = latency + bytes / bandwidth``:
 
@@ -78,11 +91,18 @@ from holmes_jax.planner.measurements import (
     pair_shape,
     profile_dict,
     sizes_text,
+    stage_layers,
 )
 from holmes_jax.planner.profiles import DATA_OPS
 from holmes_jax.planner.topology import Topology
 
 _WARMUP = 2  # untimed calls: compile, then one run to settle caches and allocators
+CHAIN_S = 0.05  # seconds one timed layer program lasts on a device alone
+LOAD_FACTOR = 6  # seconds per timed call and CHAIN_S when processes share cores
+WINDOWS = 3  # timed windows of _shared_times (the median is kept)
+MAX_CHAIN = 512  # most stage passes repeated in one timed program
+MAX_STACK = 8  # most distinct layers in the timed stage
+MAX_STACK_BYTES = 4 << 30  # most fp32 weight bytes of the timed stage
 # Ring steps per (n - 1) ranks of each collective, as holmes_jax.planner.cost counts them.
 Log = Callable[[str], None]
 
@@ -137,8 +157,12 @@ def measure(
     me = jax.process_index()
     offsets = topology.island_offsets
 
-    say(f"layer forward, forward+backward, micro-batch {b}, every device busy")
-    compute = _time_layers(model, b, topology, devices, repeats)
+    # A stage, but no more than MAX_STACK_BYTES of fp32 weights (and as much again of
+    # weight gradients): a 70B layer alone is 3.2 GB.
+    most = max(1, min(MAX_STACK, MAX_STACK_BYTES // (4 * cfg.model.spec.layer_params)))
+    layers = stage_layers(cfg, most)
+    say(f"layer forward, forward+backward, micro-batch {b}, a stage of {layers}, every device busy")
+    compute = _time_layers(model, b, layers, topology, devices, repeats)
 
     links = []
     for isl, off in zip(topology.islands, offsets, strict=True):
@@ -199,12 +223,13 @@ def probe(cfg: Config, topology: Topology, **kwargs: Any) -> dict[str, Any]:
 
 
 def _time_layers(
-    model: ModelConfig, b: int, topology: Topology, devices: list, repeats: int
+    model: ModelConfig, b: int, layers: int, topology: Topology, devices: list, repeats: int
 ) -> list[ComputeTiming]:
     """One layer on every device of each island at once, as training runs it, and on each
     island's first device alone for comparison."""
     import flax.linen as nn
     import jax
+    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     from holmes_jax.runtime.model import Block, block_apply
@@ -216,9 +241,29 @@ def _time_layers(
     def fwd(params, x):  # x [b, s, h]
         return block_apply(model, params, x, deterministic=det, rng=rng)
 
-    def fwd_bwd(params, x, dy):  # gradients for the parameters and the input, as a stage
-        y, vjp = jax.vjp(fwd, params, x)
-        return y, vjp(dy)
+    def stack(params, x):  # the n layers of a stage, params stacked [n, ...]
+        return jax.lax.scan(lambda a, p: (fwd(p, a), None), x, params)[0]
+
+    def repeated(r: int, backward: bool):
+        """The stage run ``r`` times in one program, each pass on the last one's output:
+        forward only, or forward through every layer then backward through every layer
+        (as a stage's micro-batch), the input gradient the next output gradient and the
+        weight gradients summed."""
+        if not backward:
+            return lambda params, x: jax.lax.fori_loop(0, r, lambda _, a: stack(params, a), x)
+
+        def run(params, x, dy):
+            def step(_, carry):
+                x, dy, total = carry
+                y, vjp = jax.vjp(stack, params, x)
+                g, dx = vjp(dy)
+                return y, dx, jax.tree.map(jnp.add, total, g)
+
+            zero = jax.tree.map(jnp.zeros_like, params)
+            y, dx, total = jax.lax.fori_loop(0, r, step, (x, dy, zero))
+            return y, (total, dx)
+
+        return run
 
     def program(mesh, f, inputs: int):
         """``f`` on every device: params replicated, activations one block per device."""
@@ -237,9 +282,9 @@ def _time_layers(
     shape = (b, model.seq_len, model.hidden_size)  # [b, s, h]
     abstract = jax.eval_shape(Block(model).init, jax.random.key(0), np.zeros(shape, np.float32))
     params = jax.tree.map(
-        lambda a: (0.02 * gen.standard_normal(a.shape)).astype(np.float32),
+        lambda a: (0.02 * gen.standard_normal((layers, *a.shape))).astype(np.float32),
         nn.meta.unbox(abstract["params"]),
-    )
+    )  # [layers, ...]: a stage's distinct layers
     alone = jax.jit(fwd)
     me = jax.process_index()
     ranges = [
@@ -254,8 +299,18 @@ def _time_layers(
     host_x = gen.standard_normal((*mesh.devices.shape, *shape)).astype(np.float32)
     x = jax.device_put(host_x, NamedSharding(mesh, spec))
     p = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    fwd_s = _median_time(partial(program(mesh, fwd, 1), p, x), repeats, together=True)
-    fwd_bwd_s = _median_time(partial(program(mesh, fwd_bwd, 2), p, x, x), repeats, together=True)
+    # Stage passes per timed program: from one, the most any process needs.
+    once = _median_time(partial(program(mesh, repeated(1, True), 2), p, x, x), 3)
+    r = _agreed_max(min(MAX_CHAIN, max(1, math.ceil(CHAIN_S / max(once, 1e-9)))))
+    calls = (
+        partial(program(mesh, repeated(r, False), 1), p, x),
+        partial(program(mesh, repeated(r, True), 2), p, x, x),
+    )
+    if jax.process_count() > 1:
+        times = _shared_times(calls, repeats)
+    else:
+        times = [_median_time(call, repeats) for call in calls]
+    fwd_s, fwd_bwd_s = (t / (r * layers) for t in times)  # per layer
     out = []
     for i, isl in enumerate(topology.islands):
         first = devices[ranges[i][0]]
@@ -263,7 +318,7 @@ def _time_layers(
         if i in group["islands"]:
             timing = replace(timing, fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s)
         if first.process_index == me:
-            one = jax.device_put((params, host_x[0, 0, 0, 0]), first)
+            one = jax.device_put((jax.tree.map(lambda a: a[0], params), host_x[0, 0, 0, 0]), first)
             timing = replace(timing, alone_fwd_s=_median_time(partial(alone, *one), repeats))
         out.append(timing)
     return out
@@ -324,29 +379,56 @@ def _time_collective(
     return times
 
 
-def _median_time(call: Callable[[], Any], repeats: int, together: bool = False) -> float:
-    """Median seconds of ``call()`` until its result is ready, after warm-up calls.
-
-    ``together``: every process calls this at the same point (the layer programs), and
-    each timed run starts after a barrier across all processes, so all of them compute at
-    once as in training. Without it, processes that share a machine's cores (the emulated
-    cluster) drift apart (each compiles at its own pace) and time their few-millisecond
-    layers mostly alone: the profile then priced compute 2-3x faster than training ran.
-    """
+def _median_time(call: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``call()`` until its result is ready, after warm-up calls."""
     import jax
 
     for _ in range(_WARMUP):
         jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
-        if together and jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("holmes_jax.probe: compute")
         start = time.perf_counter()
         jax.block_until_ready(call())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _shared_times(calls: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
+    """Seconds per call of each of ``calls`` while every process runs them at once.
+
+    Every process calls this at the same point. After warm-up calls, :data:`WINDOWS`
+    times: a barrier, then each process calls them in turn, back to back, for the same
+    wall-clock window (``repeats`` x :data:`CHAIN_S` x :data:`LOAD_FACTOR` per call, over
+    the windows), so processes that share a machine's cores (the emulated cluster) contend
+    for all of it but the start skew, and the calls alternate under the same load. Each
+    window gives the mean per call (not the median: a process sharing cores runs some
+    calls at full speed and others mostly preempted, and its throughput is what a training
+    step meets); the median over windows is kept, so one stalled window (seen once: a
+    process 30x slow for seconds) does not set the figure. A barrier before each call of a
+    few milliseconds (the earlier probe) did not make processes overlap: they leave a
+    barrier tens of milliseconds apart (it crosses the shaped links), and the profile
+    priced the emulated cluster's compute up to 2x faster than training ran.
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    for call in calls:
+        for _ in range(_WARMUP):
+            jax.block_until_ready(call())
+    means = []  # [window][call]
+    for _ in range(WINDOWS):
+        multihost_utils.sync_global_devices("holmes_jax.probe: compute")
+        totals, counts = [0.0] * len(calls), [0] * len(calls)
+        window = repeats * len(calls) * CHAIN_S * LOAD_FACTOR / WINDOWS
+        deadline = time.perf_counter() + window
+        while not counts[-1] or time.perf_counter() < deadline:
+            for i, call in enumerate(calls):
+                start = time.perf_counter()
+                jax.block_until_ready(call())
+                totals[i] += time.perf_counter() - start
+                counts[i] += 1
+        means.append([t / n for t, n in zip(totals, counts, strict=True)])
+    return [statistics.median(column) for column in zip(*means, strict=True)]
 
 
 def _mesh(shape: Degrees, devices):
@@ -360,6 +442,17 @@ def _link(key, island, op, ranks, share, sizes, times) -> LinkTiming:
     return LinkTiming(key, island, op, ranks, share, tuple(sizes), times)
 
 
+def _agreed_max(value: int) -> int:
+    """The largest ``value`` any process passed (every process calls this at one point)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int64))))
+
+
 def _gather(compute: list[ComputeTiming], links: list[LinkTiming]):
     """Merge what each process measured (NaN where it measured nothing) over processes."""
     from jax.experimental import multihost_utils
@@ -367,13 +460,31 @@ def _gather(compute: list[ComputeTiming], links: list[LinkTiming]):
     flat = [v for c in compute for v in (c.fwd_s, c.fwd_bwd_s, c.alone_fwd_s)]
     flat += [t for lk in links for t in lk.times_s]
     every = np.asarray(multihost_utils.process_allgather(np.asarray(flat, np.float64)))
-    merged = iter(np.fmax.reduce(every.reshape(-1, len(flat)), axis=0).tolist())
+    every = every.reshape(-1, len(flat))  # [processes, values]
+    most = np.fmax.reduce(every, axis=0)
+    fair = _fair_share(every)  # for the layer times every process measured at once
     compute = [
-        replace(c, fwd_s=next(merged), fwd_bwd_s=next(merged), alone_fwd_s=next(merged))
-        for c in compute
+        replace(c, fwd_s=fair[3 * i], fwd_bwd_s=fair[3 * i + 1], alone_fwd_s=most[3 * i + 2])
+        for i, c in enumerate(compute)
     ]
-    links = [replace(lk, times_s=tuple(next(merged) for _ in lk.times_s)) for lk in links]
+    rest = iter(most[3 * len(compute) :].tolist())
+    links = [replace(lk, times_s=tuple(next(rest) for _ in lk.times_s)) for lk in links]
     return compute, links
+
+
+def _fair_share(times: np.ndarray) -> np.ndarray:
+    """Per column, the harmonic mean of the processes' times (NaN: not measured there).
+
+    The processes of an island ran the same program at once; over a window of seconds a
+    time-sharing scheduler favours some of them (on the emulated cluster one process made
+    4x the calls of another), which a training run evens out, its steps waiting for every
+    process. The island's figure is the time per call had all progressed at their summed
+    rate: the harmonic mean.
+    """
+    rates = np.where(np.isnan(times), 0.0, 1.0 / np.where(np.isnan(times), 1.0, times))
+    counts = (~np.isnan(times)).sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(counts > 0, counts / rates.sum(axis=0), np.nan)
 
 
 # --------------------------------------------------------------------------- output
