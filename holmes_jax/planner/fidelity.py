@@ -62,6 +62,9 @@ class MegatronRun:
     gpus: int
     batch: int
     tflops_per_gpu: float  # published achieved teraFLOP/s per GPU
+    # The 2022 mechanisms (DeepRun's switches); the 2021 Table 1 runs had neither.
+    tp_overlap: bool = False
+    sequence_parallel: bool = False
 
     @property
     def data(self) -> int:
@@ -439,8 +442,8 @@ def _megatron_plan(
         overlap_grad_sync=overlap_grad_sync,
         engine="megatron",
         memory_fraction=1.0,
-        tp_overlap=getattr(run, "tp_overlap", False),
-        sequence_parallel=getattr(run, "sequence_parallel", False),
+        tp_overlap=run.tp_overlap,
+        sequence_parallel=run.sequence_parallel,
     )
     v = run.virtual_stages
     layout = Layout(
