@@ -39,6 +39,7 @@ from holmes_jax.planner.measurements import (
     microbatch_size,
     pair_shape,
     profile_dict,
+    stage_layers,
 )
 from holmes_jax.planner.placement import stage_hardware
 from holmes_jax.planner.profiles import DATA_OPS, load_profile, profile_from_dict
@@ -259,7 +260,7 @@ def test_gather_takes_the_fair_share_of_an_islands_processes(monkeypatch):
     assert link.times_s == (2e-3, 3e-3)
 
 
-def test_shared_times_alternate_the_calls_for_one_window(monkeypatch):
+def test_shared_times_alternate_the_calls_in_every_window(monkeypatch):
     """Every process runs the programs in turn for the same windows, each after a barrier:
     both are called equally often, for at least the windows, and each figure is per call."""
     from jax.experimental import multihost_utils
@@ -395,8 +396,6 @@ def test_module_imports_no_jax_and_entry_point_reports_errors():
 def test_the_timed_stage_has_the_layers_one_device_runs():
     """A stage of the plan: the largest layers_per_stage entry, else the even split over
     stages x virtual stages rounded up, capped."""
-    from holmes_jax.planner.measurements import stage_layers
-
     base = [f"parallel.mesh={TWO}", "parallel.stages=2"]
     cases = [
         (["parallel.layers_per_stage=[3,5]"], 8, 5),

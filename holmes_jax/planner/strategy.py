@@ -217,20 +217,23 @@ def predict_diloco_config(
     outer syncs spread over ``H`` steps."""
     from holmes_jax.planner.plans import predict_config, specs_from_config
 
-    islands = topology.islands
-    R = len(islands)
     inner = predict_config(
         cfg, _islands_alone(topology), calibration, sync_collectives=sync_collectives
     ).step_s
-    slow = _slowest_inter_island(topology)
-    hosts = min(isl.num_hosts for isl in islands)
     model, _ = specs_from_config(cfg)
-    dl = cfg.diloco
-    sync = outer_sync_s(
-        model.num_params, dl.outer_dtype, R, hosts * slow.bytes_per_s, slow.latency_s
-    )
-    exposed, _ = exposed_outer_s(sync, dl.fragments)
+    sync, exposed = _outer_cost(cfg, topology, model.num_params)
     return inner + exposed * outer_syncs_per_step(cfg), inner, sync
+
+
+def _outer_cost(cfg: Any, topology: Topology, params: int) -> tuple[float, float]:
+    """(one outer sync, its exposed time per outer round) of ``cfg.diloco`` across the
+    islands: every host of the smallest island sends over the slowest inter-island link."""
+    dl = cfg.diloco
+    slow = _slowest_inter_island(topology)
+    hosts = min(isl.num_hosts for isl in topology.islands)
+    replicas = len(topology.islands)
+    sync = outer_sync_s(params, dl.outer_dtype, replicas, hosts * slow.bytes_per_s, slow.latency_s)
+    return sync, exposed_outer_s(sync, dl.fragments)[0]
 
 
 def outer_syncs_per_step(cfg: Any) -> float:
@@ -270,10 +273,13 @@ def _sync_cross_bytes(plan: Plan, model: Any, run: Any) -> float:
 
 def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyPrice:
     dl = cfg.diloco
-    H, F, dtype = dl.inner_steps, dl.fragments, dl.outer_dtype
-    islands = topology.islands
-    R = len(islands)
-    base = dict(inner_steps=H, fragments=F, outer_dtype=dtype, warmup_steps=dl.warmup_steps)
+    R = len(topology.islands)
+    base = dict(
+        inner_steps=dl.inner_steps,
+        fragments=dl.fragments,
+        outer_dtype=dl.outer_dtype,
+        warmup_steps=dl.warmup_steps,
+    )
     if not equal:
         return StrategyPrice("diloco", None, why="needs >= 2 islands of equal size", **base)
     if run.global_batch_size % R:
@@ -286,14 +292,11 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
         inner = search_plan(_islands_alone(topology), model, run, replica=R, **search)
     except ConfigError as e:
         return StrategyPrice("diloco", None, why=str(e), **base)
-    slow = _slowest_inter_island(topology)
-    hosts = min(isl.num_hosts for isl in islands)
-    sync = outer_sync_s(model.num_params, dtype, R, hosts * slow.bytes_per_s, slow.latency_s)
+    sync, exposed = _outer_cost(cfg, topology, model.num_params)
     t = inner.predicted_step_s
-    exposed, _ = exposed_outer_s(sync, F)
     n = outer_syncs_per_step(cfg)
     step = t + exposed * n
-    cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dtype] * n
+    cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dl.outer_dtype] * n
     return StrategyPrice(
         "diloco", inner, step, tokens / step, cross, outer_sync_s=sync, exposed_s=exposed, **base
     )

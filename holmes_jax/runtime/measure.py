@@ -225,8 +225,9 @@ def probe(cfg: Config, topology: Topology, **kwargs: Any) -> dict[str, Any]:
 def _time_layers(
     model: ModelConfig, b: int, layers: int, topology: Topology, devices: list, repeats: int
 ) -> list[ComputeTiming]:
-    """One layer on every device of each island at once, as training runs it, and on each
-    island's first device alone for comparison."""
+    """Per layer, a stage of ``layers`` layers on every device of each island at once, as
+    training runs it (module doc, item 1), and one layer's forward on each island's first
+    device alone for comparison."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -462,7 +463,7 @@ def _gather(compute: list[ComputeTiming], links: list[LinkTiming]):
     every = np.asarray(multihost_utils.process_allgather(np.asarray(flat, np.float64)))
     every = every.reshape(-1, len(flat))  # [processes, values]
     most = np.fmax.reduce(every, axis=0)
-    fair = _fair_share(every)  # for the layer times every process measured at once
+    fair = _fair_share(every[:, : 3 * len(compute)])  # layer times all measured at once
     compute = [
         replace(c, fwd_s=fair[3 * i], fwd_bwd_s=fair[3 * i + 1], alone_fwd_s=most[3 * i + 2])
         for i, c in enumerate(compute)
@@ -481,10 +482,10 @@ def _fair_share(times: np.ndarray) -> np.ndarray:
     process. The island's figure is the time per call had all progressed at their summed
     rate: the harmonic mean.
     """
-    rates = np.where(np.isnan(times), 0.0, 1.0 / np.where(np.isnan(times), 1.0, times))
     counts = (~np.isnan(times)).sum(axis=0)
+    rates = np.nansum(1.0 / times, axis=0)  # 0 where no process measured
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(counts > 0, counts / rates.sum(axis=0), np.nan)
+        return np.where(counts > 0, counts / rates, np.nan)
 
 
 # --------------------------------------------------------------------------- output

@@ -271,7 +271,7 @@ class Program:
         d = self.cfg.diloco
         return due_fragments(steps_done, d.inner_steps, d.fragments, d.warmup_steps)
 
-    def outer_step(self, state: TrainState, fragment: int, steps_done: int = 0) -> TrainState:
+    def outer_step(self, state: TrainState, fragment: int, steps_done: int) -> TrainState:
         """DiLoCo: the outer step of ``fragment`` due after ``steps_done`` inner steps
         (:mod:`holmes_jax.runtime.diloco`; within ``diloco.warmup_steps``: averaging);
         ``state`` is donated."""

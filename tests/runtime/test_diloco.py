@@ -333,7 +333,7 @@ def test_pipeline_inside_each_replica_trains_and_syncs_fragments(tiny_config, ma
         due = program.due_fragments(n)
         assert due == [0 if n % 2 == 0 else 1]  # H=2, F=2: fragment 1 at odd n, 0 at even
         before = jax.device_get(state.outer["global"])
-        state = program.outer_step(state, due[0])
+        state = program.outer_step(state, due[0], n)
         after = jax.device_get(state.outer["global"])
         slot = due[0]  # one slot per fragment: 2 slots per stage
         for part in ("embed", "blocks", "head"):
