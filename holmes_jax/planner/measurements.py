@@ -257,7 +257,8 @@ def format_table(m: Measurement) -> str:
     flops = m.layer_fwd_flops
     lines = [
         f"probe of topology {topo.name}: {topo.num_devices} {m.platform or 'jax'} devices, "
-        f"{len(topo.islands)} islands; median of {m.repeats} runs",
+        f"{len(topo.islands)} islands; median of {m.repeats} runs (with several processes "
+        f"the layers: mean per call in shared windows)",
         f"layer: hidden {model.hidden_size}, {model.num_heads} heads, seq {model.seq_len}, "
         f"mlp {model.mlp_size} ({model.arch}), micro-batch {m.microbatch_size}, fp32 "
         f"({flops / 1e9:.3g} GFLOP forward)",
