@@ -29,6 +29,7 @@ from holmes_jax.core.spec import (
     ATTENTION_KERNELS,
     CONFIG_LIMITS,
     DILOCO_CHOICES,
+    GRAD_BUCKET_CHOICES,
     OUTER_DTYPES,
     PRECISIONS,
     REMAT_CHOICES,
@@ -196,6 +197,11 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per device (interleaved only, >= 2); <= 64
     replica: int = 1  # data-parallel copies across islands (hierarchical reduction); <= 256
     enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
+    # When gradients are reduced over data (and replica): "layer" each layer's as soon as
+    # its last backward completes (overlaps the backward with asynchronous collectives),
+    # "step" every leaf once, all layers at a time, after the backward (a few collectives
+    # per step); auto: step where collectives block (CPU), else layer.
+    grad_buckets: str = "auto"  # auto | layer | step
 
     def layout(self, degrees: Degrees) -> Layout:
         """The resolved degrees with this config's micro-batches and schedule (``auto``:
@@ -219,6 +225,7 @@ class ParallelConfig:
             self, "parallel", ("tensor", "stages", "microbatches", "replica", "virtual_stages")
         )
         check_choice(self.schedule, "parallel.schedule", SCHEDULE_CHOICES)
+        check_choice(self.grad_buckets, "parallel.grad_buckets", GRAD_BUCKET_CHOICES)
         if self.schedule == "auto":
             if self.virtual_stages != 1 or isinstance(self.layers_per_stage, tuple):
                 raise ConfigError(

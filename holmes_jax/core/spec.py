@@ -47,6 +47,20 @@ PRECISIONS = ("fp32", "bf16")
 # What crosses the link at a DiLoCo outer step (the outer state itself stays fp32).
 OUTER_DTYPES = ("fp32", "bf16", "int8")
 DILOCO_CHOICES = (True, False, "auto")  # diloco.enabled; auto: the planner decides
+# parallel.grad_buckets: when the data-parallel gradient reduction runs (runtime.zero).
+GRAD_BUCKETS = ("layer", "step")
+GRAD_BUCKET_CHOICES = (*GRAD_BUCKETS, "auto")
+
+
+def resolve_grad_buckets(value: str, blocking: bool) -> str:
+    """``parallel.grad_buckets`` as run: ``auto`` is ``step`` where collectives block the
+    device (CPU runtimes such as gloo: a per-layer reduction cannot overlap anything and
+    each collective is one more rendezvous) and ``layer`` elsewhere (GPU: asynchronous
+    collectives hide behind the rest of the backward)."""
+    check_choice(value, "parallel.grad_buckets", GRAD_BUCKET_CHOICES)
+    if value == "auto":
+        return "step" if blocking else "layer"
+    return value
 
 
 def check_positive(key: str, value) -> None:

@@ -53,13 +53,16 @@ import numpy as np
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import (
+    GRAD_BUCKET_CHOICES,
     REMAT_POLICIES,
     Layout,
     ModelSpec,
+    check_choice,
     check_positive,
     head_fwd_flops,
     iteration_flops,
     layer_fwd_flops,
+    resolve_grad_buckets,
     scores_fwd_flops,
 )
 from holmes_jax.planner.formulas import (
@@ -103,6 +106,10 @@ class RunSpec:
     # Collectives block the device until done (CPU runtimes such as gloo): the stages'
     # in-loop reductions add up instead of hiding behind each other (module doc).
     sync_collectives: bool = False
+    # parallel.grad_buckets: "layer" (each layer's gradient reduced as it completes, in
+    # the loop), "step" (each leaf once, all layers at a time, after the loop), auto: step
+    # with sync_collectives, else layer (holmes_jax.core.spec.resolve_grad_buckets).
+    grad_buckets: str = "auto"
     # The implementation priced: "holmes_jax" (this trainer: a collective per parameter
     # leaf, the layer weights sliced out of the stacked slots) or "megatron" (Megatron-LM,
     # for the fidelity check: one flat gradient buffer, weights used in place). Both send
@@ -122,10 +129,23 @@ class RunSpec:
             raise ConfigError(f"engine='{self.engine}': must be one of {', '.join(ENGINES)}")
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]")
+        check_choice(self.grad_buckets, "parallel.grad_buckets", GRAD_BUCKET_CHOICES)
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(
                 f"model.remat='{self.remat}': must be one of {', '.join(REMAT_POLICIES)}"
             )
+
+    @property
+    def reduction(self) -> str:
+        """How the gradient reduction meets the pipeline: ``overlap`` (per-layer buckets,
+        hidden behind the drain), ``sync`` (per-layer buckets on blocking collectives: the
+        stages' reductions add up), ``exposed`` (after the loop, nothing hides it: one
+        bucket per step, or ``overlap_grad_sync`` off)."""
+        if resolve_grad_buckets(self.grad_buckets, self.sync_collectives) == "step":
+            return "exposed"
+        if self.sync_collectives:
+            return "sync"
+        return "overlap" if self.overlap_grad_sync else "exposed"
 
     @property
     def recompute(self) -> bool:
@@ -286,11 +306,17 @@ def stage_costs(
     ) / t
     grads = params * run.grad_bytes
     shards = d if run.zero1 else 1
-    calls = (
-        n * model.layer_leaves + first * model.embedding_leaves + last * model.head_leaves
-    )  # (p, L+1) collectives per reduction or all-gather
+    # Collective calls per reduction: one per leaf and layer with per-layer buckets (the
+    # embedding's and head's on the stages that use them); one per stacked leaf (all of a
+    # device's layers at once) with one bucket per step, and for the ZeRO-1 all-gather
+    # (GSPMD gathers each updated leaf whole, every stage its embedding and head copies).
+    leaves = model.layer_leaves + model.embedding_leaves + model.head_leaves
+    calls = n * model.layer_leaves + first * model.embedding_leaves + last * model.head_leaves
+    if resolve_grad_buckets(run.grad_buckets, run.sync_collectives) == "step":
+        calls = np.full_like(calls, leaves)
+    gather_calls = np.full_like(calls, leaves)
     if run.engine == "megatron":  # one contiguous gradient buffer
-        calls = np.ones_like(calls)
+        calls = gather_calls = np.ones_like(calls)
     reduce = _dp_reduce(grads, calls, layout, hw, run.zero1)
     if tie_copy:
         # First and last stage all-reduce the tied embedding's gradient; under ZeRO-1 each
@@ -300,7 +326,9 @@ def stage_costs(
         reduce = reduce + (first + last) * tie
     gather = np.zeros_like(params)
     if run.zero1 and d > 1:
-        gather = all_gather_time(params * run.param_bytes, d, *_paths(hw, "gather_path"), calls)
+        gather = all_gather_time(
+            params * run.param_bytes, d, *_paths(hw, "gather_path"), gather_calls
+        )
     touched = run.grad_bytes + 2 * run.optimizer_bytes + run.param_bytes  # read/write
     optimizer = params / shards * touched / mem_bw
 
@@ -581,8 +609,8 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
         costs.reduce[idx],
         after,
         sigma,
-        run.overlap_grad_sync,
-        sync=run.sync_collectives,
+        run.reduction == "overlap",
+        sync=run.reduction == "sync",
         own_s=omega,
     )
     step = pipe + tail

@@ -30,9 +30,9 @@ def step_tables(costs: StageCosts) -> dict[str, np.ndarray]:
     h, g, sigma, omega = schedule_terms(costs)
     r, a = costs.reduce, costs.optimizer + costs.gather
     run = costs.run
-    if run.sync_collectives:  # the stages' reductions add up
+    if run.reduction == "sync":  # the stages' reductions add up
         h, r, sigma, omega = h + r, np.zeros_like(r), 0 * sigma, 0 * omega
-    elif not run.overlap_grad_sync:  # nothing hides the reduction
+    elif run.reduction == "exposed":  # nothing hides the reduction
         a, r, sigma, omega = a + r, np.zeros_like(r), 0 * sigma, 0 * omega
     h = np.where(costs.fits(), h, np.inf)
     h[:, 0] = np.inf  # every stage holds >= 1 layer

@@ -40,7 +40,8 @@ def specs_from_config(cfg: Any, attention: str = "xla") -> tuple[ModelSpec, RunS
     Precision sets the byte sizes (fp32: 4-byte everything, Adam m and v; bf16: 2-byte
     weights and activations, fp32 gradients, fp32 master + Adam); ``model.remat`` is the
     activation policy (``auto``: priced as none, the planner searches);
-    ``optimizer.zero1`` shards the optimizer state over ``data``. ``attention`` is the
+    ``optimizer.zero1`` shards the optimizer state over ``data``; ``parallel.grad_buckets``
+    goes as it is (``auto`` resolves with ``sync_collectives``). ``attention`` is the
     resolved kernel (:func:`holmes_jax.runtime.model.attention_kernel`).
     """
     m = cfg.model
@@ -55,6 +56,7 @@ def specs_from_config(cfg: Any, attention: str = "xla") -> tuple[ModelSpec, RunS
         remat=m.remat if m.remat != "auto" else "none",  # auto: the planner searches
         attention=attention,
         zero1=cfg.optimizer.zero1,
+        grad_buckets=cfg.parallel.grad_buckets,
     )
     return model, run
 

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from holmes_jax.core.spec import Degrees
+from holmes_jax.core.spec import Degrees, resolve_grad_buckets
 from holmes_jax.planner.cost import Prediction
 from holmes_jax.planner.placement import stage_blocks, stages_per_island
 from holmes_jax.planner.plans import specs_from_config
@@ -162,9 +162,10 @@ def format_run_plan(
         f"  mesh replica {layout.replica} x stage {layout.stages} x data {layout.data} x "
         f"tensor {layout.tensor}; {where}"
     )
+    buckets = resolve_grad_buckets(par.grad_buckets, sync_collectives)
     lines.append(
         f"  pipeline {layout.schedule}, {layout.microbatches} micro-batches of {mb} per data "
-        f"rank, remat {cfg.model.remat}; layers per stage "
+        f"rank, remat {cfg.model.remat}, gradient buckets per {buckets}; layers per stage "
         f"{list(par.layers_per_stage)}: {split}"
     )
     lines += _stage_table(prediction, islands)

@@ -20,9 +20,10 @@ The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over `
      loss and its gradient right away.
    - BWD: walk the chunk's layers backwards from the stored residuals (explicit vjp,
      recomputing only what the policy did not save), accumulating fp32 parameter gradients;
-     the op that completes a chunk's gradients (the table's ``last``) reduces each layer's
-     gradient over ``data`` as soon as it is complete (ZeRO-1 reduce-scatter,
-     :mod:`holmes_jax.runtime.zero` phase 1); embedding backward on the first virtual stage.
+     with per-layer buckets (``grad_buckets="layer"``) the op that completes a chunk's
+     gradients (the table's ``last``) reduces each layer's gradient over ``data`` as soon
+     as it is complete (ZeRO-1 reduce-scatter, :mod:`holmes_jax.runtime.zero` phase 1);
+     embedding backward on the first virtual stage.
      Under ``zb`` BWD is only the input gradient, and WGT, later, the weight gradient
      (:mod:`holmes_jax.runtime.wgrad` splits the layer's backward in the two; what WGT needs
      from BWD waits over the residuals only BWD read, in the micro-batch's residual slot,
@@ -33,8 +34,9 @@ The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over `
    ``bwd_pairs``), issued together; ticks with nothing to send run no collective. Each
    micro-batch so crosses each (virtual) stage boundary once forward and once backward.
    Arrivals go straight into their inbox slot.
-3. Embedding and head gradients reduced over ``data`` (and ``replica``), inside an island
-   (:mod:`holmes_jax.runtime.zero` phases 2–3).
+3. Embedding and head gradients (and with one bucket per step, ``grad_buckets="step"``,
+   every block leaf, all slots at once) reduced over ``data`` (and ``replica``), inside an
+   island (:mod:`holmes_jax.runtime.zero` phases 1–3).
 4. Sums across stages (loss, squared gradient norm, tied-embedding gradient) go through
    ``stages.chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
    traffic between neighbouring stages ever crosses an island boundary.
@@ -74,6 +76,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA, STAGE
 from holmes_jax.core.config import ModelConfig
+from holmes_jax.core.spec import GRAD_BUCKETS
 from holmes_jax.planner.schedule import BWD, FWD, IDLE, WGT, Schedule, make_schedule
 from holmes_jax.runtime.buffers import (
     Residuals,
@@ -172,6 +175,7 @@ class PipelineEngine:
         grad_dims: Any = None,
         nan_bubbles: bool = False,
         independent_replicas: bool = False,
+        grad_buckets: str = "layer",
     ):
         if layout.stages != mesh.shape[STAGE]:
             raise ValueError(
@@ -192,6 +196,11 @@ class PipelineEngine:
         self.replica = 1 if self.independent else mesh.shape[REPLICA]  # reduced over
         # Per leaf, the (pipeline-layout) dim that ZeRO-1 scatters over data, or -1.
         self.grad_dims = grad_dims
+        # "layer": each layer's gradient reduced by the op that completes it; "step": all
+        # of them after the tick loop, one collective per leaf (zero.py phase 1).
+        if grad_buckets not in GRAD_BUCKETS:
+            raise ValueError(f"grad_buckets={grad_buckets!r}: must be one of {GRAD_BUCKETS}")
+        self.per_layer = grad_buckets == "layer"
         self.nan_bubbles = nan_bubbles
         self.gpt = GPT(model_cfg, deterministic=model_cfg.dropout == 0.0)
         # The layer under the config's remat policy: its jax.vjp residuals, which the engine
@@ -350,12 +359,15 @@ class PipelineEngine:
                 for r in st.res.buffered
             ],
             grads=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), st.params),  # fp32 sums
-            # Reduced (1/d with ZeRO-1) block gradients, filled bucket by bucket.
+            # Reduced (1/d with ZeRO-1) block gradients, filled bucket by bucket (per-layer
+            # buckets; None with one bucket per step, reduced after the loop).
             shards=jax.tree.map(
                 lambda a, k: jnp.zeros(shard_shape(a.shape, k, self.data), jnp.float32),
                 st.blocks,
                 st.dims["blocks"],
-            ),
+            )
+            if self.per_layer
+            else None,
             loss=jnp.zeros((), jnp.float32),
         )
         if st.split is not None:  # zb: [Kw, slots, ...] per value of B for W left over
@@ -511,8 +523,11 @@ class PipelineEngine:
         return dx, g_blocks, shards
 
     def _add_layer_grad(self, st: _Local, t, slot, dw, g_blocks, shards):
-        """Add a layer's gradient; the op that completes it reduces it (ZeRO-1 phase 1)."""
+        """Add a layer's gradient; the op that completes it reduces it (ZeRO-1 phase 1)
+        with per-layer buckets (``shards`` is None with one bucket per step)."""
         g_j = jax.tree.map(jnp.add, dyn_index(g_blocks, slot), dw)
+        if not self.per_layer:
+            return dyn_set(g_blocks, slot, g_j), shards
         shards = when(
             st.at("last", t) == 1,
             lambda sh, g: dyn_set(
@@ -568,11 +583,14 @@ class PipelineEngine:
         """Steps 3–4: reduced gradients, mean loss over all stages and the global norm."""
         S, d, r, dims = self.layout.stages, self.data, self.replica, st.dims
         # 3. gradients reduced over data (inside an island) and replicas (zero.py phases 1-3):
-        #    the blocks bucket by bucket during the last backward, embedding and head now.
+        #    the blocks bucket by bucket during the last backward (per-layer buckets) or all
+        #    layers of each leaf at once now (one bucket per step); embedding and head now.
         g = c["grads"]
         grads = {
             "embed": reduce_bucket(g["embed"], dims["embed"], d, r),
-            "blocks": c["shards"],
+            "blocks": (
+                c["shards"] if self.per_layer else reduce_bucket(g["blocks"], dims["blocks"], d, r)
+            ),
             "head": reduce_bucket(g["head"], dims["head"], d, r),
         }
         loss = lax.pmean(c["loss"], DATA)

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.core.axes import DATA, REPLICA
 from holmes_jax.core.config import Config
+from holmes_jax.core.spec import resolve_grad_buckets
 from holmes_jax.runtime.diloco import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.runtime.mesh import batch_sharding, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES
@@ -83,6 +84,10 @@ class Program:
             or self.dtype != jnp.float32  # fp32 accumulation and reduction of bf16 grads
         )
         self.replicas = mesh.shape[REPLICA]
+        # When the engine reduces gradients (auto: one bucket per step where collectives
+        # block the device, as on CPU; per layer elsewhere).
+        platform = mesh.devices.flat[0].platform
+        self.grad_buckets = resolve_grad_buckets(par.grad_buckets, blocking=platform == "cpu")
         # DiLoCo: each replica trains on its own (loop.run resolves ``auto`` to a bool).
         self.diloco = cfg.diloco.enabled is True and self.replicas > 1
         self.model = GPT(m, deterministic=True)
@@ -139,6 +144,7 @@ class Program:
                 grad_dims=self.grad_dims,
                 nan_bubbles=nan_bubbles,
                 independent_replicas=self.diloco,
+                grad_buckets=self.grad_buckets,
             )
         else:
             self.param_sharding = logical_sharding

@@ -8,7 +8,12 @@ parameters) of the fp32 master copy. The reduction runs in these phases, and the
    j's gradient is complete it is reduced over ``data`` (reduce-scatter with ZeRO-1,
    all-reduce without), inside the island. On a GPU the asynchronous collective overlaps
    the backward of layer j−1; stages reduce at different ticks, each as soon as its own
-   last backward is done (the 1F1B cooldown), not at a global barrier.
+   last backward is done (the 1F1B cooldown), not at a global barrier. That is
+   ``parallel.grad_buckets: layer``. With ``step`` (the default where collectives block
+   the device, as gloo's on CPU: nothing would overlap, and each call is a rendezvous of
+   the group) the loop only accumulates, and each block leaf is reduced once after it,
+   all of the stage's ``[slots, ...]`` at a time: 12 calls for a gpt2 stage instead of
+   12 per layer.
 2. After the tick loop, the embedding and head buckets.
 3. With ``parallel.replica > 1`` (one pipeline copy per island): all-reduce of each 1/d
    shard across islands over ``replica`` — the only bytes that cross an island for it.

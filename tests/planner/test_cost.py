@@ -282,7 +282,8 @@ def test_sync_collectives_add_the_stages_reductions():
     run = RunSpec(8, overlap_grad_sync=True)
     hw = _latency_only(2)
     overlapped = predict(stage_costs(MODEL, run, layout, hw), split)
-    sync = stage_costs(MODEL, RunSpec(8, sync_collectives=True), layout, hw)
+    sync_run = RunSpec(8, sync_collectives=True, grad_buckets="layer")
+    sync = stage_costs(MODEL, sync_run, layout, hw)
     got = predict(sync, split)
     idx = ([0, 1], split)
     pipe = pipeline_time((sync.fwd + sync.bwd)[idx], 4)
@@ -290,6 +291,31 @@ def test_sync_collectives_add_the_stages_reductions():
     assert got.step_s == pytest.approx(pipe + sync.reduce[idx].sum() + after.max())
     assert got.step_s > overlapped.step_s
     assert sum(got.breakdown.values()) == pytest.approx(got.step_s)
+
+
+def test_step_buckets_reduce_each_leaf_once_after_the_loop():
+    """One bucket per step: a call per stacked leaf whatever a stage's layer count, run by
+    all stages at once after the pipeline (max over stages, not their sum, and nothing
+    hides it); ``auto`` is that with blocking collectives and per-layer buckets without."""
+    layout, split = Layout(2, 2, 1, microbatches=4), [4, 4]
+    hw = _latency_only(2)
+    leaves = MODEL.layer_leaves + MODEL.embedding_leaves + MODEL.head_leaves
+    step = stage_costs(MODEL, RunSpec(8, grad_buckets="step"), layout, hw)
+    assert step.reduce[0, 1] == step.reduce[0, 4] == pytest.approx(leaves * 1e-3)
+    got = predict(step, split)
+    idx = ([0, 1], split)
+    pipe = pipeline_time((step.fwd + step.bwd)[idx], 4)
+    after = step.optimizer[idx] + step.gather[idx]
+    assert got.step_s == pytest.approx(pipe + (step.reduce[idx] + after).max())
+    layer = stage_costs(MODEL, RunSpec(8, grad_buckets="layer"), layout, hw)
+    assert layer.reduce[0, 4] == pytest.approx((4 * 12 + 2) * 1e-3)  # per layer and leaf
+    # the ZeRO-1 all-gather: GSPMD gathers each stacked leaf whole, in either mode
+    assert layer.gather[0, 4] == step.gather[1, 2] == pytest.approx(leaves * 1e-3)
+    auto_sync = RunSpec(8, sync_collectives=True)
+    assert (auto_sync.reduction, RunSpec(8).reduction) == ("exposed", "overlap")
+    assert RunSpec(8, sync_collectives=True, grad_buckets="layer").reduction == "sync"
+    with pytest.raises(ConfigError, match="parallel.grad_buckets='leaf': must be one of"):
+        RunSpec(8, grad_buckets="leaf")
 
 
 def test_bad_engine_is_a_config_error():

@@ -1,13 +1,14 @@
 """No switch combination crashes, and each trains exactly like the single-device reference.
 
 The documented switches (stages, tensor, data, precision, ZeRO-1, remat, schedule, tied
-embeddings) have 2^6 * 3 * 3 = 576 combinations, each its own compiled program: too many for CI
-on two cores. So CI runs a covering array of strength 3 (every triple of values of any three
-switches appears in some row), built greedily and deterministically below; bugs that need a
-particular pair or triple of switches to show up are caught without the full product.
+embeddings, gradient buckets) have 2^7 * 3 * 3 = 1152 combinations, each its own compiled
+program: too many for CI on two cores. So CI runs a covering array of strength 3 (every
+triple of values of any three switches appears in some row), built greedily and
+deterministically below; bugs that need a particular pair or triple of switches to show up
+are caught without the full product.
 
-    pytest tests/test_switches.py                          # the covering array
-    HOLMES_FULL_MATRIX=1 pytest tests/test_switches.py     # all 576 combinations
+    pytest tests/runtime/test_switches.py                          # the covering array
+    HOLMES_FULL_MATRIX=1 pytest tests/runtime/test_switches.py     # all 1152 combinations
 
 Every row runs two optimizer steps on the same batch and compares both losses with the plain
 single-device fp32 program (stages=data=tensor=1, ZeRO-1 off, remat none) of the same model:
@@ -38,6 +39,7 @@ SWITCHES: dict[str, tuple] = {
     "remat": ("none", "full", "selective"),
     "schedule": ("gpipe", "1f1b", "zb"),
     "tied": (True, False),
+    "buckets": ("layer", "step"),  # parallel.grad_buckets
 }
 
 MODEL = [
@@ -106,7 +108,7 @@ def _row_id(row: dict) -> str:
     return (
         f"s{row['stages']}-t{row['tensor']}-d{row['data']}-{row['precision']}"
         f"-zero1{'on' if row['zero1'] else 'off'}-remat{row['remat']}-{row['schedule']}"
-        f"-{'tied' if row['tied'] else 'untied'}"
+        f"-{'tied' if row['tied'] else 'untied'}-{row['buckets']}"
     )
 
 
@@ -128,6 +130,7 @@ def _overrides(row: dict) -> list[str]:
         f"optimizer.zero1={str(row['zero1']).lower()}",
         f"model.remat={row['remat']}",
         f"model.tied_embeddings={str(row['tied']).lower()}",
+        f"parallel.grad_buckets={row['buckets']}",
     ]
 
 
@@ -159,7 +162,7 @@ def _reference(tied: bool) -> tuple[float, float]:
     """The plain single-device fp32 program: one device, ZeRO-1 off, no remat, one microbatch."""
     row = dict(
         stages=1, tensor=1, data=1, precision="fp32", zero1=False, remat="none",
-        schedule="gpipe", tied=tied,
+        schedule="gpipe", tied=tied, buckets="layer",
     )  # fmt: skip
     losses = _losses(row)
     assert losses[1] < losses[0]  # it trains (so step 2 really tests the update)

@@ -128,16 +128,19 @@ def _collectives(cfg, hlo_out=None):
     return found
 
 
+FOUR_STAGES = [
+    f"parallel.mesh={ROOT}/meshes/cpu8-two-islands.yaml",
+    "parallel.stages=4",
+    "parallel.microbatches=4",
+    "parallel.schedule=1f1b",
+    "optimizer.zero1=true",
+]
+
+
 def test_hlo_reduce_scatter_inside_islands_then_all_gather():
     cfg = load_config(
         os.path.join(ROOT, "configs", "quickstart.yaml"),
-        [
-            f"parallel.mesh={ROOT}/meshes/cpu8-two-islands.yaml",
-            "parallel.stages=4",
-            "parallel.microbatches=4",
-            "parallel.schedule=1f1b",
-            "optimizer.zero1=true",
-        ],
+        FOUR_STAGES + ["parallel.grad_buckets=layer"],
     )
     texts = []
     found = _collectives(cfg, texts)
@@ -151,6 +154,22 @@ def test_hlo_reduce_scatter_inside_islands_then_all_gather():
     inner = [c for c, ops in _computation_ops(texts[0]).items() if "reduce-scatter" in ops]
     assert inner and all(c == "ENTRY" or c in loops for c in inner), inner
     assert not [c for c in inner if c != "ENTRY" and loops[c]], "reduce-scatter in a counted loop"
+    assert any(c != "ENTRY" for c in inner)  # the blocks' buckets: inside the tick loop
+
+
+def test_hlo_step_buckets_reduce_each_leaf_once_after_the_loop():
+    """``grad_buckets: step`` (auto on CPU): no collective inside any loop but the tick
+    loop's sends; one reduce-scatter per stacked leaf of the blocks (12 for gpt2), each
+    [slots, ...] at once, plus the embedding's and head's."""
+    cfg = load_config(os.path.join(ROOT, "configs", "quickstart.yaml"), FOUR_STAGES)
+    texts = []
+    found = _collectives(cfg, texts)
+    assert not any(crosses for _, crosses, *_ in found)
+    ops = _computation_ops(texts[0])
+    assert set(ops) == {"ENTRY"}, ops  # every reduction and gather outside the loops
+    scatters = [shape for kind, _, shape, _ in found if kind == "reduce-scatter"]
+    blocks = [s for s in scatters if s.strip().startswith("f32[2,")]  # 8 layers / 4 stages
+    assert len(blocks) == 12, scatters
 
 
 def _computation_ops(text: str) -> dict[str, set[str]]:
@@ -194,10 +213,31 @@ def test_replica_all_reduce_crosses_islands_on_shards():
     for kind, _, _shape, groups in cross:
         assert kind == "all-reduce"
         assert all(len(g) == 2 for g in groups)  # one rank per island
-    # The MLP kernel's gradient [slots, 128, 512] crosses as a half (data 2) shard.
-    assert any("[128,256]" in s or "[64,512]" in s for _, _, s, _ in cross), [
+    # The MLP kernel's gradient [slots, 128, 512] crosses as a half (data 2) shard (all
+    # slots at once: one bucket per step, auto on CPU).
+    assert any(re.search(r"\[4,(128,256|64,512)\]", s) for _, _, s, _ in cross), [
         s for *_, s, _ in cross
     ]
+
+
+def test_layer_and_step_buckets_train_alike(make_program):
+    """Per-layer buckets (the GPU default) and one bucket per step (the CPU default) reduce
+    the same sums: identical parameters after two steps, under ZB-H1 (its deferred weight
+    passes complete the gradients) with a replica across islands."""
+    two = f"{ROOT}/meshes/cpu8-two-islands.yaml"
+    base = MODEL + [f"parallel.mesh={two}", "parallel.replica=2", "parallel.stages=2"]
+    base += ["parallel.microbatches=2", "parallel.schedule=zb", "optimizer.zero1=true"]
+    params = {}
+    for buckets in ("layer", "step"):
+        cfg = load_config(None, base + [f"parallel.grad_buckets={buckets}"])
+        program = make_program(cfg, Degrees(stages=2, data=2, tensor=1, replica=2))
+        assert program.grad_buckets == buckets
+        params[buckets] = _train(program, 2)[2][-1]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-7),
+        params["layer"],
+        params["step"],
+    )
 
 
 def test_replica_run_equals_single_device(make_program):
