@@ -179,7 +179,7 @@ def measure_speed(args, folder: str) -> dict:
                 "step_ms": round(step_s * 1e3, 1),
                 "tokens_per_s": round(tokens / step_s, 1),
                 "predicted_ms": round(predicted * 1e3, 1),
-                "prediction_error": round((predicted - step_s) / step_s, 3),
+                "prediction_error": round(float((predicted - step_s) / step_s), 3),
                 "plan": [o for o in extra if o.startswith(("parallel.", "diloco."))],
             }
         sync = min(table["pipeline"]["step_ms"], table["hierarchical"]["step_ms"])
@@ -324,8 +324,8 @@ def main(argv=None) -> int:
             for row in result["speed"].values()
             for v in row["variants"].values()
         ]
-        targets["diloco >= 3x best sync tokens/s at 10 Mbit/s"] = ratio >= 3
-        targets["predictions within 25%"] = max(errors) <= 0.25
+        targets["diloco >= 3x best sync tokens/s at 10 Mbit/s"] = bool(ratio >= 3)
+        targets["predictions within 25%"] = bool(max(errors) <= 0.25)
     if "quality" in result:
         gap = result["quality"]["gap_vs_sync"]
         targets["some H >= 10 within 3% of sync"] = any(

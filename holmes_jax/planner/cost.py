@@ -35,7 +35,11 @@ one split's step (:func:`predict`).
   stage 0's last W, less the W's stage s deferred past its last B), opt the optimizer
   step and ag the ZeRO-1 parameter all-gather. With synchronous collectives (CPU
   runtimes) each stage reduces inside its own last backward tick and the lockstep ticks
-  add the stages' reductions up: ``Σ_s rs_s + max_s (opt_s + ag_s)``.
+  add the stages' reductions up: ``Σ_s rs_s + max_s (opt_s + ag_s)``; with one gradient
+  bucket per step (``parallel.grad_buckets``) all stages reduce after the loop:
+  ``max_s (rs_s + opt_s + ag_s)``. With blocking sends the pipeline part of one chosen
+  split is re-priced tick by tick (:func:`lockstep_pipeline`); the searches keep the
+  closed forms.
 
 Per-stage speeds and bandwidths come from :mod:`holmes_jax.planner.placement` (which also
 holds the placement conventions); measured ones from :mod:`holmes_jax.planner.profiles`.
@@ -82,6 +86,7 @@ from holmes_jax.planner.memory import (
     zb_stash_bytes,
 )
 from holmes_jax.planner.placement import StageHardware
+from holmes_jax.planner.schedule import BWD, FWD, WGT, make_schedule
 
 ENGINES = ("holmes_jax", "megatron")
 VIRTUAL_MAX = 4  # most chunks per device the memory tables are priced for (v·L slots)
@@ -528,6 +533,60 @@ class Prediction:
     @property
     def fits(self) -> bool:
         return all(m <= c for m, c in zip(self.memory_gb, self.memory_limit_gb, strict=True))
+
+
+def lockstep_pipeline(costs: StageCosts, layers_per_stage: Sequence[int]) -> float:
+    """The pipeline part of a step when every send blocks (CPU runtimes such as gloo).
+
+    The engine runs the schedule's tables tick by tick, and a tick's sends are one
+    ``ppermute`` that neither side leaves before the bytes have arrived: the stages move
+    in lockstep, each tick as long as its slowest op plus its slowest send (the sends of
+    one tick run at once). The closed forms of :func:`predict` instead let a send overlap
+    the receiver's other work; with ZB-H1, whose forward and backward sends fall on
+    different ticks, that priced the 10 Mbit/s emulated pipeline 31% under its measured
+    step. Per op: a stage's forward (backward) micro-batch time less its sends
+    (``shift_f``/``shift_b``), over v chunks; under ZB-H1 B and W separately.
+    """
+    lay = costs.layout
+    p, v = lay.stages, lay.virtual_stages
+    split = check_split(layers_per_stage, p, costs.model.num_layers, v)
+    idx = (np.arange(p), np.array(stage_totals(split, p, v)))
+    sched = make_schedule(lay.schedule, p, lay.microbatches, v)
+    send_f, send_b = costs.shift_f / v, costs.shift_b / v  # (p,) per op
+    weight = costs.weight[idx] / v
+    fwd = costs.fwd[idx] / v - send_f
+    bwd = costs.bwd[idx] / v - send_b - (weight if sched.split_backward else 0.0)
+    ops = sched.op  # [ticks, p]
+    run = np.select([ops == FWD, ops == BWD, ops == WGT], [fwd, bwd, weight], 0.0)
+    total = float(run.max(axis=1).sum())
+    for pairs_f, pairs_b in zip(sched.fwd_pairs, sched.bwd_pairs, strict=True):
+        sends = [send_f[a] for a, _ in pairs_f] + [send_b[a] for a, _ in pairs_b]
+        total += float(max(sends, default=0.0))
+    return total
+
+
+def with_lockstep(prediction: Prediction, costs: StageCosts) -> Prediction:
+    """``prediction`` with its pipeline part priced by :func:`lockstep_pipeline` (what a
+    run on blocking collectives gets): the gradient sync and optimizer after it are kept,
+    the difference goes to the bubble term."""
+    lay = costs.layout
+    b = prediction.breakdown
+    tail = b["grad_sync"] + b["optimizer"]
+    pipe = lockstep_pipeline(costs, prediction.layers_per_stage)
+    busy = b["compute"] + b["tensor_comm"] + b["p2p"]
+    breakdown = dict(b, bubble=float(pipe - busy))
+    step = float(pipe + tail)
+    tau = np.array(prediction.stage_fwd_s) + np.array(prediction.stage_bwd_s)
+    scale = prediction.step_s / step
+    return dataclasses.replace(
+        prediction,
+        step_s=step,
+        breakdown=breakdown,
+        tflops_per_device=prediction.tflops_per_device * scale,
+        model_tflops_per_device=prediction.model_tflops_per_device * scale,
+        samples_per_s=prediction.samples_per_s * scale,
+        bubble_fraction=float(1.0 - lay.microbatches * tau.sum() / (lay.stages * pipe)),
+    )
 
 
 def schedule_terms(costs: StageCosts) -> tuple[np.ndarray, ...]:

@@ -18,7 +18,14 @@ from typing import Any
 from holmes_jax.core.config import check_devices
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, Degrees, ModelSpec
-from holmes_jax.planner.cost import Prediction, RunSpec, memory_inputs, predict, stage_costs
+from holmes_jax.planner.cost import (
+    Prediction,
+    RunSpec,
+    memory_inputs,
+    predict,
+    stage_costs,
+    with_lockstep,
+)
 from holmes_jax.planner.memory import MemoryInputs
 from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
 from holmes_jax.planner.search import (
@@ -293,7 +300,10 @@ def predict_config(
       topology: the cluster (links possibly replaced by a profile).
       calibration: device speed (e.g. from a profile).
       sync_collectives: collectives block the device (CPU runtimes such as gloo; see
-        :class:`holmes_jax.planner.cost.RunSpec`).
+        :class:`holmes_jax.planner.cost.RunSpec`): the reductions are priced that way, and
+        the pipeline by running the schedule's ticks in lockstep
+        (:func:`holmes_jax.planner.cost.lockstep_pipeline`) instead of the closed form
+        the split searches use.
 
     Raises:
       ConfigError: degrees that do not fit the topology or its placement rules (the naive
@@ -307,7 +317,11 @@ def predict_config(
     layout = cfg.parallel.layout(shape)
     place = stage_hardware if cfg.parallel.enforce_islands else naive_hardware
     hardware = place(topology, layout, calibration, run.memory_fraction)
-    return predict(stage_costs(model, run, layout, hardware), cfg.parallel.layers_per_stage)
+    costs = stage_costs(model, run, layout, hardware)
+    prediction = predict(costs, cfg.parallel.layers_per_stage)
+    if sync_collectives:  # the tick loop runs in lockstep (cost.lockstep_pipeline)
+        prediction = with_lockstep(prediction, costs)
+    return prediction
 
 
 def alternatives(

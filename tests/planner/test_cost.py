@@ -15,7 +15,14 @@ from holmes_jax.core.spec import (
     megatron_flops,
 )
 from holmes_jax.planner import fidelity
-from holmes_jax.planner.cost import RunSpec, memory_inputs, predict, stage_costs
+from holmes_jax.planner.cost import (
+    RunSpec,
+    lockstep_pipeline,
+    memory_inputs,
+    predict,
+    stage_costs,
+    with_lockstep,
+)
 from holmes_jax.planner.draw import simulate_schedule
 from holmes_jax.planner.formulas import (
     all_gather_time,
@@ -242,15 +249,15 @@ def test_collectives_pay_latency_per_call():
     assert ring_allreduce_time(8e6, 4, 1e9, 0.0, calls=12) == ring_allreduce_time(8e6, 4, 1e9)
 
 
-def _latency_only(p):
+def _latency_only(p, flops=1e12):
     """Hardware whose data ring and sends cost latency only (infinite bandwidth)."""
     return [
         StageHardware(
             island=0,
-            fwd_flops=1e12,
-            bwd_flops=1e12,
+            fwd_flops=flops,
+            bwd_flops=flops,
             memory_bytes=80 * GB,
-            mem_bw=2e12,
+            mem_bw=2e12 * flops / 1e12,
             tensor=(math.inf, 0.0),
             data=(math.inf, 1e-3),
             send=(math.inf, 1e-2),
@@ -364,3 +371,21 @@ def test_hardware_flops_follow_the_remat_policy():
         per_token = flops_per_token(cfg.spec, cfg.remat).hardware
         # the model's count uses the full (not causal-halved) attention in both passes
         assert per_token * 2 * 512 == pytest.approx(total, rel=0.02), remat
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_lockstep_pipeline_waits_for_every_tick_with_a_send(schedule):
+    """Blocking sends: each tick lasts its slowest op plus its slowest send. With free
+    compute and 10 ms sends at S = 2, M = 2 the tables (GPipe: stage 0 ``F F - - B B``,
+    stage 1 ``- F F B B -``; 1F1B: ``F F - B - B`` and ``- F B F B -``) have stage 0's
+    two forward sends and stage 1's two backward sends on four different ticks: 40 ms,
+    where the closed form (a send overlapping the other stage's work) has 30."""
+    layout = Layout(2, 1, 1, microbatches=2, schedule=schedule)
+    costs = stage_costs(MODEL, RunSpec(2), layout, _latency_only(2, flops=1e30))
+    assert lockstep_pipeline(costs, [4, 4]) == pytest.approx(4e-2, rel=1e-6)
+    closed = predict(costs, [4, 4])
+    locked = with_lockstep(closed, costs)
+    tail = closed.breakdown["grad_sync"] + closed.breakdown["optimizer"]
+    assert closed.step_s == pytest.approx(3e-2 + tail, rel=1e-6)
+    assert locked.step_s == pytest.approx(4e-2 + tail, rel=1e-6)
+    assert sum(locked.breakdown.values()) == pytest.approx(locked.step_s)
