@@ -141,12 +141,17 @@ class RunSpec:
             )
 
     @property
+    def buckets(self) -> str:
+        """``grad_buckets`` as run: ``layer`` or ``step`` (``auto`` by ``sync_collectives``)."""
+        return resolve_grad_buckets(self.grad_buckets, self.sync_collectives)
+
+    @property
     def reduction(self) -> str:
         """How the gradient reduction meets the pipeline: ``overlap`` (per-layer buckets,
         hidden behind the drain), ``sync`` (per-layer buckets on blocking collectives: the
         stages' reductions add up), ``exposed`` (after the loop, nothing hides it: one
         bucket per step, or ``overlap_grad_sync`` off)."""
-        if resolve_grad_buckets(self.grad_buckets, self.sync_collectives) == "step":
+        if self.buckets == "step":
             return "exposed"
         if self.sync_collectives:
             return "sync"
@@ -317,7 +322,7 @@ def stage_costs(
     # (GSPMD gathers each updated leaf whole, every stage its embedding and head copies).
     leaves = model.layer_leaves + model.embedding_leaves + model.head_leaves
     calls = n * model.layer_leaves + first * model.embedding_leaves + last * model.head_leaves
-    if resolve_grad_buckets(run.grad_buckets, run.sync_collectives) == "step":
+    if run.buckets == "step":
         calls = np.full_like(calls, leaves)
     gather_calls = np.full_like(calls, leaves)
     if run.engine == "megatron":  # one contiguous gradient buffer

@@ -59,7 +59,7 @@ from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.runtime.diloco import in_warmup
-from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.mesh import build_mesh, collectives_block
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
 from holmes_jax.runtime.program import Program, compute_dtype
@@ -349,7 +349,7 @@ def describe_plan(
     """
     if topology is None:
         return [], None
-    sync = devices[0].platform == "cpu"
+    sync = collectives_block(devices)
     try:
         prediction = predict_config(cfg, topology, sync_collectives=sync)
     except ConfigError as e:

@@ -59,5 +59,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
 
 
+def collectives_block(devices: Sequence[jax.Device]) -> bool:
+    """Whether collectives on these devices block them until done (the CPU runtimes, gloo
+    across processes): the planner then prices them that way (``sync_collectives``) and
+    ``parallel.grad_buckets: auto`` reduces once per step."""
+    return devices[0].platform == "cpu"
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())

@@ -39,7 +39,7 @@ from holmes_jax.core.axes import DATA, REPLICA
 from holmes_jax.core.config import Config
 from holmes_jax.core.spec import resolve_grad_buckets
 from holmes_jax.runtime.diloco import OuterStep, due_fragments, in_warmup, stack_spec
-from holmes_jax.runtime.mesh import batch_sharding, replicated
+from holmes_jax.runtime.mesh import batch_sharding, collectives_block, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES
 from holmes_jax.runtime.optim import clip_by_global_norm, learning_rate_schedule, make_optimizer
 from holmes_jax.runtime.pipeline import PipelineEngine
@@ -86,8 +86,8 @@ class Program:
         self.replicas = mesh.shape[REPLICA]
         # When the engine reduces gradients (auto: one bucket per step where collectives
         # block the device, as on CPU; per layer elsewhere).
-        platform = mesh.devices.flat[0].platform
-        self.grad_buckets = resolve_grad_buckets(par.grad_buckets, blocking=platform == "cpu")
+        blocking = collectives_block(list(mesh.devices.flat))
+        self.grad_buckets = resolve_grad_buckets(par.grad_buckets, blocking)
         # DiLoCo: each replica trains on its own (loop.run resolves ``auto`` to a bool).
         self.diloco = cfg.diloco.enabled is True and self.replicas > 1
         self.model = GPT(m, deterministic=True)
