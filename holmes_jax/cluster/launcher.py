@@ -86,11 +86,14 @@ def quiet(line: str, after_chatter: bool = False) -> str | None:
 
     A line of bare digits is the tail of a gloo report cut by another thread's report
     (``...is : `` + another report + ``1``) when the same process's previous line was
-    chatter (``after_chatter``); otherwise it is kept.
+    chatter (``after_chatter``); otherwise it is kept. So is an empty line after chatter:
+    the newline of a report whose text went into the line before.
     """
     if _JAX_ECHO.fullmatch(line) or (
         _GLOO_PIECES.fullmatch(line) and (after_chatter or not line.isdigit())
     ):
+        return None
+    if not line and after_chatter:
         return None
     rest = _GLOO_REPORT.sub("", line)
     return rest if rest == line or rest.strip() else None

@@ -267,6 +267,14 @@ def test_bare_digits_after_chatter_are_a_cut_gloo_tail():
     assert launcher.quiet("step 3 | loss 5.3", after_chatter=True) == "step 3 | loss 5.3"
 
 
+def test_blank_line_after_chatter_is_a_reports_newline():
+    """Two threads' reports on one line leave the second newline alone on the next line
+    (seen in CI: an empty ``[ib-1]`` line in a 4-process launch); a blank line after the
+    process's own output stays."""
+    assert launcher.quiet("", after_chatter=True) is None
+    assert launcher.quiet("", after_chatter=False) == ""
+
+
 # The launcher forks (to arm PR_SET_PDEATHSIG); jax, loaded in this test process by other
 # tests, warns about any fork. The launcher's own process never imports jax.
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
