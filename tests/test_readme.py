@@ -1,6 +1,6 @@
-"""The README's quickstart paragraph and the quickstart YAML's header say what the config does.
+"""The README's quickstart paragraph says what the config does.
 
-Both texts state facts about ``configs/quickstart.yaml``: the parameter count, the layers,
+It states facts about ``configs/quickstart.yaml``: the parameter count, the layers,
 the topology and its islands, the pipeline's degrees, schedule and micro-batches, who
 splits the layers, the steps, where the outputs go and the planner's predicted step.
 :func:`mismatches` reads each fact from the text with a pattern and compares it with the
@@ -90,16 +90,6 @@ def quickstart_paragraph() -> str:
     return next(p for p in section.split("\n\n") if p.startswith("The first trains"))
 
 
-def yaml_header() -> str:
-    lines = []
-    with open(QUICKSTART) as f:
-        for line in f:
-            if not line.startswith("#"):
-                break
-            lines.append(line[1:])
-    return "".join(lines)
-
-
 @pytest.fixture(scope="module")
 def cfg():
     return load_config(QUICKSTART)
@@ -109,13 +99,6 @@ def test_readme_quickstart_paragraph_matches_the_config(cfg):
     text = quickstart_paragraph()
     assert "`configs/quickstart.yaml`" in text
     assert mismatches(text, _facts(cfg) + _readme_facts(cfg)) == []
-
-
-def test_quickstart_yaml_header_matches_the_config(cfg):
-    header = yaml_header()
-    assert header.startswith(" quickstart: ")
-    assert "python -m holmes_jax.train --config configs/quickstart.yaml\n" in header
-    assert mismatches(header, _facts(cfg)) == []
 
 
 @pytest.mark.parametrize(
