@@ -129,7 +129,7 @@ def make_plan(
 def plan_overrides(plan: Plan) -> list[str]:
     """The ``--set`` overrides that make the trainer run ``plan``'s degrees, schedule,
     split and remat policy (benchmarks compile and run exactly what the planner chose)."""
-    values = _run_values(plan.layout, plan.layers_per_stage, plan.remat)
+    values = _run_values(plan.layout, plan.layers_per_stage, plan.remat, True)
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -140,21 +140,24 @@ def run_overrides(cfg: Any, topology: Topology, plan: Plan) -> list[str]:
     thing (``data: 0``, ``layers_per_stage: auto``, ``model.remat: auto``); all of them are
     kept when the config's own degrees cannot run on ``topology``.
     """
-    wanted = _run_values(plan.layout, plan.layers_per_stage, plan.remat)
+    wanted = _run_values(plan.layout, plan.layers_per_stage, plan.remat, True)
     try:
         shape = check_devices(cfg, topology.num_devices)
         own = resolve_auto(cfg, shape, topology)
     except ConfigError:
         return [f"{k}={v}" for k, v in wanted.items()]
     par = own.parallel
-    have = _run_values(par.layout(shape), par.layers_per_stage, own.model.remat)
+    have = _run_values(
+        par.layout(shape), par.layers_per_stage, own.model.remat, par.enforce_islands
+    )
     return [f"{k}={v}" for k, v in wanted.items() if have[k] != v]
 
 
-def _run_values(layout: Any, layers_per_stage: Any, remat: str) -> dict[str, str]:
+def _run_values(layout: Any, layers_per_stage: Any, remat: str, islands: bool) -> dict[str, str]:
     """The config keys (as ``--set`` writes their values) that fix what the trainer runs."""
     split = ",".join(str(n) for n in layers_per_stage)
     return {
+        "parallel.enforce_islands": str(islands).lower(),
         "parallel.replica": str(layout.replica),
         "parallel.stages": str(layout.stages),
         "parallel.data": str(layout.data),
@@ -169,7 +172,7 @@ def _run_values(layout: Any, layers_per_stage: Any, remat: str) -> dict[str, str
 
 def plan_config(cfg: Any, plan: Plan) -> Any:
     """``cfg`` set to run ``plan``: the values :func:`plan_overrides` gives on the command
-    line."""
+    line (a plan's placement respects the islands)."""
     lay = plan.layout
     par = dataclasses.replace(
         cfg.parallel,
@@ -181,6 +184,7 @@ def plan_config(cfg: Any, plan: Plan) -> Any:
         schedule=lay.schedule,
         virtual_stages=lay.virtual_stages,
         layers_per_stage=tuple(plan.layers_per_stage),
+        enforce_islands=True,
     )
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, remat=plan.remat), parallel=par
