@@ -7,11 +7,13 @@ Examples::
     python -m holmes_jax.plan --config C --mesh M --keep-degrees --png plan.png
     python -m holmes_jax.plan --config C --mesh M --profile runs/probe/profile.json
 
-Prints the chosen plan (replica/stage/data/tensor degrees, stages per island, layers per
+Prints the planner's plan (replica/stage/data/tensor degrees, stages per island, layers per
 stage, micro-batches), the predicted step time and its breakdown, TFLOP/s per device and
-memory per stage, with the uniform, holmes and optimal splits of that placement side by
-side. ``--json`` prints one machine-readable object; ``--png`` draws the pipeline schedule
-as a timeline per stage and the topology with its islands and links (needs matplotlib).
+memory per stage, the ``--set`` overrides that train it, and the uniform, holmes and
+optimal splits of that placement side by side. ``--keep-degrees`` plans the config's own
+degrees instead and prints the step the trainer prints for them. ``--json`` prints one
+machine-readable object; ``--png`` draws the pipeline schedule as a timeline per stage
+and the topology with its islands and links (needs matplotlib).
 Errors in the config, topology or profile print one line to stderr and exit with code 2.
 The work is done by :mod:`holmes_jax.planner` (``plans``, ``report``, ``draw``); this
 module only parses and prints.
@@ -21,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 
 from holmes_jax.core.errors import ConfigError, one_line, run_cli
 from holmes_jax.planner.draw import draw_plan
 from holmes_jax.planner.grid import describe_grid
-from holmes_jax.planner.plans import alternatives, make_plan
+from holmes_jax.planner.plans import alternatives, as_trained, make_plan
 from holmes_jax.planner.report import format_plan, plan_json
 from holmes_jax.planner.search import METHODS
 from holmes_jax.planner.strategy import price_strategies
@@ -62,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--keep-degrees",
         action="store_true",
-        help="keep the config's stages/data/tensor/microbatches; only split",
+        help="keep the config's replica/stages/data/tensor/microbatches/schedule; only split",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--png", help="draw the schedule timeline and the topology to this file")
@@ -90,18 +93,24 @@ def _run(args: argparse.Namespace) -> int:
         from holmes_jax.planner.profiles import load_profile
 
         topology, calibration = load_profile(args.profile, topology)
-    plan = make_plan(cfg, topology, args.partition, calibration, args.keep_degrees)
-    alts = alternatives(cfg, topology, plan, calibration)
-    choice = price_strategies(cfg, topology, args.partition, calibration, plan)
+    searched = make_plan(cfg, topology, args.partition, calibration, args.keep_degrees)
+    alts = alternatives(cfg, topology, searched, calibration)
+    choice = price_strategies(cfg, topology, args.partition, calibration, searched)
+    plan = as_trained(cfg, topology, searched, calibration)
+    kept = args.keep_degrees
     if args.png:
         try:
             draw_plan(plan, topology, args.png)
         except OSError as e:  # a missing folder, no permission
             raise ConfigError(f"--png '{args.png}': cannot be written ({one_line(e)})") from None
     if args.json:
-        print(json.dumps(plan_json(plan, topology, alts, cfg, choice)))
+        print(json.dumps(plan_json(plan, topology, alts, cfg, choice, kept=kept)))
     else:
-        print(format_plan(plan, topology, alts, cfg, choice))
+        command = f"python -m holmes_jax.train --config {shlex.quote(args.config)}"
+        if args.mesh:
+            command += f" --mesh {shlex.quote(args.mesh)}"
+        command += "".join(f" --set {shlex.quote(o)}" for o in args.set)
+        print(format_plan(plan, topology, alts, cfg, choice, kept=kept, command=command))
         if args.png:
             print(f"wrote {args.png}")
     return 0

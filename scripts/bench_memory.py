@@ -56,6 +56,7 @@ SHIPPED = [
     ("configs/gpt-124m.yaml", "meshes/paper-ib-8x8.yaml"),
     ("configs/gpt-350m.yaml", "meshes/paper-ib-8x8.yaml"),
     ("configs/gpt-1.3b.yaml", "meshes/paper-ib-8x8.yaml"),
+    ("configs/gpt-1.3b-1node.yaml", "meshes/gpu8-one-host.yaml"),
     ("configs/gpt-7b.yaml", "meshes/paper-ib-roce-8x8.yaml"),
     ("configs/llama-1b.yaml", "meshes/paper-ib-8x8.yaml"),
     ("configs/llama-8b.yaml", "meshes/paper-ib-roce-8x8.yaml"),
@@ -134,12 +135,12 @@ GRID = [
     ),
     (
         "configs/gpt-7b.yaml",
-        "parallel.tensor=8 parallel.stages=2 parallel.data=1 "
+        "parallel.replica=1 parallel.tensor=8 parallel.stages=2 parallel.data=1 "
         "parallel.microbatches=4 model.remat=full train.global_batch_size=16",
     ),
     (
         "configs/gpt-7b.yaml",
-        "parallel.tensor=8 parallel.stages=2 parallel.data=1 "
+        "parallel.replica=1 parallel.tensor=8 parallel.stages=2 parallel.data=1 "
         "parallel.microbatches=4 model.remat=none train.global_batch_size=4",
     ),
     (

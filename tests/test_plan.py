@@ -279,3 +279,107 @@ def test_json_names_the_strategy_and_compares_all_three(capsys):
     assert rows["diloco"]["plan"]["replica"] == 2  # one copy per island
     code, out, err = run(capsys, "--config", CONFIG, "--mesh", slow, "--set", "diloco.enabled=auto")
     assert "strategy: diloco" in out and "auto_min_speedup" in out
+
+
+def test_keep_degrees_prices_what_the_trainer_prints(capsys):
+    import jax
+
+    from holmes_jax.core.config import check_devices, load_config
+    from holmes_jax.planner.plans import resolve_auto
+    from holmes_jax.planner.topology import load_topology
+    from holmes_jax.runtime.loop import describe_plan
+
+    cfg = load_config(CONFIG, [f"parallel.mesh={TWO}"])
+    topology = load_topology(TWO)
+    shape = check_devices(cfg, topology.num_devices)
+    resolved = resolve_auto(cfg, shape, topology)
+    lines, trainer_s = describe_plan(
+        resolved, shape, topology, jax.devices(), cfg.parallel.layers_per_stage
+    )
+    assert f"predicted step {trainer_s:.3g} s" in "\n".join(lines)
+    code, out, err = run(capsys, "--config", CONFIG, "--mesh", TWO, "--keep-degrees", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["keeps_config_degrees"] and d["collectives_block"]
+    assert d["predicted_step_s"] == pytest.approx(trainer_s, rel=1e-12)
+    assert d["overrides"] == []  # the config as shipped runs this plan
+    code, out, err = run(capsys, "--config", CONFIG, "--mesh", TWO, "--keep-degrees")
+    assert "plan (the config's degrees, optimal split)" in out
+    assert f"predicted step {trainer_s:.4g} s" in out
+
+
+def test_printed_overrides_run_the_plan_shown(capsys):
+    from holmes_jax.core.config import check_devices, load_config
+    from holmes_jax.planner.plans import predict_config
+    from holmes_jax.planner.topology import load_topology
+
+    code, out, err = run(capsys, "--config", CONFIG, "--mesh", TWO, "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert not d["keeps_config_degrees"] and d["overrides"]
+    cfg = load_config(CONFIG, [f"parallel.mesh={TWO}", *d["overrides"]])
+    topology = load_topology(TWO)
+    shape = check_devices(cfg, topology.num_devices)
+    assert (shape.replica, shape.stages, shape.data, shape.tensor) == (
+        d["replica"],
+        d["stages"],
+        d["data"],
+        d["tensor"],
+    )
+    assert (cfg.parallel.microbatches, cfg.parallel.schedule) == (d["microbatches"], d["schedule"])
+    assert d["predicted_step_s"] == pytest.approx(
+        predict_config(cfg, topology, sync_collectives=True).step_s, rel=1e-12
+    )
+    code, out, _ = run(capsys, "--config", CONFIG, "--mesh", TWO)
+    assert "plan (the planner's choice, optimal split)" in out
+    assert "run it: python -m holmes_jax.train --config " in out
+    for o in d["overrides"]:
+        assert f"--set {o}" in out or f"--set '{o}'" in out
+
+
+def test_trainer_line_names_the_faster_plan_and_its_overrides():
+    from holmes_jax.core.config import check_devices, load_config
+    from holmes_jax.planner.plans import make_plan, plan_config, predict_config, resolve_auto
+    from holmes_jax.planner.report import format_preference
+    from holmes_jax.planner.topology import load_topology
+
+    topology = load_topology(TWO)
+    cfg = load_config(CONFIG, [f"parallel.mesh={TWO}"])
+    resolved = resolve_auto(cfg, check_devices(cfg, topology.num_devices), topology)
+    step = predict_config(resolved, topology, sync_collectives=True).step_s
+    best = make_plan(cfg, topology)
+    best_step = predict_config(plan_config(cfg, best), topology, sync_collectives=True).step_s
+    assert best_step < step  # the planner's hierarchical plan beats the shipped pipeline
+    (line,) = format_preference(resolved, topology, step, sync_collectives=True)
+    assert f"replica {best.layout.replica} x stage {best.layout.stages}" in line
+    assert f"(predicted {best_step:.3g} s)" in line and "--set parallel.stages=1" in line
+    # the planner's own plan, or a run predicted as fast: nothing to say
+    assert (
+        format_preference(plan_config(cfg, best), topology, best_step, sync_collectives=True) == []
+    )
+    assert format_preference(resolved, topology, best_step, sync_collectives=True) == []
+
+
+# The quickstart shows the Holmes placement (a pipeline with one stage per island) on a
+# model small enough that the planner prefers a replica per island; its header says so.
+KEEPS_ITS_OWN_DEGREES = {"quickstart.yaml"}
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "configs"))))
+def test_shipped_configs_run_the_planners_choice_and_fit(name, monkeypatch):
+    from holmes_jax.core.config import load_config
+    from holmes_jax.planner.plans import make_plan, predict_config, run_overrides
+    from holmes_jax.planner.topology import load_topology
+
+    monkeypatch.chdir(ROOT)  # parallel.mesh is read from the working directory
+    cfg = load_config(os.path.join("configs", name))
+    assert cfg.parallel.mesh, f"{name}: parallel.mesh names the topology it is planned for"
+    topology = load_topology(cfg.parallel.mesh)
+    assert predict_config(cfg, topology).fits
+    differ = run_overrides(cfg, topology, make_plan(cfg, topology))
+    if name in KEEPS_ITS_OWN_DEGREES:
+        with open(os.path.join(ROOT, "configs", name)) as f:
+            header = f.read().split("\nmodel:", 1)[0]
+        assert differ and "planner prefers" in header
+    else:
+        assert differ == [], f"{name}: the planner would add {differ}"

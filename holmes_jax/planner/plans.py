@@ -129,19 +129,102 @@ def make_plan(
 def plan_overrides(plan: Plan) -> list[str]:
     """The ``--set`` overrides that make the trainer run ``plan``'s degrees, schedule,
     split and remat policy (benchmarks compile and run exactly what the planner chose)."""
+    values = _run_values(plan.layout, plan.layers_per_stage, plan.remat, True)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_overrides(cfg: Any, topology: Topology, plan: Plan) -> list[str]:
+    """The :func:`plan_overrides` that change what ``cfg`` runs on ``topology``.
+
+    An override is left out when the trainer resolves the config's own value to the same
+    thing (``data: 0``, ``layers_per_stage: auto``, ``model.remat: auto``); all of them are
+    kept when the config's own degrees cannot run on ``topology``.
+    """
+    wanted = _run_values(plan.layout, plan.layers_per_stage, plan.remat, True)
+    try:
+        shape = check_devices(cfg, topology.num_devices)
+        own = resolve_auto(cfg, shape, topology)
+    except ConfigError:
+        return [f"{k}={v}" for k, v in wanted.items()]
+    par = own.parallel
+    have = _run_values(
+        par.layout(shape), par.layers_per_stage, own.model.remat, par.enforce_islands
+    )
+    return [f"{k}={v}" for k, v in wanted.items() if have[k] != v]
+
+
+def _run_values(layout: Any, layers_per_stage: Any, remat: str, islands: bool) -> dict[str, str]:
+    """The config keys (as ``--set`` writes their values) that fix what the trainer runs."""
+    split = ",".join(str(n) for n in layers_per_stage)
+    return {
+        "parallel.enforce_islands": str(islands).lower(),
+        "parallel.replica": str(layout.replica),
+        "parallel.stages": str(layout.stages),
+        "parallel.data": str(layout.data),
+        "parallel.tensor": str(layout.tensor),
+        "parallel.microbatches": str(layout.microbatches),
+        "parallel.schedule": layout.schedule,
+        "parallel.virtual_stages": str(layout.virtual_stages),
+        "parallel.layers_per_stage": f"[{split}]",
+        "model.remat": remat,
+    }
+
+
+def plan_config(cfg: Any, plan: Plan) -> Any:
+    """``cfg`` set to run ``plan``: the values :func:`plan_overrides` gives on the command
+    line (a plan's placement respects the islands)."""
     lay = plan.layout
-    split = ",".join(str(n) for n in plan.layers_per_stage)
-    return [
-        f"parallel.replica={lay.replica}",
-        f"parallel.stages={lay.stages}",
-        f"parallel.data={lay.data}",
-        f"parallel.tensor={lay.tensor}",
-        f"parallel.microbatches={lay.microbatches}",
-        f"parallel.schedule={lay.schedule}",
-        f"parallel.virtual_stages={lay.virtual_stages}",
-        f"parallel.layers_per_stage=[{split}]",
-        f"model.remat={plan.remat}",
-    ]
+    par = dataclasses.replace(
+        cfg.parallel,
+        replica=lay.replica,
+        stages=lay.stages,
+        data=lay.data,
+        tensor=lay.tensor,
+        microbatches=lay.microbatches,
+        schedule=lay.schedule,
+        virtual_stages=lay.virtual_stages,
+        layers_per_stage=tuple(plan.layers_per_stage),
+        enforce_islands=True,
+    )
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, remat=plan.remat), parallel=par
+    )
+
+
+def platform_blocks(platform: str) -> bool:
+    """Whether collectives block the devices of ``platform`` until done: ``cpu`` (the CPU
+    runtimes, gloo across processes). The one rule for the trainer, which asks its first
+    device (:func:`holmes_jax.runtime.mesh.collectives_block`), and the planner, which
+    asks the topology (:func:`topology_blocks`)."""
+    return platform.lower() == "cpu"
+
+
+def topology_blocks(topology: Topology) -> bool:
+    """:func:`platform_blocks` for the first island's ``device_kind`` (``cpu`` names the CPU
+    platform; GPU kinds such as ``H100-SXM5-80GB`` do not block)."""
+    return platform_blocks(topology.islands[0].device_kind)
+
+
+def as_trained(
+    cfg: Any,
+    topology: Topology,
+    plan: Plan,
+    calibration: Calibration | None = None,
+    *,
+    sync_collectives: bool | None = None,
+) -> Plan:
+    """``plan`` with the prediction the trainer prints when it runs it.
+
+    That is :func:`predict_config` of :func:`plan_config`, with collectives blocking as
+    ``sync_collectives`` says (None: as :func:`topology_blocks` says). Where they block,
+    the pipeline's ticks run in lockstep; the searches price the closed form.
+    """
+    if sync_collectives is None:
+        sync_collectives = topology_blocks(topology)
+    prediction = predict_config(
+        plan_config(cfg, plan), topology, calibration, sync_collectives=sync_collectives
+    )
+    return dataclasses.replace(plan, prediction=prediction)
 
 
 def schedule_alternatives(

@@ -10,14 +10,22 @@ import.
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, resolve_grad_buckets
 from holmes_jax.planner.cost import Prediction
 from holmes_jax.planner.placement import stage_blocks, stages_per_island
-from holmes_jax.planner.plans import specs_from_config
+from holmes_jax.planner.plans import (
+    as_trained,
+    make_plan,
+    run_overrides,
+    specs_from_config,
+    topology_blocks,
+)
 from holmes_jax.planner.search import Plan
 from holmes_jax.planner.strategy import StrategyChoice
 from holmes_jax.planner.topology import Topology
@@ -29,11 +37,21 @@ def plan_json(
     alts: dict[str, Plan | None],
     cfg: Any,
     choice: StrategyChoice | None = None,
+    *,
+    kept: bool = False,
 ) -> dict:
     """The plan as one JSON-ready object, with the alternative splits and, given
-    ``choice``, the cross-island ``strategy`` chosen, why, and the ``strategies`` compared."""
+    ``choice``, the cross-island ``strategy`` chosen, why, and the ``strategies`` compared.
+
+    ``keeps_config_degrees`` is ``kept`` (``--keep-degrees``); ``overrides`` are the
+    ``--set`` values that make the trainer run ``plan`` (:func:`run_overrides`);
+    ``collectives_block`` says how ``predicted_step_s`` priced the collectives
+    (:func:`topology_blocks`)."""
     model, run = specs_from_config(cfg)
     out = plan.to_dict()
+    out["keeps_config_degrees"] = kept
+    out["overrides"] = run_overrides(cfg, topology, plan)
+    out["collectives_block"] = topology_blocks(topology)
     out["topology"] = topology.name
     out["num_devices"] = topology.num_devices
     out["model_params"] = model.num_params
@@ -62,8 +80,17 @@ def format_plan(
     alts: dict[str, Plan | None],
     cfg: Any,
     choice: StrategyChoice | None = None,
+    *,
+    kept: bool = False,
+    command: str = "python -m holmes_jax.train --config CONFIG",
 ) -> str:
-    """Human-readable report; given ``choice``, the cross-island strategies at the end."""
+    """Human-readable report; given ``choice``, the cross-island strategies at the end.
+
+    The plan is labelled as the config's degrees (``kept``) or the planner's choice, and
+    followed by ``command`` with the ``--set`` overrides that run it
+    (:func:`run_overrides`). ``plan``'s prediction is the trainer's
+    (:func:`holmes_jax.planner.plans.as_trained`); the tables keep the searches' pricing.
+    """
     model, run = specs_from_config(cfg)
     lay, pr = plan.layout, plan.prediction
     lines = _topology_lines(topology)
@@ -72,8 +99,10 @@ def format_plan(
         f"seq {model.seq_len}, vocab {model.vocab_size} ({model.num_params / 1e6:.2f}M "
         f"params); global batch {run.global_batch_size}"
     )
+    whose = "the config's degrees" if kept else "the planner's choice"
     lines.append(
-        f"plan ({plan.method}): replica {lay.replica} x stage {lay.stages} x data {lay.data} "
+        f"plan ({whose}, {plan.method} split): replica {lay.replica} x stage {lay.stages} x "
+        f"data {lay.data} "
         f"x tensor {lay.tensor}; {lay.microbatches} micro-batches of {plan.microbatch_size}, "
         f"{_schedule_name(lay.schedule, lay.virtual_stages)}, remat {plan.remat}"
     )
@@ -92,6 +121,12 @@ def format_plan(
         f"  bubble fraction {pr.bubble_fraction:.3f}; p2p per step across each stage "
         f"boundary (all data ranks): {_gb(pr.p2p_bytes)}"
     )
+    if topology_blocks(topology):
+        lines.append(
+            "  priced as the trainer runs it on CPU devices: blocking collectives, the "
+            "pipeline's ticks in lockstep (the tables below price the closed form)"
+        )
+    lines.append("run it: " + run_command(command, run_overrides(cfg, topology, plan)))
     if plan.by_schedule:
         lines.append("schedules on these degrees:")
         lines.append("  schedule        step s      bubble  layers per stage (per virtual stage)")
@@ -181,6 +216,49 @@ def format_run_plan(
         f"profile) and {collectives}; it leaves out host work (batches, logging)"
     )
     return lines
+
+
+def run_command(command: str, overrides: Sequence[str]) -> str:
+    """``command`` followed by one ``--set`` per override, quoted for a POSIX shell."""
+    return " ".join([command, *(f"--set {shlex.quote(o)}" for o in overrides)])
+
+
+def format_preference(
+    cfg: Any, topology: Topology, step_s: float, *, sync_collectives: bool
+) -> list[str]:
+    """A line for the trainer's log when the planner's own plan is predicted faster.
+
+    Args:
+      cfg: the resolved config the trainer runs.
+      topology: the cluster.
+      step_s: the run's predicted step (:func:`holmes_jax.planner.plans.predict_config`).
+      sync_collectives: what that prediction assumed about collectives.
+
+    Returns:
+      One line with the planner's degrees, its predicted step priced the same way, and the
+      ``--set`` overrides that run it; nothing when the run is the planner's plan, is as
+      fast, nothing fits, or DiLoCo is on (the synchronous search does not price it).
+    """
+    if cfg.diloco.enabled is True:
+        return []
+    try:
+        best = as_trained(
+            cfg, topology, make_plan(cfg, topology), sync_collectives=sync_collectives
+        )
+    except ConfigError:
+        return []
+    overrides = run_overrides(cfg, topology, best)
+    if not overrides or best.predicted_step_s >= step_s:
+        return []
+    lay = best.layout
+    return [
+        f"  the planner prefers replica {lay.replica} x stage {lay.stages} x data {lay.data} "
+        f"x tensor {lay.tensor}, {_schedule_name(lay.schedule, lay.virtual_stages)}, "
+        f"{lay.microbatches} micro-batches, remat {best.remat} (predicted "
+        f"{best.predicted_step_s:.3g} s): "
+        + run_command("add", overrides)
+        + " (python -m holmes_jax.plan compares the two)"
+    ]
 
 
 def format_step_check(predicted_s: float, measured_s: list[float]) -> str:
