@@ -63,7 +63,11 @@ BAD_CASES = [
     (["model.bogus=1"], "unknown key 'model.bogus'"),
     (["train.steps=1.5"], "train.steps=1.5: expected int"),
     (["train.steps=0"], "train.steps=0: must be > 0"),
-    (["parallel.data=3"], "train.global_batch_size=32: must be divisible by the data-parallel"),
+    (
+        ["parallel.data=3"],
+        "train.global_batch_size=32: must be divisible by parallel.replica*data*microbatches "
+        "= 1*3*1 = 3 (each data-parallel rank takes an equal share of each micro-batch)",
+    ),
     (["parallel.schedule=zigzag"], "parallel.schedule='zigzag': must be one of gpipe, 1f1b"),
     (["parallel.stages=2", "parallel.layers_per_stage=[1,2]"], "must sum to model.num_layers=4"),
     (["data.source=tokens", "data.path=/no/such/file.bin"], "data.path='/no/such/file.bin'"),
@@ -126,7 +130,7 @@ def test_device_checks():
     ):
         check_devices(cfg, 8)
     cfg = load_config(None, ["train.global_batch_size=12", "parallel.tensor=1"])
-    with pytest.raises(ConfigError, match=r"train.global_batch_size=12: must be divisible by the"):
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=12: must be divisible by"):
         check_devices(cfg, 8)  # data = 8 does not divide 12
     shape = check_devices(load_config(None, ["parallel.tensor=2"]), 8)
     assert (shape.stages, shape.data, shape.tensor) == (1, 4, 2)
