@@ -187,7 +187,7 @@ def load_config(path: str | os.PathLike | None, overrides: typing.Sequence[str] 
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         raw = loaded
     for item in overrides:
-        apply_override(raw, item)
+        apply_override(raw, item, Config)
     return config_from_dict(raw, source)
 
 
@@ -199,5 +199,3 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
         raise ConfigError(f"{source}: {e}") from None
     cfg.validate()
     return cfg
-
-

@@ -460,7 +460,6 @@ class DistributedConfig:
         _positive(self, "distributed", ("heartbeat_timeout_s", "initialization_timeout_s"))
 
 
-
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)

@@ -51,8 +51,15 @@ def test_round_trip_through_dict():
 def test_file_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  hidden_sise: 64\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'model.hidden_sise'"):
+    with pytest.raises(ConfigError) as err:
         load_config(bad)
+    assert str(err.value) == (
+        f"{bad}: unknown key 'hidden_sise' in section model; did you mean 'hidden_size'?"
+    )
+    bad.write_text("modle:\n  hidden_size: 64\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad, ["train.steps=3"])
+    assert str(err.value) == f"{bad}: unknown section 'modle'; did you mean 'model'?"
     bad.write_text("model:\n  num_layers: four\n")
     with pytest.raises(ConfigError, match=r"model.num_layers='four': expected int"):
         load_config(bad)
@@ -60,7 +67,12 @@ def test_file_errors_name_the_file(tmp_path):
 
 BAD_CASES = [
     (["model.num_heads=5"], "model.num_heads=5: must divide model.hidden_size=128"),
-    (["model.bogus=1"], "unknown key 'model.bogus'"),
+    (
+        ["train.stpes=5"],
+        "--set train.stpes=5: unknown key 'stpes' in section train; did you mean 'steps'?",
+    ),
+    (["trian.steps=5"], "--set trian.steps=5: unknown section 'trian'; did you mean 'train'?"),
+    (["model.bogus=1"], "--set model.bogus=1: unknown key 'bogus' in section model; allowed: "),
     (["train.steps=1.5"], "train.steps=1.5: expected int"),
     (["train.steps=0"], "train.steps=0: must be > 0"),
     (
@@ -71,7 +83,7 @@ BAD_CASES = [
     (["parallel.schedule=zigzag"], "parallel.schedule='zigzag': must be one of gpipe, 1f1b"),
     (["parallel.stages=2", "parallel.layers_per_stage=[1,2]"], "must sum to model.num_layers=4"),
     (["data.source=tokens", "data.path=/no/such/file.bin"], "data.path='/no/such/file.bin'"),
-    (["nodot=1"], "--set 'nodot=1': key must be section.key"),
+    (["nodot=1"], "--set nodot=1: key must be section.key"),
     (["model.arch=bert"], "model.arch='bert': must be one of gpt2, llama"),
     (["model.arch=llama", "model.num_kv_heads=3"], "model.num_kv_heads=3: must divide model"),
     (["model.num_kv_heads=2"], "model.num_kv_heads=2: grouped-query attention needs model.arch"),
@@ -200,7 +212,7 @@ def test_files_no_parser_accepts_are_one_line(tmp_path):
         (b"model: {num_layers: 2020-13-45}\n", "not valid YAML (ValueError: month must be"),
         (b"[" * 100_000, "nesting: must be <= 100 (levels of YAML nesting)"),
         (b"model:\n  \xff\xfe: 1\n", "cannot be read"),
-        (b"model: {1: 2, x: 3}\n", "unknown key 'model.1'"),
+        (b"model: {1: 2, x: 3}\n", "unknown key '1' in section model; allowed: arch"),
         (b"model: {num_layers: &a [*a, *a]}\n", "model.num_layers=[[[[...], [...]], [[...],"),
     ]:
         path.write_bytes(text)
@@ -221,3 +233,15 @@ def test_every_bound_is_quoted_at_its_field():
         source = inspect.getsource(type(getattr(cfg, section)))
         (line,) = [line for line in source.splitlines() if line.startswith(f"    {name}: ")]
         assert f"<= {bound.text}" in line, f"{key}: its comment must say '<= {bound.text}'"
+
+
+def test_a_mistyped_override_names_the_override_not_the_file(tmp_path):
+    """The file is fine; the --set is wrong: the message names the --set."""
+    good = tmp_path / "good.yaml"
+    good.write_text("train:\n  steps: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(good, ["train.global_bach_size=8"])
+    assert str(err.value) == (
+        "--set train.global_bach_size=8: unknown key 'global_bach_size' in section train; "
+        "did you mean 'global_batch_size'?"
+    )
