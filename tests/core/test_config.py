@@ -162,16 +162,6 @@ def test_cli_exit_code_in_a_fresh_process():
     assert "Traceback" not in proc.stderr
 
 
-def test_readme_documents_every_key():
-    import dataclasses
-
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(getattr(Config(), section.name)):
-            key = f"{section.name}.{f.name}"
-            assert f"`{key}`" in readme, f"README's configuration reference lacks {key}"
-
-
 # --------------------------------------------------------------------------- bounds
 
 
@@ -219,20 +209,6 @@ def test_files_no_parser_accepts_are_one_line(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_config(path)
         assert "\n" not in str(err.value) and message in str(err.value), str(err.value)
-
-
-def test_every_bound_is_quoted_at_its_field():
-    """The bounds live in core/spec.py; each config field's comment quotes its own."""
-    import inspect
-
-    from holmes_jax.core.spec import CONFIG_LIMITS
-
-    cfg = Config()
-    for key, bound in CONFIG_LIMITS.items():
-        section, name = key.split(".")
-        source = inspect.getsource(type(getattr(cfg, section)))
-        (line,) = [line for line in source.splitlines() if line.startswith(f"    {name}: ")]
-        assert f"<= {bound.text}" in line, f"{key}: its comment must say '<= {bound.text}'"
 
 
 def test_a_mistyped_override_names_the_override_not_the_file(tmp_path):
