@@ -82,7 +82,12 @@ BAD_CASES = [
     ),
     (["parallel.schedule=zigzag"], "parallel.schedule='zigzag': must be one of gpipe, 1f1b"),
     (["parallel.stages=2", "parallel.layers_per_stage=[1,2]"], "must sum to model.num_layers=4"),
-    (["data.source=tokens", "data.path=/no/such/file.bin"], "data.path='/no/such/file.bin'"),
+    (
+        ["data.source=tokens", "data.path=/no/such/file.bin"],
+        "data.path='/no/such/file.bin': token file does not exist; write it with python -m "
+        "holmes_jax.data prepare --tokenizer HF_DIR --input TEXT --out /no/such/file.bin",
+    ),
+    (["data.source=text", "data.path=/no/such/dir"], "data.path='/no/such/dir': file does not"),
     (["nodot=1"], "--set nodot=1: key must be section.key"),
     (["model.arch=bert"], "model.arch='bert': must be one of gpt2, llama"),
     (["model.arch=llama", "model.num_kv_heads=3"], "model.num_kv_heads=3: must divide model"),
