@@ -226,3 +226,24 @@ def test_a_mistyped_override_names_the_override_not_the_file(tmp_path):
         "--set train.global_bach_size=8: unknown key 'global_bach_size' in section train; "
         "did you mean 'global_batch_size'?"
     )
+
+
+def test_one_batch_rule_one_message():
+    """The config check, the device check and the planner's layout share one rule."""
+    from holmes_jax.core.spec import Layout
+
+    rule = (
+        "train.global_batch_size={b}: must be divisible by parallel.replica*data*microbatches "
+        "= {r}*{d}*{m} = {n} (each data-parallel rank takes an equal share of each micro-batch)"
+    )
+    cfg = load_config(None, ["parallel.microbatches=3", "parallel.replica=2"])
+    with pytest.raises(ConfigError) as err:
+        check_devices(cfg, 8)  # data = 4
+    assert str(err.value) == rule.format(b=32, r=2, d=4, m=3, n=24)
+    with pytest.raises(ConfigError) as err:
+        Layout(1, 4, 1, replica=2, microbatches=3).microbatch_size(32)
+    assert str(err.value) == rule.format(b=32, r=2, d=4, m=3, n=24)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["parallel.data=2", "parallel.microbatches=5"])
+    assert str(err.value) == rule.format(b=32, r=1, d=2, m=5, n=10)
+    assert Layout(1, 4, 1, replica=2, microbatches=2).microbatch_size(32) == 2
