@@ -2,8 +2,8 @@
 
 Each field is documented once, where it is defined:
 
-- its meaning is its comment: the ``#`` comment on the field's line, after the comment lines
-  directly above it;
+- its meaning is its comment: the ``#`` lines directly above the field, then the ``#``
+  comment on its line;
 - its upper bound is in :data:`holmes_jax.core.spec.CONFIG_LIMITS`;
 - its allowed values, where it has a fixed set, are in :data:`CONFIG_CHOICES`.
 
