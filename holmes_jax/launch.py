@@ -98,6 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--scale={args.scale}: only used with --emulate")
         if args.grace < 0:
             raise ConfigError(f"--grace={args.grace}: must be >= 0")
+        if not train_args:
+            load_topology(args.mesh)  # a bad --mesh is the first thing to fix
+            raise ConfigError(
+                f"--config=None: a config is required after '--' (python -m holmes_jax.launch "
+                f"--mesh {args.mesh} -- --config configs/quickstart.yaml)"
+            )
         return launch(
             args.mesh,
             train_args,

@@ -23,9 +23,10 @@ Everything that more than one layer needs to agree on is defined here once:
 - the limits (:class:`Bound`): an upper bound on every number that sizes a loop or an
   allocation in the loaders and the planner, generous beyond any real cluster or model, so
   that a typo (``hosts: 1000000000000``) is a one-line error instead of a process that
-  allocates until it dies. Each bound lives here once; the config fields' comments and the
-  topology schema (:mod:`holmes_jax.planner.topology`) quote them, and a test keeps the
-  quotes true.
+  allocates until it dies. Each bound lives here once; ``docs/configuration.md`` is
+  generated from :data:`CONFIG_LIMITS`, and the topology schema
+  (:mod:`holmes_jax.planner.topology`) quotes the others;
+- the batch rule (:func:`check_batch`).
 
 Plain Python; no jax import.
 """
@@ -33,6 +34,7 @@ Plain Python; no jax import.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 from holmes_jax.core.errors import ConfigError
 
@@ -69,10 +71,11 @@ def check_positive(key: str, value) -> None:
         raise ConfigError(f"{key}={value!r}: must be an integer >= 1")
 
 
-def check_choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
+def check_choice(value: Any, key: str, allowed: tuple[Any, ...]) -> None:
     """Raise a one-line :class:`ConfigError` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
-        raise ConfigError(f"{key}='{value}': must be one of {', '.join(allowed)}")
+        names = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)
+        raise ConfigError(f"{key}={value!r}: must be one of {names}")
 
 
 def check_pipeline(schedule: str, stages: int, virtual_stages: int) -> None:
@@ -346,18 +349,29 @@ class Layout(Degrees):
         check_pipeline(self.schedule, self.stages, self.virtual_stages)
 
     def microbatch_size(self, global_batch_size: int) -> int:
-        """Sequences per micro-batch per data-parallel rank.
+        """Sequences per micro-batch per data-parallel rank (:func:`check_batch`)."""
+        return check_batch(global_batch_size, self.replica, self.data, self.microbatches)
 
-        Raises:
-          ConfigError: the global batch does not split evenly.
-        """
-        parts = self.replica * self.data * self.microbatches
-        if global_batch_size % parts:
-            raise ConfigError(
-                f"train.global_batch_size={global_batch_size}: must be divisible by "
-                f"replica*data*microbatches = {self.replica}*{self.data}*{self.microbatches}"
-            )
-        return global_batch_size // parts
+
+def check_batch(
+    global_batch_size: int, replica: int = 1, data: int = 1, microbatches: int = 1
+) -> int:
+    """The batch rule: every replica x data rank takes an equal share of every micro-batch.
+
+    Returns:
+      Sequences per micro-batch per rank: ``global_batch_size / (replica·data·microbatches)``.
+
+    Raises:
+      ConfigError: the global batch does not split evenly; the one message of this rule.
+    """
+    parts = replica * data * microbatches
+    if global_batch_size % parts:
+        raise ConfigError(
+            f"train.global_batch_size={global_batch_size}: must be divisible by "
+            f"parallel.replica*data*microbatches = {replica}*{data}*{microbatches} = {parts} "
+            f"(each data-parallel rank takes an equal share of each micro-batch)"
+        )
+    return global_batch_size // parts
 
 
 # --------------------------------------------------------------------------- limits

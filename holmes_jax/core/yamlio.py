@@ -14,7 +14,9 @@ and the rule:
   against the fields' hints (unknown keys are errors; ints are accepted for floats and
   YAML 1.1's ``"1e-3"`` strings are read as numbers; floats must be finite, strings one
   printable line); :func:`plain` is the inverse;
-- :func:`apply_override`: one ``--set section.key=value``, its value parsed as YAML.
+- :func:`apply_override`: one ``--set section.key=value``, its value parsed as YAML; with a
+  schema, an unknown section or key is an error naming the override;
+- :func:`unknown_key`: the rule for an unknown key, with the nearest known name.
 
 Values in messages are shortened (:func:`short`): a huge or deeply nested value (a YAML
 alias bomb) prints as a bounded, one-line excerpt.
@@ -25,6 +27,7 @@ Plain Python; no jax import.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import reprlib
@@ -114,27 +117,58 @@ def read_yaml(path: str | os.PathLike, what: str) -> Any:
     return read_text(path, what, safe_load)
 
 
-def apply_override(raw: dict[str, Any], item: str) -> None:
+def apply_override(raw: dict[str, Any], item: str, schema: type | None = None) -> None:
     """Apply one ``section.key=value`` to nested plain data; the value is parsed as YAML
     (text YAML cannot read stays a string: the type check decides).
 
+    Args:
+      raw: the nested data, changed in place.
+      item: the override.
+      schema: a dataclass whose fields are the sections (dataclasses themselves); when
+        given, the section and the key must be among their fields.
+
     Raises:
-      ConfigError: not ``section.key=value``, or the section is not a mapping.
+      ConfigError: not ``section.key=value``, an unknown section or key (with the nearest
+        known name), or the section is not a mapping.
     """
+    where = f"--set {key_name(item)}"
     if "=" not in item:
-        raise ConfigError(f"--set {short(item)}: must look like section.key=value")
+        raise ConfigError(f"{where}: must look like section.key=value")
     key, text = item.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {short(item)}: key must be section.key (e.g. train.steps)")
+        raise ConfigError(f"{where}: key must be section.key (e.g. train.steps)")
+    if schema is not None:
+        sections = typing.get_type_hints(schema)
+        if parts[0] not in sections:
+            raise ConfigError(f"{where}: {unknown_key(parts[0], sections)}")
+        names = [f.name for f in dataclasses.fields(sections[parts[0]])]
+        if parts[1] not in names:
+            raise ConfigError(f"{where}: {unknown_key(parts[1], names, parts[0])}")
     try:
         value = safe_load(text) if text.strip() else None
     except Exception:  # YAMLError, a bad date's ValueError, deep nesting ...
         value = text
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
-        raise ConfigError(f"--set {short(item)}: section '{parts[0]}' is not a mapping")
+        raise ConfigError(f"{where}: section '{parts[0]}' is not a mapping")
     section[parts[1]] = value
+
+
+def unknown_key(name: Any, allowed: typing.Iterable[str], section: str = "") -> str:
+    """The rule broken by a key not in ``allowed``, with the nearest allowed name.
+
+    ``unknown key 'stpes' in section train; did you mean 'steps'?``; without a section the
+    key is a section itself; without a near name the rule lists the allowed ones.
+    """
+    allowed = sorted(allowed)
+    if section:
+        what = f"key '{key_name(name)}' in section {section}"
+    else:
+        what = f"section '{key_name(name)}'"
+    near = difflib.get_close_matches(name, allowed, n=1) if isinstance(name, str) else []
+    hint = f"did you mean '{near[0]}'?" if near else f"allowed: {_names(tuple(allowed))}"
+    return f"unknown {what}; {hint}"
 
 
 class StrictReader:
@@ -220,8 +254,7 @@ def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names, key=str)
     if unknown:
-        key = f"{prefix}{key_name(unknown[0])}"
-        raise ConfigError(f"unknown key '{key}' (allowed: {', '.join(sorted(names))})")
+        raise ConfigError(unknown_key(unknown[0], names, prefix.rstrip(".")))
     kwargs = {}
     for name, value in raw.items():
         key = f"{prefix}{name}"

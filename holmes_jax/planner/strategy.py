@@ -43,7 +43,7 @@ import dataclasses
 from typing import Any
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES
+from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, check_batch
 from holmes_jax.planner.search import Plan, search_plan
 from holmes_jax.planner.topology import Link, Topology
 
@@ -282,9 +282,10 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
     )
     if not equal:
         return StrategyPrice("diloco", None, why="needs >= 2 islands of equal size", **base)
-    if run.global_batch_size % R:
-        why = f"train.global_batch_size={run.global_batch_size}: not divisible by {R} islands"
-        return StrategyPrice("diloco", None, why=why, **base)
+    try:
+        check_batch(run.global_batch_size, replica=R)
+    except ConfigError as e:
+        return StrategyPrice("diloco", None, why=str(e), **base)
     # The inner plan: one pipeline copy per island (replica = R, each on B/R of the batch,
     # the slowest island setting the pace) with the cross-island gradient ring priced free,
     # since DiLoCo sends nothing across between outer steps: one search instead of R.

@@ -12,7 +12,8 @@ Three sources, chosen by ``data.source``:
   last ``eval_fraction`` of tokens. ``python -m holmes_jax.data prepare`` writes one from
   a Hugging Face tokenizer (:mod:`holmes_jax.runtime.prepare`), with a sidecar
   ``<file>.json`` whose ``dtype`` must then equal ``data.token_dtype`` (a uint32 file read
-  as uint16 would pass every other check); files without a sidecar are read as before.
+  as uint16 would pass every other check); a file without a sidecar is read as
+  ``data.token_dtype`` says.
 
 Multi-file sources are split *by file*, so eval text is never seen in training: files are
 ranked by the CRC-32 of their relative path and the lowest-ranked go to eval until they
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -170,6 +172,11 @@ def _existing_path(path: str | None, source: str) -> Path:
     if not path:
         raise ConfigError(f"data.path={path!r}: must be set for data.source={source!r}")
     p = Path(path).expanduser()
+    if not p.exists() and source == "tokens":
+        raise ConfigError(
+            f"data.path={path!r}: token file does not exist; write it with python -m "
+            f"holmes_jax.data prepare --tokenizer HF_DIR --input TEXT --out {shlex.quote(path)}"
+        )
     if not p.exists():
         raise ConfigError(f"data.path={path!r}: file does not exist")
     if source == "tokens" and not p.is_file():

@@ -275,7 +275,7 @@ def import_hf(
         "checkpoint": {"init_from": ckpt_dir},
     }
     for item in overrides:
-        apply_override(raw, item)
+        apply_override(raw, item, Config)
     cfg = config_from_dict(raw, where)
     params = read_hf_params(hf_dir, cfg.model, progress=progress)
     os.makedirs(out_dir, exist_ok=True)

@@ -148,7 +148,11 @@ def test_print_env_cli(capsys):
             ["--mesh", "meshes/cpu8-two-islands.yaml", "--", "--set", "parallel.mesh=m.yaml"],
             "train argument '--set parallel.mesh=m.yaml': the launcher runs",
         ),
-        (["--mesh", "meshes/cpu8-two-islands.yaml", "--emulate", "--scale", "0"], "--scale=0"),
+        (
+            ["--mesh", "meshes/cpu8-two-islands.yaml", "--emulate", "--scale", "0"]
+            + ["--", "--set", "train.steps=1"],
+            "--scale=0",
+        ),
     ],
 )
 def test_bad_launcher_arguments_are_one_line_errors(argv, message, capsys, monkeypatch):

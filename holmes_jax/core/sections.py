@@ -1,0 +1,467 @@
+"""The nine sections of a run's config, one frozen dataclass each.
+
+Each field is documented once, where it is defined:
+
+- its meaning is its comment: the ``#`` lines directly above the field, then the ``#``
+  comment on its line;
+- its upper bound is in :data:`holmes_jax.core.spec.CONFIG_LIMITS`;
+- its allowed values, where it has a fixed set, are in :data:`CONFIG_CHOICES`.
+
+``docs/configuration.md`` is generated from these (:mod:`holmes_jax.core.configdoc`).
+
+A section's ``validate`` checks the rules of its own fields (and of the sections it names).
+It assumes :meth:`Config.validate <holmes_jax.core.config.Config.validate>` has checked the
+bounds and the choices first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import (
+    ARCHS,
+    ATTENTION_KERNELS,
+    DILOCO_CHOICES,
+    GRAD_BUCKET_CHOICES,
+    OUTER_DTYPES,
+    PRECISIONS,
+    REMAT_CHOICES,
+    SCHEDULE_CHOICES,
+    Degrees,
+    Layout,
+    ModelSpec,
+    check_pipeline,
+)
+
+DATA_SOURCES = ("stdlib", "text", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+PROGRESS_MODES = ("auto", "bar", "plain", "none")
+
+# The config keys with a fixed set of values, and that set.
+CONFIG_CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.arch": ARCHS,
+    "model.remat": REMAT_CHOICES,
+    "model.attention": ATTENTION_KERNELS,
+    "data.source": DATA_SOURCES,
+    "data.token_dtype": TOKEN_DTYPES,
+    "parallel.schedule": SCHEDULE_CHOICES,
+    "parallel.grad_buckets": GRAD_BUCKET_CHOICES,
+    "diloco.enabled": DILOCO_CHOICES,
+    "diloco.outer_dtype": OUTER_DTYPES,
+    "train.precision": PRECISIONS,
+    "logging.progress": PROGRESS_MODES,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder: ``gpt2`` (learned positions, pre-LayerNorm, GELU MLP, biases) or
+    ``llama`` (rotary positions, pre-RMSNorm, SwiGLU MLP, grouped-query attention, no
+    biases). ``num_kv_heads`` 0, ``mlp_size`` 0 and ``tied_embeddings`` null are resolved
+    at construction (to num_heads, mlp_ratio x hidden_size and the arch's default)."""
+
+    arch: str = "gpt2"  # the decoder family (see above)
+    vocab_size: int = 256  # token ids are 0 .. vocab_size - 1
+    # Embedding and head rows are padded to a multiple of this; 1 = no padding. The padded
+    # logits are masked out. GPT-2's 50257 with 128 gives 50304, which tensor 2, 4 or 8 divides.
+    vocab_multiple: int = 1
+    seq_len: int = 128  # tokens per sequence (gpt2: also the learned positions)
+    num_layers: int = 4  # transformer layers
+    num_heads: int = 4  # attention (query) heads
+    num_kv_heads: int = 0  # key/value heads (llama); 0 = num_heads
+    hidden_size: int = 128  # width of the residual stream
+    mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden_size unless mlp_size is set
+    mlp_size: int = 0  # explicit MLP width; 0 = mlp_ratio * hidden_size
+    rope_base: float = 10000.0  # llama: rotary base theta (inv_freq = base^(-2i/head_dim))
+    rope_scaling_factor: float = 0.0  # Llama 3.1 rope_scaling (rope_type llama3); 0 = off
+    rope_low_freq_factor: float = 1.0  # Llama 3.1 rope_scaling: low_freq_factor
+    rope_high_freq_factor: float = 4.0  # Llama 3.1 rope_scaling: high_freq_factor
+    rope_original_max_positions: int = 8192  # rope_scaling: original_max_position_embeddings
+    norm_eps: float = 1e-5  # epsilon of every LayerNorm (gpt2) / RMSNorm (llama)
+    dropout: float = 0.0  # dropout probability of the embedding and every layer; 0 = off
+    # The LM head reuses the token embedding; null = the arch's default (gpt2 true, llama false).
+    tied_embeddings: bool | None = None
+    # What a layer keeps for its backward: none (everything), full (only its input; the
+    # forward is recomputed) or selective (matmul and attention outputs; norms, GELU and
+    # softmax are recomputed); auto lets the planner pick the fastest that fits. YAML
+    # true / false are read as full / none.
+    remat: str | bool = "none"
+    attention: str = "auto"  # attention kernel; auto = cuDNN on a CUDA device where it can run
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool):  # YAML true / false
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.tied_embeddings is None:
+            object.__setattr__(self, "tied_embeddings", self.arch != "llama")
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.mlp_size == 0:
+            object.__setattr__(self, "mlp_size", self.mlp_ratio * self.hidden_size)
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model's shape (:class:`~holmes_jax.core.spec.ModelSpec`): the one home of
+        its parameter and FLOP counts, shared with the planner."""
+        return ModelSpec(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            seq_len=self.seq_len,
+            vocab_size=self.padded_vocab,
+            mlp_ratio=self.mlp_ratio,
+            tied_embeddings=self.tied_embeddings,
+            arch=self.arch,
+            num_kv_heads=self.num_kv_heads,
+            mlp_size=self.mlp_size,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and columns of the head: ``vocab_size`` rounded up to a
+        multiple of ``vocab_multiple`` (the extra logits are masked; no token uses them)."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    def validate(self) -> None:
+        _positive(self, "model", ("vocab_size", "seq_len", "num_layers", "num_heads"))
+        _positive(self, "model", ("vocab_multiple",))
+        _positive(self, "model", ("num_kv_heads", "hidden_size", "mlp_ratio", "mlp_size"))
+        _ = self.spec  # the shape's own rules (heads divide the hidden size, kv the heads)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
+        if self.rope_base <= 1.0:
+            raise ConfigError(f"model.rope_base={self.rope_base}: must be > 1")
+        if self.rope_scaling_factor:
+            if self.rope_scaling_factor < 1.0:
+                raise ConfigError(
+                    f"model.rope_scaling_factor={self.rope_scaling_factor}: must be >= 1 "
+                    f"(0 = no scaling)"
+                )
+            if not 0.0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(
+                    f"model.rope_low_freq_factor={self.rope_low_freq_factor}: must be > 0 and "
+                    f"< model.rope_high_freq_factor={self.rope_high_freq_factor}"
+                )
+            _positive(self, "model", ("rope_original_max_positions",))
+        if not 0.0 < self.norm_eps < 1.0:
+            raise ConfigError(f"model.norm_eps={self.norm_eps}: must be in (0, 1)")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads}: llama's rotary embedding needs an even "
+                f"head_dim, got hidden_size/num_heads = {self.head_dim}"
+            )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from: ``stdlib``, the running interpreter's standard library (an
+    offline corpus every machine has); ``text``, a text file or a directory of them (both
+    byte-tokenized); or ``tokens``, a raw token file that ``python -m holmes_jax.data
+    prepare`` writes."""
+
+    source: str = "stdlib"  # the corpus (see above)
+    path: str | None = None  # text file or directory (text), raw token file (tokens)
+    token_dtype: str = "uint16"  # dtype of a raw token file
+    eval_fraction: float = 0.05  # share of the corpus held out for evaluation
+    max_bytes: int = 16_000_000  # bytes of text read (stdlib, text); 0 = no cap
+
+    def validate(self) -> None:
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction}: must be in (0, 1)")
+        if self.max_bytes < 0:
+            raise ConfigError(f"data.max_bytes={self.max_bytes}: must be >= 0 (0 = no cap)")
+        if self.source in ("text", "tokens"):
+            # Existence is checked when the corpus is loaded (holmes_jax.runtime.data), so configs
+            # for clusters validate on machines that do not hold their data.
+            if not self.path:
+                raise ConfigError(f"data.path=None: required when data.source='{self.source}'")
+        elif self.path:
+            raise ConfigError(
+                f"data.path='{self.path}': only used with data.source=text or tokens "
+                f"(data.source='{self.source}')"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh degrees and the pipeline. ``data: 0`` means "all remaining devices"."""
+
+    mesh: str | None = None  # topology file (meshes/*.yaml); null = one host, one island
+    devices: int = 0  # devices to use; 0 = all visible devices
+    data: int = 0  # data-parallel degree; 0 = devices / (replica * stages * tensor)
+    tensor: int = 1  # tensor-parallel degree (inside one host)
+    stages: int = 1  # pipeline stages
+    # Layers of each stage (interleaved: of each virtual stage), e.g. [1, 3]; null = an even
+    # split; auto = the planner's split.
+    layers_per_stage: tuple[int, ...] | str | None = None
+    microbatches: int = 1  # micro-batches per step and data-parallel rank (the pipeline's)
+    schedule: str = "gpipe"  # pipeline schedule; auto = the planner picks it
+    virtual_stages: int = 1  # model chunks per device (interleaved only, >= 2)
+    replica: int = 1  # data-parallel copies across islands (hierarchical reduction)
+    enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
+    # When gradients are reduced over data (and replica): "layer" each layer's as soon as
+    # its last backward completes (overlaps the backward with asynchronous collectives),
+    # "step" every leaf once, all layers at a time, after the backward (a few collectives
+    # per step); auto: step where collectives block (CPU), else layer.
+    grad_buckets: str = "auto"
+
+    def layout(self, degrees: Degrees) -> Layout:
+        """The resolved degrees with this config's micro-batches and schedule (``auto``:
+        1F1B, the base the planner re-schedules; the trainer resolves ``auto`` first)."""
+        return Layout(
+            degrees.stages,
+            degrees.data,
+            degrees.tensor,
+            replica=degrees.replica,
+            microbatches=self.microbatches,
+            schedule="1f1b" if self.schedule == "auto" else self.schedule,
+            virtual_stages=self.virtual_stages,
+        )
+
+    def validate(self, model: ModelConfig) -> None:
+        if self.devices < 0:
+            raise ConfigError(f"parallel.devices={self.devices}: must be >= 0 (0 = all)")
+        if self.data < 0:
+            raise ConfigError(f"parallel.data={self.data}: must be >= 0 (0 = auto)")
+        _positive(
+            self, "parallel", ("tensor", "stages", "microbatches", "replica", "virtual_stages")
+        )
+        if self.schedule == "auto":
+            if self.virtual_stages != 1 or isinstance(self.layers_per_stage, tuple):
+                raise ConfigError(
+                    f"parallel.schedule='auto': the planner chooses virtual_stages and "
+                    f"layers_per_stage too (got virtual_stages={self.virtual_stages}, "
+                    f"layers_per_stage={self.layers_per_stage}; leave them unset or auto)"
+                )
+        else:
+            check_pipeline(self.schedule, self.stages, self.virtual_stages)
+        # Interleaved: one entry per virtual stage (chunk c of stage s is virtual stage
+        # c*stages + s, the order a micro-batch visits them).
+        chunks = self.stages * self.virtual_stages
+        lps = self.layers_per_stage
+        if isinstance(lps, str) and lps != "auto":
+            raise ConfigError(
+                f"parallel.layers_per_stage='{lps}': must be a list of ints or 'auto'"
+            )
+        if isinstance(lps, tuple):
+            if len(lps) != chunks:
+                what = "stage" if self.virtual_stages == 1 else "stage x virtual stage"
+                raise ConfigError(
+                    f"parallel.layers_per_stage={list(lps)}: needs one entry per {what} ({chunks})"
+                )
+            if min(lps) < 1:
+                raise ConfigError(
+                    f"parallel.layers_per_stage={list(lps)}: every stage needs >= 1 layer"
+                )
+            if sum(lps) != model.num_layers:
+                raise ConfigError(
+                    f"parallel.layers_per_stage={list(lps)}: must sum to "
+                    f"model.num_layers={model.num_layers}"
+                )
+        elif chunks > model.num_layers:
+            raise ConfigError(
+                f"parallel.stages={self.stages} x virtual_stages={self.virtual_stages}: more "
+                f"pipeline chunks than model.num_layers={model.num_layers}"
+            )
+        if model.num_heads % self.tensor or model.mlp_size % self.tensor:
+            raise ConfigError(
+                f"parallel.tensor={self.tensor}: must divide model.num_heads="
+                f"{model.num_heads} and the MLP width {model.mlp_size}"
+            )
+        if model.num_kv_heads % self.tensor:
+            raise ConfigError(
+                f"parallel.tensor={self.tensor}: must divide model.num_kv_heads="
+                f"{model.num_kv_heads} (each tensor rank holds whole key/value heads)"
+            )
+        if model.padded_vocab % self.tensor:
+            padded = (
+                f" padded to {model.padded_vocab} (model.vocab_multiple={model.vocab_multiple})"
+                if model.padded_vocab != model.vocab_size
+                else ""
+            )
+            raise ConfigError(
+                f"parallel.tensor={self.tensor}: must divide model.vocab_size="
+                f"{model.vocab_size}{padded}; set model.vocab_multiple to a multiple of "
+                f"{self.tensor} (e.g. 128) to pad the vocabulary"
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay, global-norm clipping, masked weight decay."""
+
+    learning_rate: float = 1e-3  # peak learning rate, reached after the warmup
+    min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio
+    warmup_steps: int = 100  # steps of linear warmup from 0
+    b1: float = 0.9  # Adam's first-moment decay
+    b2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's denominator epsilon
+    weight_decay: float = 0.1  # applied to matmul kernels and embeddings only
+    grad_clip: float = 1.0  # global-norm clip; 0 = off
+    zero1: bool = True  # shard optimizer state over data; reduce-scatter gradients
+
+    def validate(self) -> None:
+        if self.learning_rate <= 0:
+            raise ConfigError(f"optimizer.learning_rate={self.learning_rate}: must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optimizer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps={self.warmup_steps}: must be >= 0")
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ConfigError(f"optimizer.{name}={value}: must be in [0, 1)")
+        for name in ("eps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"optimizer.{name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class DilocoConfig:
+    """DiLoCo across the ``replica`` axis (one replica per island or group of islands).
+
+    Each replica takes ``inner_steps`` AdamW steps on its own; then the replicas average
+    their parameter deltas (the outer gradient, sent as ``outer_dtype``) and apply an
+    outer Nesterov-momentum SGD step to the last global parameters. With ``fragments`` > 1
+    (streaming DiLoCo) the layers are cut into that many fragments, each synchronised on
+    its own step offset inside the H steps, so the peak cross-island volume drops by that
+    factor. ``enabled: auto`` lets the planner choose DiLoCo only when its predicted
+    speedup over the best synchronous plan is at least ``auto_min_speedup``. With
+    ``warmup_steps`` = K the first K steps each end with plain averaging of the replicas
+    (the DiLoCo paper starts from a synchronously trained model; averaging every step is
+    the nearest thing across a slow link), and the H-step rounds start after step K.
+    """
+
+    enabled: bool | str = False  # DiLoCo on, off, or auto (the planner decides)
+    inner_steps: int = 50  # H: inner steps per outer step
+    outer_lr: float = 0.7  # learning rate of the outer Nesterov SGD
+    outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD
+    fragments: int = 1  # streaming DiLoCo above 1; at most inner_steps and num_layers
+    outer_dtype: str = "fp32"  # what crosses the link (the outer state stays fp32)
+    auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
+    # K: the first K steps each end with plain averaging of the replicas (every fragment,
+    # outer lr 1, momentum untouched); then rounds of H steps.
+    warmup_steps: int = 0
+
+    def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
+        _positive(self, "diloco", ("inner_steps", "fragments"))
+        if self.outer_lr <= 0:
+            raise ConfigError(f"diloco.outer_lr={self.outer_lr}: must be > 0")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"diloco.outer_momentum={self.outer_momentum}: must be in [0, 1)")
+        if self.warmup_steps < 0:
+            raise ConfigError(
+                f"diloco.warmup_steps={self.warmup_steps}: must be >= 0 (0 = no warm-up)"
+            )
+        if self.auto_min_speedup < 1:
+            raise ConfigError(
+                f"diloco.auto_min_speedup={self.auto_min_speedup}: must be >= 1 (a speedup)"
+            )
+        if self.fragments > self.inner_steps:
+            raise ConfigError(
+                f"diloco.fragments={self.fragments}: must be <= diloco.inner_steps="
+                f"{self.inner_steps} (each fragment syncs on its own inner step)"
+            )
+        if self.fragments > model.num_layers:
+            raise ConfigError(
+                f"diloco.fragments={self.fragments}: must be <= model.num_layers="
+                f"{model.num_layers} (a fragment holds whole layers)"
+            )
+        if self.enabled is True and parallel.replica < 2 and parallel.mesh is None:
+            raise ConfigError(
+                f"diloco.enabled=true: needs parallel.replica >= 2 (got {parallel.replica}) "
+                "or a parallel.mesh with several islands: DiLoCo runs across replicas"
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop length, batch, evaluation and where metrics go."""
+
+    steps: int = 1000  # the step the run ends at; a resumed run trains up to it
+    global_batch_size: int = 32  # sequences per optimizer step, all devices
+    seed: int = 0  # seeds the initial parameters and the batches; >= 0
+    precision: str = "fp32"  # bf16: bf16 params and compute, fp32 master and reduction
+    eval_every: int = 100  # steps between evaluations; 0 = only at the end
+    eval_batches: int = 8  # batches per evaluation
+    metrics_path: str | None = None  # JSON lines, one object per logged step
+
+    def validate(self) -> None:
+        _positive(self, "train", ("steps", "global_batch_size", "eval_batches"))
+        if self.seed < 0:
+            raise ConfigError(f"train.seed={self.seed}: must be >= 0")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = at end)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints; a run resumes from the newest one in ``dir``, or else starts from
+    the parameters in ``init_from`` (fine-tuning: a fresh optimizer at step 0)."""
+
+    dir: str | None = None  # directory of the checkpoints; null = no checkpoints
+    every: int = 0  # steps between saves; 0 = at the end (and on SIGTERM)
+    keep: int = 3  # how many of the newest checkpoints are kept
+    async_save: bool = True  # write in the background while training goes on
+    resume: bool = True  # start from the newest checkpoint in dir when there is one
+    # Parameters to start from: `python -m holmes_jax.hf import`'s output, or another run's
+    # checkpoint directory (its newest step) or step. A run whose dir already holds
+    # checkpoints resumes from them instead. Read when the run starts.
+    init_from: str | None = None
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every={self.every}: must be >= 0 (0 = at end)")
+        _positive(self, "checkpoint", ("keep",))
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError("checkpoint.init_from='': must be a path, or null for none")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Terminal output, TensorBoard, and the peak used for MFU."""
+
+    log_every: int = 10  # steps between printed and recorded metrics
+    progress: str = "auto"  # how progress prints; auto = a bar on a terminal, else plain
+    tensorboard_dir: str | None = None  # TensorBoard event files; null = none
+    peak_tflops: float | None = None  # per device; MFU is reported when set
+
+    def validate(self) -> None:
+        _positive(self, "logging", ("log_every",))
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"logging.peak_tflops={self.peak_tflops}: must be > 0")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process (multi-host) launch; all unset = a single process or auto-detection."""
+
+    coordinator_address: str | None = None  # host:port of process 0; null = auto-detect
+    num_processes: int = 0  # processes in the job; 0 = auto-detect (SLURM, Open MPI, k8s)
+    process_id: int = -1  # this process's rank; -1 = auto-detect
+    heartbeat_timeout_s: int = 30  # a silent peer is declared dead after this many seconds
+    initialization_timeout_s: int = 300  # seconds to wait for all processes to join
+
+    def validate(self) -> None:
+        if self.num_processes < 0:
+            raise ConfigError(f"distributed.num_processes={self.num_processes}: must be >= 0")
+        if self.process_id < -1:
+            raise ConfigError(f"distributed.process_id={self.process_id}: must be >= -1")
+        if self.num_processes and self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"distributed.process_id={self.process_id}: must be < "
+                f"distributed.num_processes={self.num_processes}"
+            )
+        _positive(self, "distributed", ("heartbeat_timeout_s", "initialization_timeout_s"))
+
+
+def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ConfigError(f"{section}.{name}={value}: must be > 0")
