@@ -5,7 +5,7 @@ Using Megatron-LM", SC 2021 (arXiv 2104.04473), Table 1: GPT models from 1.7B to
 parameters on up to 3072 A100-80GB GPUs of NVIDIA Selene (DGX A100 nodes: 8 GPUs on
 NVSwitch, 8 x 200 Gbit/s HDR InfiniBand per node), sequence 2048, vocabulary 51200,
 mixed precision, full activation recomputation, achieved teraFLOP/s per GPU counted with
-eq. 3 (:func:`holmes_jax.planner.cost.megatron_flops`).
+eq. 3 (:func:`holmes_jax.core.spec.megatron_flops`).
 
 The prediction models those runs as they were made: fp16 parameters and activations,
 fp32 gradients all-reduced after the backward pass (no overlap, no ZeRO), fp32 master
@@ -288,7 +288,7 @@ class DeepRun:
     overlap_grad_sync: bool = False
     split: tuple[int, ...] | None = None  # layers per stage; None: uniform
     # Megatron-LM 2022 (Korthikanti et al.): the backward's tensor all-reduces overlapped
-    # with its weight-gradient matmuls; sequence parallelism (cost.RunSpec).
+    # with its weight-gradient matmuls; sequence parallelism (pricing.RunSpec).
     tp_overlap: bool = False
     sequence_parallel: bool = False
     n_params: float = 0.0  # only for palm_tflops
