@@ -317,7 +317,7 @@ def _on_terminate(callback: Callable[[], None]) -> bool:
     """Make ``std::terminate`` for a ``bad_cast`` call ``callback``; True once installed.
 
     The one ``bad_cast`` a joined process expects is jaxlib's failed call of the client's
-    callback (module doc). Any other exception goes to the previous handler, as before.
+    callback (module doc). Any other exception goes to the previous handler.
     """
     if _HOOKS:
         return True

@@ -95,14 +95,14 @@ class Prediction:
 def lockstep_pipeline(costs: StageCosts, layers_per_stage: Sequence[int]) -> float:
     """The pipeline part of a step when every send blocks (CPU runtimes such as gloo).
 
-    The engine runs the schedule's tables tick by tick, and a tick's sends are one
-    ``ppermute`` that neither side leaves before the bytes have arrived: the stages move
-    in lockstep, each tick as long as its slowest op plus its slowest send (the sends of
-    one tick run at once). The closed forms of :func:`predict` instead let a send overlap
-    the receiver's other work; with ZB-H1, whose forward and backward sends fall on
-    different ticks, that priced the 10 Mbit/s emulated pipeline 31% under its measured
-    step. Per op: a stage's forward (backward) micro-batch time less its sends
-    (``shift_f``/``shift_b``), over v chunks; under ZB-H1 B and W separately.
+    The engine runs the schedule's tables tick by tick. A tick's sends are one
+    ``ppermute`` that neither side leaves before the bytes have arrived, so the stages move
+    in lockstep. Each tick lasts its slowest op plus its slowest send (the sends of one tick
+    run at once). The closed forms of :func:`predict` let a send overlap the receiver's
+    other work, which blocking sends do not allow. This matters most under ZB-H1, whose
+    forward and backward sends fall on different ticks. Per op: a stage's forward
+    (backward) micro-batch time less its sends (``shift_f``/``shift_b``), over v chunks.
+    Under ZB-H1 B and W are priced separately.
     """
     lay = costs.layout
     p, v = lay.stages, lay.virtual_stages

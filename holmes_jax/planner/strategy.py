@@ -1,6 +1,6 @@
 """The cross-island strategy: pipeline, hierarchical data parallel or DiLoCo, priced side by side.
 
-Three ways to span islands (issue 13):
+Three ways to span islands:
 
 - ``pipeline``: the stage axis spans the islands (``replica = 1``); activations cross.
 - ``hierarchical``: one pipeline copy per island (``replica = R``, R islands of equal
@@ -23,12 +23,9 @@ and replica, which the price leaves out)::
 ``n`` is ``1/H`` without warm-up; ``diloco.warmup_steps`` = K adds a full sync after each
 of the first K of the run's N = ``train.steps`` steps (K ≥ N: every step).
 
-Fragments (streaming DiLoCo) spread the same bytes over F syncs on different steps, so
-the peak volume (and the longest pause) drops F-fold; the runtime runs each fragment's
-sync as its own program between two inner steps, blocking them (the next inner step needs
-the fragment's new parameters), so the total per H steps is unchanged. Hiding a
-fragment's transfer behind the following inner steps would need the delayed merge of
-Streaming DiLoCo (apply the fragment's outer update τ steps later), which is not built.
+Fragments (streaming DiLoCo) spread the same bytes over F syncs on different steps: the
+peak volume and the longest pause drop F-fold, the total per H steps does not. Each
+fragment's sync blocks the next inner step, which needs the fragment's new parameters.
 
 ``bw``/``lat``: the slowest inter-island link (per host), ``h``: hosts of the smallest
 island (each host carries its share of the shards). ``enabled: false`` picks the faster of

@@ -278,11 +278,10 @@ class PipelineEngine(TickOps):
                 c = when(op == WGT, lambda c: self._weights(st, c, t), c)
             return c
 
-        # One guard around the tick's op: it carries the residual buffers that a FWD
-        # writes, so the next tick's op comes after every read of them in this one. With
-        # only the per-op guards, a BWD that only reads the buffers and a later FWD that
-        # writes them in place are unordered whenever they share no other state (an
-        # untied head), and XLA then copied every residual buffer on every FWD.
+        # One guard around the tick's op carries the residual buffers a FWD writes, so the
+        # next tick's op comes after every read of them in this one. Per-op guards alone
+        # leave a reading BWD and a later writing FWD unordered when they share no other
+        # state (an untied head), and XLA copies every residual buffer on every FWD.
         c = when(op != IDLE, run, c)
         return self._send(st, c, t, shape)
 
@@ -367,9 +366,8 @@ def tick_segments(sched: Schedule, max_period: int | None = None) -> list[tuple[
 
     ``max_period`` defaults to ``max(6, 2·S·v)``: the steady state repeats every 2 ticks
     under 1F1B, 3 under ZB-H1, but every 2·S·v under interleaved 1F1B, whose wrap-around
-    sends (last stage to first, and back) recur once per S·v micro-batches. With a shorter
-    cap the interleaved steady state was unrolled tick by tick: the program and its
-    temporaries grew with M (60.6 / 84.3 / 96.5 MB at M = 4 / 8 / 16 on 4 stages × v = 2).
+    sends (last stage to first, and back) recur once per S·v micro-batches. A shorter cap
+    unrolls that steady state tick by tick, and the program and its temporaries grow with M.
     """
     if max_period is None:
         max_period = max(6, 2 * sched.stages * sched.virtual)

@@ -288,8 +288,8 @@ class TickOps:
             dw = st.split.weight_grad(w, self._saved(st, res, k, j), kept)
             return *self._add_layer_grad(st, t, slot, dw, g_blocks, shards), res
 
-        # res is carried through the loop unchanged, not read from outside it: as a live-in
-        # of the loop XLA could not order it before the next tick's writes and copied it.
+        # res is carried through the loop unchanged, not read from outside it. As a live-in
+        # of the loop XLA cannot order it before the next tick's writes, and copies it.
         g_blocks, shards, res = lax.fori_loop(
             0, st.n_layers[ch], layer, (c["grads"]["blocks"], c["shards"], c["res"])
         )
