@@ -238,6 +238,8 @@ def _time_layers(
             return jax.tree.map(lambda a: a[None, None, None, None], out)
 
         in_specs = (PartitionSpec(),) + (spec,) * inputs
+        # check_vma off: checked, the vjp of the replicated params adds an all-reduce of their
+        # gradient to the timed compute.
         return jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)
         )
@@ -326,6 +328,7 @@ def _time_collective(
         "all-gather": lambda x: jax.lax.all_gather(x, axis, axis=4, tiled=True),
         "p2p": lambda x: jax.lax.ppermute(x, axis, perm),
     }
+    # check_vma off as in the compute program; it changes none of these four bodies' HLO.
     fn = jax.jit(
         jax.shard_map(bodies[op], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
     )

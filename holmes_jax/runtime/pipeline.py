@@ -137,6 +137,8 @@ class PipelineEngine(TickOps):
             in_specs=(param_specs, PartitionSpec(BATCH_AXES), PartitionSpec()),
             out_specs=(scalar, grad_specs, scalar),
             axis_names={REPLICA, STAGE, DATA},
+            # Off: checked, the vjp of parameters replicated over data would all-reduce each
+            # layer's gradient (zero.py reduces per bucket); chain_sum's sums type as varying.
             check_vma=False,
         )
         with nn.logical_axis_rules(PIPELINE_RULES):
