@@ -15,8 +15,8 @@ where the gradient traffic flows decides the step time. Side by side, a few step
 (b) naive:  data parallel 4 across both islands (``parallel.enforce_islands=false``): the
     gradient all-reduce ring crosses the slow link;
 (c) fast:   (a) on emu-4host-2island-fast.yaml, every link 1 Gbit/s (homogeneous reference);
-(d) zb:     (a) with the ZB-H1 schedule (the best of the new schedules at S = 2, M = 4 by
-    its tables: bubble 0.077 vs 1F1B's 0.200, and no more p2p traffic than 1F1B).
+(d) zb:     (a) with the ZB-H1 schedule (at S = 2, M = 4 its tables' bubble is 0.077
+    against 1F1B's 0.200, with no more p2p traffic).
 
 Beside each pipeline variant's time: the bytes per step that cross the island boundary,
 read from its compiled HLO (holmes_jax.runtime.traffic: every collective-permute times its
@@ -26,7 +26,7 @@ instead; its HLO has no point-to-point traffic.
 Step times are medians over logging windows of 5 steps after the first step (which
 compiles), from the trainer's metrics.
 
-Predictions come from the cost model (holmes_jax.planner.cost / placement) fed with a profile that
+Predictions come from the cost model (holmes_jax.planner.cost, placement) fed with a profile that
 holmes_jax.probe measures first *through the same emulated launch* (``launch --program
 probe``, one per topology and plan micro-batch: the Holmes plans', and naive data
 parallel's): a stage of the plan on every device while the 4 processes share the 2

@@ -1,4 +1,4 @@
-"""Benchmark: pipeline vs hierarchical data parallel vs DiLoCo across islands (issue 13).
+"""Benchmark: pipeline vs hierarchical data parallel vs DiLoCo across islands.
 
     sudo .venv/bin/python scripts/bench_strategies.py [--part speed|quality|both] \\
         [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
@@ -34,7 +34,7 @@ any synchronous plan reproduces) against DiLoCo with H = 10, 25, 50 (fragments 1
 H = 50 with 4 fragments and H = 50 with int8 outer gradients. Eval loss every 50 steps
 (the global model for DiLoCo); the curves go to ``--png``, the final losses to a table.
 
-Targets (issue 13): at 10 Mbit/s DiLoCo >= 3x the tokens/s of the best synchronous plan;
+Targets: at 10 Mbit/s DiLoCo >= 3x the tokens/s of the best synchronous plan;
 final eval loss within 3% of synchronous for some H >= 10; predictions within 25%.
 Prints one JSON line; progress and the runs' output go to stderr.
 """

@@ -1,7 +1,7 @@
-"""Print the cost model's fidelity on deep and interleaved pipelines (issue 12, item 4).
+"""Print the cost model's fidelity on deep and interleaved pipelines.
 
-Published runs with 8 or more pipeline stages and/or interleaving that were not used to
-calibrate the model (holmes_jax.planner.fidelity.DEEP_RUNS; lower-confidence rows, resting
+Published runs with 8 or more pipeline stages and/or interleaving that the model was not
+calibrated on (holmes_jax.planner.fidelity.DEEP_RUNS; lower-confidence rows, resting
 on an unstated detail or on hardware not calibrated on, in DEEP_RUNS_LOWER). The
 calibration (device efficiency and element-wise passes) stays as fitted on Narayanan et
 al. 2021 Table 1 (placement.DEFAULT_EFFICIENCY, DEFAULT_ELEMENTWISE_PASSES); nothing is

@@ -32,16 +32,20 @@ No jax import.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from holmes_jax.core.errors import ConfigError
 
+if TYPE_CHECKING:
+    from holmes_jax.core.config import Config
 
-def add_flags(parser: Any) -> None:
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--coordinator``, ``--num-processes`` and ``--process-id`` to an argparse parser
     (every entry point that can run as one of several processes has them)."""
     parser.add_argument(
@@ -57,7 +61,7 @@ def add_flags(parser: Any) -> None:
     )
 
 
-def apply_flags(cfg: Any, args: Any) -> Any:
+def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
     """The config with :func:`add_flags`' values over ``distributed.*`` (unset: unchanged).
 
     Set directly rather than through ``--set`` so an address is never read as YAML.
@@ -128,7 +132,7 @@ def _env_int(env: Mapping[str, str], key: str) -> int:
         raise ConfigError(f"{key}={env[key]!r}: expected an integer") from None
 
 
-def resolve(cfg: Any, environ: Mapping[str, str] | None = None) -> Settings | None:
+def resolve(cfg: Config, environ: Mapping[str, str] | None = None) -> Settings | None:
     """Decide whether this process is one of several, and how it joins.
 
     Args:

@@ -45,18 +45,22 @@ import os
 import sys
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from holmes_jax.cluster.detect import Settings, resolve
 from holmes_jax.cluster.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
 from holmes_jax.core.errors import ConfigError, one_line
+
+if TYPE_CHECKING:
+    from holmes_jax.core.config import Config
+    from holmes_jax.planner.topology import Topology
 
 
 class JoinError(RuntimeError):
     """The job could not be joined (no coordinator, or peers missing) in time."""
 
 
-def start(cfg: Any, environ: MutableMapping[str, str] | None = None):
+def start(cfg: Config, environ: MutableMapping[str, str] | None = None):
     """Everything an entry point does before jax starts, when one of several processes.
 
     1. :func:`resolve` who joins (None: a single process, nothing happens);
@@ -98,7 +102,7 @@ def start(cfg: Any, environ: MutableMapping[str, str] | None = None):
     return watchdog
 
 
-def run_joined(cfg: Any, body: Callable[[], int], environ=None) -> int:
+def run_joined(cfg: Config, body: Callable[[], int], environ=None) -> int:
     """:func:`start`, then ``body()``, mapping failures to the entry points' exit codes.
 
     A :class:`ConfigError` prints one line and returns 2 (peers are told, so they name
@@ -130,7 +134,9 @@ def run_joined(cfg: Any, body: Callable[[], int], environ=None) -> int:
     return code
 
 
-def process_label(process_id: int, topology: Any = None, num_processes: int | None = None) -> str:
+def process_label(
+    process_id: int, topology: Topology | None = None, num_processes: int | None = None
+) -> str:
     """How messages name a process: ``process 1 (host ib-1)``.
 
     The host is ``HOLMES_HOST`` (set by the launcher), else the topology's host for this
@@ -147,8 +153,8 @@ def process_label(process_id: int, topology: Any = None, num_processes: int | No
 
 
 def initialize(
-    cfg: Any,
-    topology: Any = None,
+    cfg: Config,
+    topology: Topology | None = None,
     *,
     settings: Settings | None = None,
     log: Callable[[str], None] | None = None,
@@ -317,7 +323,7 @@ def _on_terminate(callback: Callable[[], None]) -> bool:
     """Make ``std::terminate`` for a ``bad_cast`` call ``callback``; True once installed.
 
     The one ``bad_cast`` a joined process expects is jaxlib's failed call of the client's
-    callback (module doc). Any other exception goes to the previous handler, as before.
+    callback (module doc). Any other exception goes to the previous handler.
     """
     if _HOOKS:
         return True
@@ -350,7 +356,7 @@ def _on_terminate(callback: Callable[[], None]) -> bool:
     return True
 
 
-def check_layout(topology: Any) -> None:
+def check_layout(topology: Topology) -> None:
     """With one process per host, each must hold exactly its host's devices.
 
     Raises:

@@ -14,8 +14,8 @@ bandwidth): each host's ``eth0`` gets an ``htb`` qdisc with one class at its isl
 ``link`` rate (the default class) and one class per other island at the ``inter_island``
 rate of that pair, selected by destination subnet (``u32`` filters). Rates are the
 topology's times ``scale``. The veths use a 64 KiB MTU (per-packet cost, not bytes, is
-what a small machine pays for). Latencies are not emulated: ``tc netem`` is not available
-everywhere (it is not on the machines this was built on); the veths add ~tens of µs.
+what a small machine pays for). Latencies are not emulated, since ``tc netem`` is not
+available everywhere. The veths add tens of µs.
 
 Nothing outside the namespaces is touched, except ``/etc/netns/<namespace>/hosts``:
 ``ip netns exec`` mounts it over ``/etc/hosts``, mapping this machine's hostname to the

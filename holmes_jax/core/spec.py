@@ -16,7 +16,7 @@ Everything that more than one layer needs to agree on is defined here once:
   - remat ``full`` reruns a forward per layer, ``selective`` the scores q·kᵀ
     (``2·b·s²·h`` per layer);
 
-  used by the planner (:mod:`holmes_jax.planner.cost`), the trainer's throughput and MFU
+  used by the planner (:mod:`holmes_jax.planner.pricing`), the trainer's throughput and MFU
   (:func:`flops_per_token`) and the fidelity check (:func:`megatron_flops`);
 - :class:`Degrees` (replica x stages x data x tensor), the one parallel-degrees type, and
   :class:`Layout`, degrees plus the pipeline's micro-batches and schedule;

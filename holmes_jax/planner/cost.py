@@ -1,516 +1,68 @@
-"""Analytic cost model of one training iteration: per-stage time and memory tables.
+"""Step prediction of one split: the pipeline, then the gradient reduction and optimizer.
 
-Notation (``docs/design.md``): L layers, hidden h, seq s, vocab V, micro-batch b, m
-micro-batches, p stages, v model chunks per device (interleaved), d data-parallel, t
-tensor-parallel, r replicas (data parallel across islands), β bytes per element. Times
-are seconds, sizes bytes, rates per second. The FLOP counts live in
-:mod:`holmes_jax.core.spec`, the closed-form collective and pipeline times in
-:mod:`holmes_jax.planner.formulas`, the memory model in :mod:`holmes_jax.planner.memory`;
-this module combines them per stage and layer count (:func:`stage_costs`) and predicts
-one split's step (:func:`predict`).
+Notation as in :mod:`holmes_jax.planner.pricing`, whose per-stage tables (:class:`StageCosts`,
+:func:`stage_costs`, :class:`RunSpec`, re-exported here) this module combines. τ_s =
+F_s + B_s + W_s is stage s's time per micro-batch.
 
-- Compute per micro-batch: layer forward F, backward 2x forward plus what the remat policy
-  reruns; element-wise work priced as memory traffic; the LM head on the last stage. The
-  backward splits into the input-gradient part B and the weight-gradient part W (the
-  weight matmuls and the gradient accumulation): zero-bubble (``zb``) defers W.
-- Point-to-point: each micro-batch crosses each stage boundary once forward (its
-  activations, charged to the sender's F) and once backward (its input gradient, charged
-  to the sender's B); nothing is sent on idle ticks, and the forward and backward
-  transfers of a tick are issued together (a full-duplex link carries both at once). With
-  v chunks a micro-batch crosses the link between stages s and s+1 v times and the wrap
-  link p−1 → 0 v−1 times per direction. ``RunSpec.engine="megatron"`` (the fidelity
-  check) prices the same sends.
-- Pipeline, for every schedule ``Σ_s h_s + max_s g_s`` over per-stage tables
-  (:func:`schedule_terms`, :func:`holmes_jax.planner.formulas.pipeline_terms`), τ_s =
-  F_s + B_s + W_s of one micro-batch:
+- Pipeline, for every schedule ``Σ_s h_s + max_s g_s`` (:func:`schedule_terms`,
+  :func:`holmes_jax.planner.formulas.pipeline_terms`):
   GPipe and 1F1B ``Σ τ_s + (m−1)·max τ_s``; interleaved (chunks priced through their
   stage's total) ``m·max τ_s + (Σ τ_s − max τ_s)/v``; ZB-H1 (Qi et al. 2023)
   ``Σ_s (τ_s − 2W_s) + max_s [(m−1)·τ_s + 2W_s]``, which for equal stages is
   ``m·τ + (p−1)(F + B − W)`` against 1F1B's ``m·τ + (p−1)(F + B + W)``.
   :func:`holmes_jax.planner.draw.simulate_table` checks each against the schedule tables.
-- Iteration: pipeline + ``max_s [(rs_s − slack_s)⁺ + opt_s + ag_s]`` where rs is the
-  gradient reduction, overlapped with the stage's last backward and the pipeline drain
-  (``slack_s = Σ_{k<s} σ_k + ω_s``: 1F1B and GPipe σ = ω = one micro-batch's backward;
-  interleaved a chunk's, bwd/v; ZB the input-gradient passes of the earlier stages and
-  stage 0's last W, less the W's stage s deferred past its last B), opt the optimizer
-  step and ag the ZeRO-1 parameter all-gather. With synchronous collectives (CPU
-  runtimes) each stage reduces inside its own last backward tick and the lockstep ticks
-  add the stages' reductions up: ``Σ_s rs_s + max_s (opt_s + ag_s)``; with one gradient
-  bucket per step (``parallel.grad_buckets``) all stages reduce after the loop:
-  ``max_s (rs_s + opt_s + ag_s)``. With blocking sends the pipeline part of one chosen
-  split is re-priced tick by tick (:func:`lockstep_pipeline`); the searches keep the
-  closed forms.
+- Iteration: pipeline + ``max_s [(rs_s − slack_s)⁺ + opt_s + ag_s]``. rs is the gradient
+  reduction, overlapped with the stage's last backward and the pipeline drain, opt the
+  optimizer step, ag the ZeRO-1 parameter all-gather. ``slack_s = Σ_{k<s} σ_k + ω_s``.
+  Under 1F1B and GPipe σ = ω = one micro-batch's backward, interleaved a chunk's (bwd/v).
+  Under ZB σ, ω are the earlier stages' input-gradient passes and stage 0's last W, less
+  the W's stage s defers past its last B.
+- Synchronous collectives (CPU runtimes) reduce each stage inside its own last backward
+  tick, and the lockstep ticks add the reductions up: ``Σ_s rs_s + max_s (opt_s + ag_s)``.
+  With one gradient bucket per step (``parallel.grad_buckets``) all stages reduce after
+  the loop: ``max_s (rs_s + opt_s + ag_s)``.
+- With blocking sends :func:`with_lockstep` re-prices the pipeline part of one chosen split
+  tick by tick (:func:`lockstep_pipeline`). The searches keep the closed forms.
 
-Per-stage speeds and bandwidths come from :mod:`holmes_jax.planner.placement` (which also
-holds the placement conventions); measured ones from :mod:`holmes_jax.planner.profiles`.
 Pure Python + NumPy; no jax import.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import (
-    GRAD_BUCKET_CHOICES,
-    REMAT_POLICIES,
-    Layout,
-    ModelSpec,
-    check_choice,
-    check_positive,
-    head_fwd_flops,
-    iteration_flops,
-    layer_fwd_flops,
-    resolve_grad_buckets,
-    scores_fwd_flops,
+from holmes_jax.core.spec import iteration_flops
+from holmes_jax.planner.formulas import exposed_tail, pipeline_terms
+from holmes_jax.planner.pricing import (
+    RunSpec,
+    StageCosts,
+    memory_inputs,
+    stage_costs,
+    with_schedule,
 )
-from holmes_jax.planner.formulas import (
-    all_gather_time,
-    exposed_tail,
-    layer_activation_bytes,
-    p2p_time,
-    pipeline_terms,
-    reduce_scatter_time,
-    ring_allreduce_time,
-)
-from holmes_jax.planner.memory import (
-    MemoryInputs,
-    buffer_depth,
-    deferred_weight_sets,
-    device_memory,
-    zb_stash_bytes,
-)
-from holmes_jax.planner.placement import StageHardware
 from holmes_jax.planner.schedule import BWD, FWD, WGT, make_schedule
 
-ENGINES = ("holmes_jax", "megatron")
-VIRTUAL_MAX = 4  # most chunks per device the memory tables are priced for (v·L slots)
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """Batch and numerics of a run (everything but the layout)."""
-
-    global_batch_size: int  # sequences per optimizer step
-    act_bytes: int = 2  # activations, p2p and tensor all-reduces (β)
-    param_bytes: int = 2  # working copy of the parameters
-    grad_bytes: int = 4  # gradients as reduced over data-parallel ranks
-    optimizer_bytes: int = 12  # per parameter: fp32 master + Adam m, v (8 without master)
-    remat: str = "none"  # activation policy (holmes_jax.planner.memory): none | full | selective
-    attention: str = "xla"  # xla (fp32 [b, a/t, s, s] transients) | cudnn (fused)
-    zero1: bool = True  # optimizer state sharded over data-parallel ranks
-    overlap_grad_sync: bool = True  # gradient reduction overlapped with the pipeline drain
-    # Collectives block the device until done (CPU runtimes such as gloo): the stages'
-    # in-loop reductions add up instead of hiding behind each other (module doc).
-    sync_collectives: bool = False
-    # parallel.grad_buckets: "layer" (each layer's gradient reduced as it completes, in
-    # the loop), "step" (each leaf once, all layers at a time, after the loop), auto: step
-    # with sync_collectives, else layer (holmes_jax.core.spec.resolve_grad_buckets).
-    grad_buckets: str = "auto"
-    # The implementation priced: "holmes_jax" (this trainer: a collective per parameter
-    # leaf, the layer weights sliced out of the stacked slots) or "megatron" (Megatron-LM,
-    # for the fidelity check: one flat gradient buffer, weights used in place). Both send
-    # each micro-batch once per stage boundary and direction.
-    engine: str = "holmes_jax"
-    memory_fraction: float = 0.9  # usable fraction of device memory
-    # Mechanisms of Megatron-LM 2022 (Korthikanti et al.), priced in time only, for the
-    # fidelity check's runs that had them; holmes_jax's runtime has neither. tp_overlap:
-    # the backward's tensor all-reduces hidden behind the weight-gradient matmuls.
-    # sequence_parallel: the element-wise work outside attention and MLP split over t too.
-    tp_overlap: bool = False
-    sequence_parallel: bool = False
-
-    def __post_init__(self):
-        check_positive("train.global_batch_size", self.global_batch_size)
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine='{self.engine}': must be one of {', '.join(ENGINES)}")
-        if not 0 < self.memory_fraction <= 1:
-            raise ConfigError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]")
-        check_choice(self.grad_buckets, "parallel.grad_buckets", GRAD_BUCKET_CHOICES)
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(
-                f"model.remat='{self.remat}': must be one of {', '.join(REMAT_POLICIES)}"
-            )
-
-    @property
-    def buckets(self) -> str:
-        """``grad_buckets`` as run: ``layer`` or ``step`` (``auto`` by ``sync_collectives``)."""
-        return resolve_grad_buckets(self.grad_buckets, self.sync_collectives)
-
-    @property
-    def reduction(self) -> str:
-        """How the gradient reduction meets the pipeline: ``overlap`` (per-layer buckets,
-        hidden behind the drain), ``sync`` (per-layer buckets on blocking collectives: the
-        stages' reductions add up), ``exposed`` (after the loop, nothing hides it: one
-        bucket per step, or ``overlap_grad_sync`` off)."""
-        if self.buckets == "step":
-            return "exposed"
-        if self.sync_collectives:
-            return "sync"
-        return "overlap" if self.overlap_grad_sync else "exposed"
-
-    @property
-    def recompute(self) -> bool:
-        """Full recomputation: the backward reruns every layer's forward."""
-        return self.remat == "full"
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Per-stage cost tables indexed ``[stage, n]`` for n = 0..L layers on that stage.
-
-    Every entry is per device per micro-batch (times) or per iteration (sync, optimizer),
-    and includes the embedding on stage 0 and the head on the last stage.
-    """
-
-    model: ModelSpec
-    run: RunSpec
-    layout: Layout
-    microbatch_size: int
-    compute: np.ndarray  # (p, L+1) fwd + bwd (+ recompute) seconds per micro-batch
-    tensor: np.ndarray  # (p, L+1) tensor all-reduces per micro-batch
-    p2p: np.ndarray  # (p,) sends to the neighbours per micro-batch (all chunks)
-    shift_f: np.ndarray  # (p,) of which the forward sends (in fwd)
-    shift_b: np.ndarray  # (p,) and the backward ones (in bwd)
-    fwd: np.ndarray  # (p, L+1) forward part of compute + tensor + p2p (F)
-    bwd: np.ndarray  # (p, L+1) backward part (B + W)
-    weight: np.ndarray  # (p, L+1) the weight-gradient part W of bwd (zb defers it)
-    reduce: np.ndarray  # (p, L+1) gradient reduction (may overlap the pipeline drain)
-    optimizer: np.ndarray  # (p, L+1) optimizer step
-    gather: np.ndarray  # (p, L+1) ZeRO-1 parameter all-gather
-    # (p, L+1) bytes per device whose largest slot group holds n layers: a stage's n
-    # layers (every stage pads to the largest), or with v chunks the largest chunk's n
-    # (every chunk pads to it: v·n slots per device).
-    memory: np.ndarray
-    capacity: np.ndarray  # (p,) usable bytes per device
-    islands: tuple[int, ...]  # island of each stage
-    p2p_bytes: tuple[float, ...] = ()  # per step across each boundary (all data ranks), wrap last
-    # the schedule-free memory breakdown the table came from (with_schedule re-prices it)
-    memory_base: dict | None = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def tau(self) -> np.ndarray:
-        """(p, L+1) stage time per micro-batch: compute + tensor + p2p."""
-        return self.fwd + self.bwd
-
-    @property
-    def tail(self) -> np.ndarray:
-        """(p, L+1) sync + optimizer after the stage's last backward, nothing overlapped."""
-        return self.reduce + self.optimizer + self.gather
-
-    @property
-    def chunks(self) -> int:
-        """Model chunks per device (v; 1 but for the interleaved schedule)."""
-        return self.layout.virtual_stages
-
-    def fits(self) -> np.ndarray:
-        """(p, L+1) whether a stage may hold n layers in all: the engine pads every slot
-        group (stage, or chunk) to the largest one, so n fits only if every device fits
-        the largest group of the most even split of n (``⌈n/v⌉`` layers per chunk, and
-        every chunk needs >= 1 layer)."""
-        return self._fits
-
-    @functools.cached_property
-    def _fits(self) -> np.ndarray:
-        v, L = self.chunks, self.model.num_layers
-        every = (self.memory <= self.capacity[:, None]).all(axis=0)  # (L+1,) by group size
-        n = np.arange(L + 1)
-        ok = every[np.minimum(-(-n // v), L)] & (n >= v)
-        return np.broadcast_to(ok, self.memory.shape)
-
-
-def stage_costs(
-    model: ModelSpec, run: RunSpec, layout: Layout, hardware: Sequence[StageHardware]
-) -> StageCosts:
-    """Build the cost tables of every stage for every possible layer count.
-
-    Args:
-      model, run, layout: what is trained and how it is split.
-      hardware: one entry per stage (:func:`holmes_jax.planner.placement.stage_hardware`).
-
-    Returns:
-      :class:`StageCosts`.
-
-    Raises:
-      ConfigError: the global batch does not split into the layout's micro-batches.
-    """
-    p, t, d = layout.stages, layout.tensor, layout.data
-    b = layout.microbatch_size(run.global_batch_size)
-    L, h, s, V = model.num_layers, model.hidden_size, model.seq_len, model.vocab_size
-    n = np.arange(L + 1, dtype=np.float64)[None, :]  # (1, L+1)
-    hw = list(hardware)
-    # (p, 1) columns of the stages' speeds: one pass over the hardware
-    fwd_rate, bwd_rate, mem_bw = np.array(
-        [(x.fwd_flops, x.bwd_flops, x.mem_bw) for x in hw], dtype=np.float64
-    ).T[:, :, None]
-    first = np.zeros((p, 1))
-    first[0] = 1.0
-    last = np.zeros((p, 1))
-    last[-1] = 1.0
-
-    # Compute per device per micro-batch (the t tensor ranks split every matmul).
-    lf, hf = layer_fwd_flops(model, b) / t, head_fwd_flops(model, b) / t
-    recompute = 1.0 if run.recompute else 0.0
-    # Selective remat reruns the attention scores (q·kᵀ) and the element-wise ops.
-    selective = 1.0 if run.remat == "selective" else 0.0
-    scores_f = scores_fwd_flops(model, b) / t
-    # Element-wise work (norms, softmax, dropout, GELU, residuals) is memory bound: it
-    # moves `passes` bytes (its reads and writes) per activation byte the layer stores in
-    # the forward, twice that in the backward, and again in a recomputed forward.
-    passes = np.array([x.elementwise_passes for x in hw], dtype=np.float64)[:, None]
-    stored = layer_activation_bytes(model, b, t, run.act_bytes, run.sequence_parallel)
-    traffic = passes * stored / mem_bw
-    layer_f = lf / fwd_rate + traffic
-    layer_b = 2 * lf / bwd_rate + 2 * traffic + recompute * (lf / fwd_rate + traffic)
-    # Megatron-LM's selective recompute reruns attention over V as well as q·kᵀ.
-    rerun_scores = 2.0 if run.engine == "megatron" else 1.0
-    layer_b = layer_b + selective * (rerun_scores * scores_f / fwd_rate + traffic)
-    # The weight-gradient part W: the weight matmuls' gradients (the forward's matmul
-    # FLOPs; the attention scores have no weights). The rest of the backward is B.
-    layer_w = (lf - 2 * scores_f) / bwd_rate
-    if run.engine == "holmes_jax":
-        # The pipeline engine, per layer and micro-batch: the layer's weights are sliced out
-        # of the stacked [slots, ...] array (read + write) in the forward and again in the
-        # backward, and the backward adds the layer's gradient into its fp32 accumulator
-        # (read + write). Megatron-LM uses weights in place and fuses the accumulation.
-        weights = model.layer_params / t
-        weight_slice = 2 * weights * run.param_bytes / mem_bw
-        accumulate = 2 * weights * run.grad_bytes / mem_bw
-        layer_f = layer_f + weight_slice
-        layer_b = layer_b + weight_slice + accumulate
-        layer_w = layer_w + accumulate
-    head_f, head_b = hf / fwd_rate, 2 * hf / bwd_rate
-    compute = n * (layer_f + layer_b) + last * (head_f + head_b)
-
-    # Tensor parallel: 2 all-reduces of [b, s, h] per layer forward, 2 backward, 2 more in
-    # a recomputed forward; 1 for the vocab-parallel embedding.
-    act = b * s * h * run.act_bytes
-    ar = ring_allreduce_time(act, t, *_paths(hw, "tensor")) + np.zeros((p, 1))
-    tensor_f = n * 2 * ar + first * ar
-    # tp_overlap: the backward's own two hide behind its weight-gradient matmuls.
-    tensor_b = n * (2 * (not run.tp_overlap) + 2 * recompute) * ar
-
-    # Point-to-point: a micro-batch crosses each boundary once forward (its [b, s, h]
-    # activations, sent by the stage that ran the forward) and once backward (its input
-    # gradient); with v chunks, v times over the link s -> s+1 and v-1 times over the wrap
-    # link p-1 -> 0 (the last stage's chunk c feeds stage 0's chunk c+1).
-    shift_f, shift_b, p2p_bytes = _sends(layout, hw, act)
-    fwd = n * layer_f + last * head_f + tensor_f + shift_f[:, None]
-    bwd = n * layer_b + last * head_b + tensor_b + shift_b[:, None]
-    weight = n * layer_w + last * hf / bwd_rate
-
-    # Parameters held by one device of each stage (tied head: a copy on the last stage).
-    tie_copy = V * h if (model.tied_embeddings and p > 1) else 0
-    params = (
-        n * model.layer_params
-        + first * model.embedding_params
-        + last * (model.head_params + tie_copy)
-    ) / t
-    grads = params * run.grad_bytes
-    shards = d if run.zero1 else 1
-    # Collective calls per reduction: one per leaf and layer with per-layer buckets (the
-    # embedding's and head's on the stages that use them); one per stacked leaf (all of a
-    # device's layers at once) with one bucket per step, and for the ZeRO-1 all-gather
-    # (GSPMD gathers each updated leaf whole, every stage its embedding and head copies).
-    leaves = model.layer_leaves + model.embedding_leaves + model.head_leaves
-    calls = n * model.layer_leaves + first * model.embedding_leaves + last * model.head_leaves
-    if run.buckets == "step":
-        calls = np.full_like(calls, leaves)
-    gather_calls = np.full_like(calls, leaves)
-    if run.engine == "megatron":  # one contiguous gradient buffer
-        calls = gather_calls = np.ones_like(calls)
-    reduce = _dp_reduce(grads, calls, layout, hw, run.zero1)
-    if tie_copy:
-        # First and last stage all-reduce the tied embedding's gradient; under ZeRO-1 each
-        # rank only its 1/d shard, after the data-parallel reduce-scatter.
-        tie_bytes = V * h / t * run.grad_bytes / shards
-        tie = ring_allreduce_time(tie_bytes, 2, *_paths(hw, "tie"))
-        reduce = reduce + (first + last) * tie
-    gather = np.zeros_like(params)
-    if run.zero1 and d > 1:
-        gather = all_gather_time(
-            params * run.param_bytes, d, *_paths(hw, "gather_path"), gather_calls
-        )
-    touched = run.grad_bytes + 2 * run.optimizer_bytes + run.param_bytes  # read/write
-    optimizer = params / shards * touched / mem_bw
-
-    memory, memory_base = _memory_table(model, run, layout, b)
-    return StageCosts(
-        model=model,
-        run=run,
-        layout=layout,
-        microbatch_size=b,
-        compute=compute,
-        tensor=tensor_f + tensor_b,
-        p2p=shift_f + shift_b,
-        shift_f=shift_f,
-        shift_b=shift_b,
-        fwd=fwd,
-        bwd=bwd,
-        weight=weight,
-        reduce=reduce,
-        optimizer=optimizer,
-        gather=gather,
-        memory=memory,
-        capacity=np.array([x.memory_bytes for x in hw]),
-        islands=tuple(x.island for x in hw),
-        p2p_bytes=p2p_bytes,
-        memory_base=memory_base,
-    )
-
-
-def _sends(layout: Layout, hw: list[StageHardware], act: float):
-    """Per stage, the forward and backward sends of one micro-batch (all its chunks), and
-    the bytes per step across each boundary (wrap link last)."""
-    p, v, t = layout.stages, layout.virtual_stages, layout.tensor
-    link = [p2p_time(act, *x.send) for x in hw[:-1]]  # link s -> s+1
-    # The wrap link: the last stage's path to stage 0 as one data replica's t slices see
-    # it (the tie path is per rank: t times the senders).
-    wrap = p2p_time(act, hw[-1].tie[0] * t, hw[-1].tie[1]) if v > 1 and p > 1 else 0.0
-    shift_f = np.array([v * link[i] if i < p - 1 else (v - 1) * wrap for i in range(p)])
-    shift_b = np.array([v * link[i - 1] if i > 0 else (v - 1) * wrap for i in range(p)])
-    crossings = [v] * (p - 1) + ([v - 1] if v > 1 else [])
-    m, d, r = layout.microbatches, layout.data, layout.replica
-    return shift_f, shift_b, tuple(2.0 * m * c * act * d * r for c in crossings)
-
-
-def with_schedule(
-    costs: StageCosts, layout: Layout, hardware: Sequence[StageHardware]
-) -> StageCosts:
-    """``costs`` re-priced for ``layout``, which differs only in its schedule and chunks:
-    the sends and the memory change, compute and collectives do not."""
-    old = costs.layout
-    same = (old.replica, old.stages, old.data, old.tensor, old.microbatches)
-    if same != (layout.replica, layout.stages, layout.data, layout.tensor, layout.microbatches):
-        raise ValueError(f"with_schedule: {layout} differs from {old} beyond its schedule")
-    m = costs.model
-    act = costs.microbatch_size * m.seq_len * m.hidden_size * costs.run.act_bytes
-    shift_f, shift_b, p2p_bytes = _sends(layout, list(hardware), act)
-    return dataclasses.replace(
-        costs,
-        layout=layout,
-        fwd=costs.fwd + (shift_f - costs.shift_f)[:, None],
-        bwd=costs.bwd + (shift_b - costs.shift_b)[:, None],
-        p2p=shift_f + shift_b,
-        shift_f=shift_f,
-        shift_b=shift_b,
-        p2p_bytes=p2p_bytes,
-        memory=_memory_table(m, costs.run, layout, costs.microbatch_size, costs.memory_base)[0],
-    )
-
-
-def _dp_reduce(
-    grads: np.ndarray, calls: np.ndarray, layout: Layout, hw: list[StageHardware], zero1: bool
-):
-    """Gradient reduction per stage, one call per leaf: reduce-scatter (ZeRO-1) or
-    all-reduce over ``data``; with replicas, then an all-reduce of the 1/d shards across
-    islands."""
-    d, r = layout.data, layout.replica
-    out = np.zeros_like(grads)  # the collectives return a scalar 0 over one rank
-    if zero1 or r > 1:
-        out = out + reduce_scatter_time(grads, d, *_paths(hw, "scatter_path"), calls)
-    else:
-        out = out + ring_allreduce_time(grads, d, *_paths(hw, "data"), calls)
-    if r > 1:
-        out = out + ring_allreduce_time(grads / d, r, *_paths(hw, "cross"), calls)
-        if not zero1:  # plain hierarchical all-reduce: gather the reduced shards back
-            out = out + all_gather_time(grads, d, *_paths(hw, "gather_path"), calls)
-    return out
-
-
-def _paths(hw: list[StageHardware], name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(p, 1) bandwidths and latencies of each stage's path ``name``."""
-    pairs = np.array([getattr(x, name) for x in hw], dtype=np.float64)
-    return pairs[:, :1], pairs[:, 1:]
-
-
-def _memory_table(
-    model: ModelSpec, run: RunSpec, layout: Layout, b: int, base: dict | None = None
-) -> tuple[np.ndarray, dict]:
-    """(p, L+1) per-device peak bytes when each device's largest slot group holds n layers
-    (:func:`holmes_jax.planner.memory.device_memory`; a split pads every stage, or with v
-    chunks every chunk, to its largest), and the schedule-free breakdown it came from
-    (``base``: pass it back to price another schedule of the same layout).
-
-    The breakdown is priced once for up to 4L slots under 1F1B's K residual sets; a
-    schedule changes only the residual sets in flight (``K`` =
-    :func:`holmes_jax.planner.memory.buffer_depth`; the residual bytes and activation
-    buffers scale with it) and the slots (v·n):
-
-    - interleaved: v·n layer slots; ``K_c`` chunk residual sets in flight, each of n layers.
-    - zb (ZB-H1): 1F1B's residual sets (a micro-batch keeps its residuals until its W,
-      and ZB-H1 keeps as many in flight as 1F1B), plus the deferred weight-gradient state:
-      for each micro-batch whose B ran but whose W has not, what of each layer's stash
-      (output cotangents of its weight matmuls) its B-only residuals cannot hold
-      (:func:`~holmes_jax.planner.memory.zb_stash_bytes`: 0 under remat none), at most
-      :func:`deferred_weight_sets` of them. Weight gradients are accumulated into the
-      fp32 accumulators as W runs (never stashed per micro-batch).
-    """
-    p, v, m, L = layout.stages, layout.virtual_stages, layout.microbatches, model.num_layers
-    if base is None or len(base[True].residuals) < v * L + 1:
-        plain = dataclasses.replace(layout, schedule="1f1b", virtual_stages=1)
-        x = memory_inputs(model, run, plain, b)
-        slots = np.arange(max(VIRTUAL_MAX, v) * L + 1, dtype=np.float64)
-        base = {last: device_memory(x, slots, last_stage=last) for last in (False, True)}
-        base["k"] = buffer_depth("1f1b", p, m)
-    k0, k = base["k"], buffer_depth(layout.schedule, p, m, v)
-    n = np.arange(L + 1)
-    extra = 0.0
-    if layout.schedule == "zb":
-        cot = zb_stash_bytes(model, b, layout.tensor, run.act_bytes, run.remat)
-        extra = deferred_weight_sets(p, m) * n * cot
-    peaks = {}
-    for last in (False, True):
-        br = base[last]
-        # a field by layer slots (v·n of them); the ones that do not grow with slots as is
-        at = lambda field, br=br: _by_slots(getattr(br, field), v * n)  # noqa: E731
-        per_set = _by_slots(br.residuals, 1) / k0  # one residual set of one layer
-        act = _by_slots(br.buffers, 0) / (6 + k0)  # one activation buffer
-        row = dataclasses.replace(
-            br,
-            params=at("params"),
-            optimizer=at("optimizer"),
-            grads=at("grads"),
-            residuals=k * n * per_set,
-            buffers=(6 + k) * act + extra,
-            working=at("working"),
-            update=at("update"),
-        )
-        peaks[last] = row.peak
-    return np.stack([peaks[st == p - 1] for st in range(p)]), base
-
-
-def _by_slots(value, slots):
-    """``value`` (a scalar or an array over slot counts) at ``slots``."""
-    return value[slots] if np.ndim(value) else value
-
-
-def memory_inputs(model: ModelSpec, run: RunSpec, layout: Layout, b: int) -> MemoryInputs:
-    """The memory model's inputs for a run with ``b`` sequences per microbatch."""
-    return MemoryInputs(
-        model=model,
-        stages=layout.stages,
-        data=layout.data,
-        tensor=layout.tensor,
-        microbatches=layout.microbatches,
-        schedule=layout.schedule,
-        microbatch_size=b,
-        remat=run.remat,
-        attention=run.attention,
-        act_bytes=run.act_bytes,
-        zero1=run.zero1 and layout.data > 1,
-        master=run.optimizer_bytes > 8,
-        virtual_stages=layout.virtual_stages,
-    )
-
+# The cost model's tables and inputs, importable from here with the prediction.
+__all__ = [
+    "Prediction",
+    "RunSpec",
+    "StageCosts",
+    "check_split",
+    "even_chunks",
+    "lockstep_pipeline",
+    "memory_inputs",
+    "predict",
+    "schedule_terms",
+    "stage_costs",
+    "stage_totals",
+    "with_lockstep",
+    "with_schedule",
+]
 
 # --------------------------------------------------------------------------- prediction
 
@@ -543,14 +95,14 @@ class Prediction:
 def lockstep_pipeline(costs: StageCosts, layers_per_stage: Sequence[int]) -> float:
     """The pipeline part of a step when every send blocks (CPU runtimes such as gloo).
 
-    The engine runs the schedule's tables tick by tick, and a tick's sends are one
-    ``ppermute`` that neither side leaves before the bytes have arrived: the stages move
-    in lockstep, each tick as long as its slowest op plus its slowest send (the sends of
-    one tick run at once). The closed forms of :func:`predict` instead let a send overlap
-    the receiver's other work; with ZB-H1, whose forward and backward sends fall on
-    different ticks, that priced the 10 Mbit/s emulated pipeline 31% under its measured
-    step. Per op: a stage's forward (backward) micro-batch time less its sends
-    (``shift_f``/``shift_b``), over v chunks; under ZB-H1 B and W separately.
+    The engine runs the schedule's tables tick by tick. A tick's sends are one
+    ``ppermute`` that neither side leaves before the bytes have arrived, so the stages move
+    in lockstep. Each tick lasts its slowest op plus its slowest send (the sends of one tick
+    run at once). The closed forms of :func:`predict` let a send overlap the receiver's
+    other work, which blocking sends do not allow. This matters most under ZB-H1, whose
+    forward and backward sends fall on different ticks. Per op: a stage's forward
+    (backward) micro-batch time less its sends (``shift_f``/``shift_b``), over v chunks.
+    Under ZB-H1 B and W are priced separately.
     """
     lay = costs.layout
     p, v = lay.stages, lay.virtual_stages

@@ -1,35 +1,26 @@
 """Fidelity check: the cost model against published Megatron-LM throughput.
 
-Reference: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
-Using Megatron-LM", SC 2021 (arXiv 2104.04473), Table 1: GPT models from 1.7B to 1T
-parameters on up to 3072 A100-80GB GPUs of NVIDIA Selene (DGX A100 nodes: 8 GPUs on
-NVSwitch, 8 x 200 Gbit/s HDR InfiniBand per node), sequence 2048, vocabulary 51200,
-mixed precision, full activation recomputation, achieved teraFLOP/s per GPU counted with
-eq. 3 (:func:`holmes_jax.planner.cost.megatron_flops`).
+Reference: Narayanan et al. 2021 (arXiv 2104.04473), Table 1. GPT models from 1.7B to 1T
+parameters on up to 3072 A100-80GB GPUs (DGX A100 nodes: 8 GPUs on NVSwitch, 8 x 200
+Gbit/s HDR InfiniBand per node), sequence 2048, vocabulary 51200, mixed precision, full
+recomputation. Throughput is counted with eq. 3 (:func:`holmes_jax.core.spec.megatron_flops`).
 
 The prediction models those runs as they were made: fp16 parameters and activations,
 fp32 gradients all-reduced after the backward pass (no overlap, no ZeRO), fp32 master
-weights and Adam state, tied embeddings all-reduced between the first and last stage,
-micro-batch size 1 with the 1F1B schedule. Two numbers are calibrated, together, by
-:func:`calibrate` (minimax relative error over the table): the fraction of peak the
-layers' matmuls reach (:data:`holmes_jax.planner.placement.DEFAULT_EFFICIENCY`) and the
-bytes the element-wise work moves per stored activation byte
-(:data:`~holmes_jax.planner.placement.DEFAULT_ELEMENTWISE_PASSES`). One number alone (the
-efficiency, element-wise work at one pass) left a trend across the table: +8% on the
-1.7B model, -8% on the largest, because the memory-bound share of a layer falls as 1/h.
-Pure Python; no jax import.
+weights and Adam state, tied embeddings, micro-batch 1 and 1F1B. :func:`calibrate` fits
+two numbers together (minimax relative error over the table):
 
-Deep pipelines (issue 12, item 4): :data:`DEEP_RUNS` are published runs with 8 or more
-stages and/or interleaving that the calibration did not see (Korthikanti et al. 2022
-Tables 3 and 5; Narayanan et al. 2021 Table 2), :data:`DEEP_RUNS_LOWER` those resting on
-an unstated detail or on hardware the calibration did not see (MT-NLG 530B on
-DeepSpeed, Llama 3 405B on H100). :func:`deep_fidelity_table` prices each with the same
-calibration, nothing refitted, and with the mechanisms each run had (Korthikanti et al.'s
-backward tensor all-reduce overlap and sequence parallelism: ``DeepRun.tp_overlap``,
-``DeepRun.sequence_parallel``; Megatron's selective recompute reruns attention over V as
-well as q·kᵀ), and reports published, predicted and the throughput error,
-with the error under the row's alternative reading beside it
-(``python scripts/fidelity_deep.py``).
+- the fraction of peak the matmuls reach (:data:`~holmes_jax.planner.placement.DEFAULT_EFFICIENCY`);
+- the bytes element-wise work moves per stored activation byte
+  (:data:`~holmes_jax.planner.placement.DEFAULT_ELEMENTWISE_PASSES`). The memory-bound
+  share of a layer falls as 1/h, so the efficiency alone cannot fit every model size.
+
+Deep pipelines: :data:`DEEP_RUNS` are published runs with 8 or more stages or interleaving
+that the calibration did not see. :data:`DEEP_RUNS_LOWER` rest on an unstated detail or on
+unseen hardware. :func:`deep_fidelity_table` prices each with the same calibration and the
+mechanisms each run had (``DeepRun.tp_overlap``, ``DeepRun.sequence_parallel``), and
+reports the throughput error beside the error under the row's alternative reading
+(``python scripts/fidelity_deep.py``). Pure Python; no jax import.
 """
 
 from __future__ import annotations
@@ -210,11 +201,10 @@ def fidelity_table(calibration: Calibration | None = None) -> list[dict]:
 
 # --------------------------------------------------------------------------- deep pipelines
 #
-# Item 4 of issue 12: the same model, with the calibration above left as fitted on
-# Table 1, against published runs with 8 or more pipeline stages and/or interleaving that
-# were not used to calibrate it. Every row states where its numbers come from and what had
-# to be assumed; a row whose answer moves a lot under a plausible alternative assumption is
-# in DEEP_RUNS_LOWER (reported separately), never silently tuned.
+# The same model, calibrated on Table 1 only, against published runs with 8 or more
+# pipeline stages or interleaving. Every row states where its numbers come from and what
+# it assumes. A row whose answer moves a lot under a plausible alternative assumption goes
+# to DEEP_RUNS_LOWER (reported separately), never tuned.
 
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198)"
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473)"
@@ -288,7 +278,7 @@ class DeepRun:
     overlap_grad_sync: bool = False
     split: tuple[int, ...] | None = None  # layers per stage; None: uniform
     # Megatron-LM 2022 (Korthikanti et al.): the backward's tensor all-reduces overlapped
-    # with its weight-gradient matmuls; sequence parallelism (cost.RunSpec).
+    # with its weight-gradient matmuls; sequence parallelism (pricing.RunSpec).
     tp_overlap: bool = False
     sequence_parallel: bool = False
     n_params: float = 0.0  # only for palm_tflops

@@ -1,6 +1,6 @@
 """The cross-island strategy: pipeline, hierarchical data parallel or DiLoCo, priced side by side.
 
-Three ways to span islands (issue 13):
+Three ways to span islands:
 
 - ``pipeline``: the stage axis spans the islands (``replica = 1``); activations cross.
 - ``hierarchical``: one pipeline copy per island (``replica = R``, R islands of equal
@@ -23,12 +23,9 @@ and replica, which the price leaves out)::
 ``n`` is ``1/H`` without warm-up; ``diloco.warmup_steps`` = K adds a full sync after each
 of the first K of the run's N = ``train.steps`` steps (K ≥ N: every step).
 
-Fragments (streaming DiLoCo) spread the same bytes over F syncs on different steps, so
-the peak volume (and the longest pause) drops F-fold; the runtime runs each fragment's
-sync as its own program between two inner steps, blocking them (the next inner step needs
-the fragment's new parameters), so the total per H steps is unchanged. Hiding a
-fragment's transfer behind the following inner steps would need the delayed merge of
-Streaming DiLoCo (apply the fragment's outer update τ steps later), which is not built.
+Fragments (streaming DiLoCo) spread the same bytes over F syncs on different steps: the
+peak volume and the longest pause drop F-fold, the total per H steps does not. Each
+fragment's sync blocks the next inner step, which needs the fragment's new parameters.
 
 ``bw``/``lat``: the slowest inter-island link (per host), ``h``: hosts of the smallest
 island (each host carries its share of the shards). ``enabled: false`` picks the faster of
@@ -40,12 +37,18 @@ optimisation, so it must win clearly). Pure Python; no jax import.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, check_batch
 from holmes_jax.planner.search import Plan, search_plan
 from holmes_jax.planner.topology import Link, Topology
+
+if TYPE_CHECKING:
+    from holmes_jax.core.config import Config
+    from holmes_jax.core.spec import ModelSpec
+    from holmes_jax.planner.placement import Calibration
+    from holmes_jax.planner.pricing import RunSpec
 
 STRATEGIES = ("pipeline", "hierarchical", "diloco")
 FREE_GBPS = 1e12  # the inter-island link DiLoCo's inner plan is priced on (nothing crosses)
@@ -142,10 +145,10 @@ def exposed_outer_s(sync_s: float, fragments: int) -> tuple[float, float]:
 
 
 def price_strategies(
-    cfg: Any,
+    cfg: Config,
     topology: Topology,
     method: str = "optimal",
-    calibration: Any = None,
+    calibration: Calibration | None = None,
     plan: Plan | None = None,
 ) -> StrategyChoice:
     """Price pipeline, hierarchical and DiLoCo for ``cfg`` on ``topology``; choose one.
@@ -191,7 +194,7 @@ def price_strategies(
     return _choose(cfg, tuple(prices))
 
 
-def resolve_diloco(cfg: Any, topology: Topology | None) -> tuple[bool, StrategyChoice | None]:
+def resolve_diloco(cfg: Config, topology: Topology | None) -> tuple[bool, StrategyChoice | None]:
     """For the trainer: does ``cfg.diloco.enabled`` (true | false | auto) mean DiLoCo here?
 
     ``true``/``false`` are returned as they are (no pricing; ``None`` choice); ``auto``
@@ -208,7 +211,11 @@ def resolve_diloco(cfg: Any, topology: Topology | None) -> tuple[bool, StrategyC
 
 
 def predict_diloco_config(
-    cfg: Any, topology: Topology, calibration: Any = None, *, sync_collectives: bool = False
+    cfg: Config,
+    topology: Topology,
+    calibration: Calibration | None = None,
+    *,
+    sync_collectives: bool = False,
 ) -> tuple[float, float, float]:
     """``(step, inner step, one outer sync)`` in seconds for ``cfg`` as the trainer runs it
     with DiLoCo on (its own degrees, ``parallel.replica`` = islands), by the module doc's
@@ -225,7 +232,7 @@ def predict_diloco_config(
     return inner + exposed * outer_syncs_per_step(cfg), inner, sync
 
 
-def _outer_cost(cfg: Any, topology: Topology, params: int) -> tuple[float, float]:
+def _outer_cost(cfg: Config, topology: Topology, params: int) -> tuple[float, float]:
     """(one outer sync, its exposed time per outer round) of ``cfg.diloco`` across the
     islands: every host of the smallest island sends over the slowest inter-island link."""
     dl = cfg.diloco
@@ -236,7 +243,7 @@ def _outer_cost(cfg: Any, topology: Topology, params: int) -> tuple[float, float
     return sync, exposed_outer_s(sync, dl.fragments)[0]
 
 
-def outer_syncs_per_step(cfg: Any) -> float:
+def outer_syncs_per_step(cfg: Config) -> float:
     """Full outer syncs per step over the run (module doc's ``n``): ``1/H``, plus one after
     each of the first ``diloco.warmup_steps`` of ``train.steps`` steps."""
     dl, steps = cfg.diloco, max(1, cfg.train.steps)
@@ -259,7 +266,7 @@ def _slowest_inter_island(topology: Topology) -> Link:
     return min(links, key=lambda x: x.bytes_per_s)
 
 
-def _sync_cross_bytes(plan: Plan, model: Any, run: Any) -> float:
+def _sync_cross_bytes(plan: Plan, model: ModelSpec, run: RunSpec) -> float:
     """Bytes crossing islands per step: hierarchical, the ring all-reduce of the
     gradients (``2(R-1)/R · P · grad bytes``); pipeline, the activations over every stage
     boundary whose two stages sit on different islands."""
@@ -303,7 +310,7 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
     )
 
 
-def _choose(cfg: Any, prices: tuple[StrategyPrice, ...]) -> StrategyChoice:
+def _choose(cfg: Config, prices: tuple[StrategyPrice, ...]) -> StrategyChoice:
     sync = [p for p in prices[:2] if p.plan is not None]
     best = min(sync, key=lambda p: p.step_s) if sync else None
     dl = prices[2]

@@ -270,6 +270,7 @@ class OuterStep:
             mesh=self.mesh,
             in_specs=(stack_spec(spec), PartitionSpec(REPLICA)),
             out_specs=(PartitionSpec(None, *spec), PartitionSpec()),
+            # Off: all_gather's result types as varying over replica; out_specs say replicated.
             check_vma=False,
         )(payload, scale)
 

@@ -1,65 +1,30 @@
 """Measure a stage's layers and the links on the real devices (the probe's jax half).
 
-``python -m holmes_jax.probe`` (:mod:`holmes_jax.probe`) parses the command line and calls
-:func:`measure`; the results, the link fits and the profile writer are jax-free
-(:mod:`holmes_jax.planner.measurements`).
+``python -m holmes_jax.probe`` parses the command line and calls :func:`measure`. The
+results, the link fits and the profile writer are jax-free
+(:mod:`holmes_jax.planner.measurements`). ``docs/planner.md`` ("Measured profiles") says
+why each measurement is made the way it is.
 
-What is timed (median of ``--repeats`` runs after two warm-up calls, except as said):
+1. **Compute**, per island: a stage of the config's plan, ``n`` distinct layers
+   (:class:`Block`, fp32, no recompute, ``n`` at most :data:`MAX_STACK` and
+   :data:`MAX_STACK_BYTES` of weights), forward, and forward then backward (``jax.vjp``).
+   Per layer = the time / ``n``, backward = the difference. The batch is one micro-batch
+   of the config on every device at once, as training runs them. Each timed program runs
+   the stage ``r`` times, ``r`` chosen so one call lasts about :data:`CHAIN_S` on a device
+   alone. Processes time together in windows (:func:`_shared_times`), and an island's
+   processes are combined at their fair share (:func:`_fair_share`).
+2. **Links**, each at several message sizes S per device, fitted by least squares on
+   relative error to ``time = latency + bytes / bandwidth``. A ring collective over n ranks
+   moves ``2(n−1)/n·S`` bytes per rank in ``2(n−1)`` steps (half of each for
+   reduce-scatter and all-gather), so the cost model's ring formula reproduces the times.
+   - ``tensor``: ``psum`` over one host's devices, per device.
+   - ``data:<island>``: ``psum`` across the island's hosts, times ``devices_per_host``
+     rings per NIC. ``data:<island>:reduce-scatter`` and ``:all-gather``: ZeRO-1's two.
+   - ``stage:<a>:<b>``: ``ppermute`` from island a's last stage to island b's first, times
+     the messages a host sends at once.
 
-1. **Compute**, per island: a stage of the config's plan, ``n`` distinct transformer
-   layers (:class:`Block`, the config's model shape, fp32, no recompute; ``n`` the layers
-   one device runs per micro-batch, at most :data:`MAX_STACK` and
-   :data:`MAX_STACK_BYTES` of weights), forward through all of
-   them, and forward then backward through all of them (a ``jax.vjp`` giving parameter
-   and input gradients); per layer = the time / ``n``, backward = the difference. The
-   batch is one micro-batch of the config, ``global_batch / (replica × data ×
-   microbatches)``, on every device at once, as training runs them: islands held by one
-   process (all of them, on one CPU process) run as one program, since they share its
-   machine (8 simulated CPU devices each run ~8x slower than one alone); islands on
-   other processes run theirs at the same time. Each timed program runs the stage ``r``
-   times (a loop inside the program, each pass consuming the last one's output, the
-   weight gradients summed), ``r`` chosen so one call lasts about :data:`CHAIN_S` on a
-   device alone (the same ``r`` on every process). With several processes the two
-   programs alternate back to back for a window after a barrier, the mean per call in
-   each window and the median over windows kept (:func:`_shared_times`); an island's
-   processes are combined at their fair share (:func:`_fair_share`). Why a stage and
-   windows, not one layer once per repeat: on the emulated cluster (four processes on two
-   cores) one layer's few milliseconds after a barrier overlapped the other processes
-   only by chance, and one layer's weights and activations stay in cache where a stage's
-   do not, so the profile priced the trainer's compute up to 2x fast. The forward of one
-   layer on each island's first device alone is printed, not written.
-2. **Links**, each at several message sizes S (bytes per device), fitted by least squares
-   on relative error to ``time = latency + bytes / bandwidth``:
-
-   - ``tensor``: ``psum`` over the devices of one host (mesh ``1 × hosts × devices_per_host``
-     of each island). A ring all-reduce moves ``2(n−1)/n·S`` bytes per rank in ``2(n−1)``
-     steps, so bandwidth = those bytes / slope and latency = intercept / ``2(n−1)``: the
-     cost model's ring formula then reproduces the measured times. Per device, as the
-     topology's ``intra_host``; the slowest island's figure is written.
-   - ``data:<island>``: ``psum`` across the island's hosts on the same mesh. Every host
-     sends ``devices_per_host`` rings through its NIC at once, so the per-ring bandwidth is
-     multiplied by that count to give the per-host NIC figure of the topology. Islands of
-     one host have no NIC traffic inside and are skipped.
-   - ``data:<island>:reduce-scatter`` and ``data:<island>:all-gather``: ZeRO-1's two
-     collectives on the same rings, each fitted to its own cost-model formula (half an
-     all-reduce's steps and bytes). A runtime need not run them at that rate: gloo on
-     CPUs takes ~0.8 of an all-reduce's time for a reduce-scatter.
-   - ``stage:<a>:<b>``: ``ppermute`` from the last stage of island a to the first stage of
-     island b (one direction, nothing else sending) on the mesh ``stage × data × tensor``
-     whose stages are the largest block that tiles every island. A host sends as many
-     messages at once as it holds devices of the stage; the per-device bandwidth times that
-     count is the per-host inter-island figure.
-
-On one CPU process all islands are the same simulated devices (the numbers then describe
-the machine, not a network), which is what the tests use. With several processes (the
-``--coordinator/--num-processes/--process-id`` flags, a detected cluster, or
-``holmes_jax.launch --program probe``) each one times the islands it holds and the results
-are gathered; process 0 prints and writes. Through ``launch --emulate`` that measures the
-shaped links and the compute of processes sharing this machine, as training meets them.
-Bad input prints one line and exits with code 2. The entry point sets the simulated CPU
-device count (default: the topology's) before jax is imported; the library functions here
-import jax only when they measure.
-
+With several processes each one times the islands it holds and process 0 writes. The
+library functions import jax only when they measure.
 """
 
 from __future__ import annotations
@@ -103,7 +68,6 @@ WINDOWS = 3  # timed windows of _shared_times (the median is kept)
 MAX_CHAIN = 512  # most stage passes repeated in one timed program
 MAX_STACK = 8  # most distinct layers in the timed stage
 MAX_STACK_BYTES = 4 << 30  # most fp32 weight bytes of the timed stage
-# Ring steps per (n - 1) ranks of each collective, as holmes_jax.planner.cost counts them.
 Log = Callable[[str], None]
 
 
@@ -274,6 +238,8 @@ def _time_layers(
             return jax.tree.map(lambda a: a[None, None, None, None], out)
 
         in_specs = (PartitionSpec(),) + (spec,) * inputs
+        # check_vma off: checked, the vjp of the replicated params adds an all-reduce of their
+        # gradient to the timed compute.
         return jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)
         )
@@ -362,6 +328,7 @@ def _time_collective(
         "all-gather": lambda x: jax.lax.all_gather(x, axis, axis=4, tiled=True),
         "p2p": lambda x: jax.lax.ppermute(x, axis, perm),
     }
+    # check_vma off as in the compute program; it changes none of these four bodies' HLO.
     fn = jax.jit(
         jax.shard_map(bodies[op], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
     )
@@ -402,13 +369,11 @@ def _shared_times(calls: Sequence[Callable[[], Any]], repeats: int) -> list[floa
     wall-clock window (``repeats`` x :data:`CHAIN_S` x :data:`LOAD_FACTOR` per call, over
     the windows), so processes that share a machine's cores (the emulated cluster) contend
     for all of it but the start skew, and the calls alternate under the same load. Each
-    window gives the mean per call (not the median: a process sharing cores runs some
+    window gives the mean per call, not the median: a process sharing cores runs some
     calls at full speed and others mostly preempted, and its throughput is what a training
-    step meets); the median over windows is kept, so one stalled window (seen once: a
-    process 30x slow for seconds) does not set the figure. A barrier before each call of a
-    few milliseconds (the earlier probe) did not make processes overlap: they leave a
-    barrier tens of milliseconds apart (it crosses the shaped links), and the profile
-    priced the emulated cluster's compute up to 2x faster than training ran.
+    step meets. The median over windows is kept, so one stalled window does not set the
+    figure. Processes leave a barrier tens of milliseconds apart (it crosses the shaped
+    links), so a barrier per call of a few milliseconds would not make them overlap.
     """
     import jax
     from jax.experimental import multihost_utils
@@ -476,11 +441,10 @@ def _gather(compute: list[ComputeTiming], links: list[LinkTiming]):
 def _fair_share(times: np.ndarray) -> np.ndarray:
     """Per column, the harmonic mean of the processes' times (NaN: not measured there).
 
-    The processes of an island ran the same program at once; over a window of seconds a
-    time-sharing scheduler favours some of them (on the emulated cluster one process made
-    4x the calls of another), which a training run evens out, its steps waiting for every
-    process. The island's figure is the time per call had all progressed at their summed
-    rate: the harmonic mean.
+    The processes of an island ran the same program at once. Over a window of seconds a
+    time-sharing scheduler favours some of them, which a training run evens out, its steps
+    waiting for every process. The island's figure is the time per call had all progressed
+    at their summed rate: the harmonic mean.
     """
     counts = (~np.isnan(times)).sum(axis=0)
     rates = np.nansum(1.0 / times, axis=0)  # 0 where no process measured

@@ -1,66 +1,28 @@
 """Pipeline parallelism over the ``stage`` axis: uneven stages, four schedules, one program.
 
-Parameters arrive in the pipeline layout of :mod:`holmes_jax.runtime.stages` (a leading
-stage axis; ``blocks [S, v·slots, ...]``, chunk c of stage s using slots c·slots ..
-c·slots + layers - 1). The loop's buffers and their in-place rules (``when``, uint16 bit
-patterns, ``Residuals``) are in :mod:`holmes_jax.runtime.buffers`; the schedules' tables
-(GPipe, 1F1B, interleaved 1F1B, ZB-H1) in :mod:`holmes_jax.planner.schedule`.
+Parameters arrive in the pipeline layout of :mod:`holmes_jax.runtime.stages`: a leading
+stage axis, ``blocks [S, v·slots, ...]``, chunk c of stage s in slots c·slots ..
+c·slots + layers - 1. The schedules' tables (GPipe, 1F1B, interleaved 1F1B, ZB-H1) come from
+:mod:`holmes_jax.planner.schedule`, the loop's in-place buffers from
+:mod:`holmes_jax.runtime.buffers`, the per-tick ops from :mod:`holmes_jax.runtime.tick_ops`.
 
 The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``replica``,
-``stage`` and ``data`` (``tensor`` stays automatic: GSPMD does tensor parallelism in a stage):
+``stage`` and ``data``. ``tensor`` stays automatic: GSPMD does tensor parallelism in a stage.
 
-1. Split the local batch ``[B/d, T+1]`` into M microbatches ``[M, B/(dM), T+1]``.
-2. Tick loop over the schedule's tables; per tick each stage runs the op its table names,
-   each guarded by ``when`` (a 0-or-1-trip while loop, which XLA updates in place where
-   ``lax.cond`` / ``lax.switch`` copied every buffer):
-   - FWD: embed (first virtual stage) or take the activation from the inbox; run the
-     chunk's layers with a ``fori_loop`` whose trip count is the chunk's layer count (padded
-     slots never run), keeping each layer's ``jax.vjp`` residuals in the residual slot —
-     exactly what the ``model.remat`` policy saves; on the last virtual stage also the head:
-     loss and its gradient right away.
-   - BWD: walk the chunk's layers backwards from the stored residuals (explicit vjp,
-     recomputing only what the policy did not save), accumulating fp32 parameter gradients;
-     with per-layer buckets (``grad_buckets="layer"``) the op that completes a chunk's
-     gradients (the table's ``last``) reduces each layer's gradient over ``data`` as soon
-     as it is complete (ZeRO-1 reduce-scatter, :mod:`holmes_jax.runtime.zero` phase 1);
-     embedding backward on the first virtual stage.
-     Under ``zb`` BWD is only the input gradient, and WGT, later, the weight gradient
-     (:mod:`holmes_jax.runtime.wgrad` splits the layer's backward in the two; what WGT needs
-     from BWD waits over the residuals only BWD read, in the micro-batch's residual slot,
-     which stays held until WGT; what does not fit, in the stash buffer).
-   - IDLE: nothing. Bubble ticks cost no compute and never touch real data.
-   Then the tick's sends: one ``ppermute`` for activations and one for gradients, each
-   naming exactly the stage pairs that send at this tick (``Schedule.fwd_pairs`` /
-   ``bwd_pairs``), issued together; ticks with nothing to send run no collective. Each
-   micro-batch so crosses each (virtual) stage boundary once forward and once backward.
-   Arrivals go straight into their inbox slot.
-3. Embedding and head gradients (and with one bucket per step, ``grad_buckets="step"``,
-   every block leaf, all slots at once) reduced over ``data`` (and ``replica``), inside an
-   island (:mod:`holmes_jax.runtime.zero` phases 1–3).
+1. ``_local``: the local batch ``[B/d, T+1]`` as M microbatches ``[M, B/(dM), T+1]``.
+2. ``_tick``, per tick: each stage runs the op its table names (FWD, BWD, WGT or nothing).
+   Then ``_send`` runs one ``ppermute`` for activations and one for gradients, each naming
+   exactly the stage pairs that send at this tick (``Schedule.fwd_pairs`` / ``bwd_pairs``).
+   Each micro-batch so crosses each (virtual) stage boundary once forward and once backward.
+3. ``_reduce``: embedding and head gradients (with ``grad_buckets="step"`` every block leaf
+   too) reduced over ``data`` and ``replica`` (:mod:`holmes_jax.runtime.zero` phases 1–3).
 4. Sums across stages (loss, squared gradient norm, tied-embedding gradient) go through
-   ``stages.chain_sum``: adjacent-stage ``ppermute`` only, so nothing but point-to-point
-   traffic between neighbouring stages ever crosses an island boundary.
+   ``stages.chain_sum``. Only neighbour-to-neighbour sends ever cross an island boundary.
 
-Tick loop shape. A tick's sends are static (their pairs are part of the program), so ticks
-cannot all share one ``scan`` body. ``tick_segments`` compresses the schedule instead: runs
-of ticks whose static shape (send pairs, which ops occur) repeats with a short period become
-one ``lax.scan`` over that period (steady state: 2 ticks under 1F1B, 3 under ZB-H1, 2·S·v
-under interleaved), the rest are unrolled. The program stays a few tick bodies long for any
-M (and so do its temporaries), and the compiled HLO states each send with its trip count
-(tests/hlo.py counts the bytes that cross each boundary).
-
-In code: ``_body`` is the ``shard_map`` body; ``_local`` traces what one stage holds,
-``_carry0`` the loop state, ``_tick`` one tick (``_forward``, ``_backward``, ``_weights``,
-``_send``), ``_reduce`` steps 3–4.
-
-16-bit buffers (residuals, inboxes, head cotangents, stash) are stored as uint16 bit patterns
-(``buffers.to_bits``): free on GPU, and it keeps XLA:CPU from holding f32 copies of them, so
-the compiled memory analysis the memory model is checked against matches a GPU's.
-
-Gradient clipping needs the global norm, which only exists after step 4: the engine
-returns it beside the (unclipped) gradients and the program clips with it
-(``optim.clip_by_global_norm``) instead of letting optax recompute a wrong norm from the
-pipeline layout, where padded slots and a tied embedding's copies would distort it.
+A tick's send pairs are static, so :func:`tick_segments` makes each run of ticks whose shape
+repeats one ``lax.scan`` over its period and unrolls the rest. The engine returns the global
+gradient norm beside the unclipped gradients, and the program clips with it: optax would
+count padded slots and a tied embedding's copies in the pipeline layout.
 """
 
 from __future__ import annotations
@@ -82,16 +44,13 @@ from holmes_jax.runtime.buffers import (
     Residuals,
     StashLayout,
     dyn_index,
-    dyn_set,
-    from_bits,
-    get,
-    put,
     to_bits,
     when,
 )
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES, remat_block
 from holmes_jax.runtime.stages import PipelineLayout, chain_sum
-from holmes_jax.runtime.wgrad import SplitBackward, split_backward
+from holmes_jax.runtime.tick_ops import StageLocal, TickOps, layer_key
+from holmes_jax.runtime.wgrad import split_backward
 from holmes_jax.runtime.zero import reduce_bucket, shard_shape, sharded_spec, squared_norm
 
 # Inside the pipeline ``data`` is a manual axis: the batch is already split, so the
@@ -99,69 +58,11 @@ from holmes_jax.runtime.zero import reduce_bucket, shard_shape, sharded_spec, sq
 PIPELINE_RULES = tuple((name, None if name == "batch" else axis) for name, axis in LOGICAL_RULES)
 
 
-@dataclass(frozen=True, eq=False)
-class _Local:
-    """What one stage holds inside the ``shard_map`` for one step (traced values).
+class PipelineEngine(TickOps):
+    """Loss and gradients of the GPT over a (stage, data, tensor) mesh.
 
-    Built once per trace by ``PipelineEngine._local``; every method of the tick loop
-    reads it and none changes it.
+    The per-tick ops (FWD, BWD, WGT) come from :class:`~holmes_jax.runtime.tick_ops.TickOps`.
     """
-
-    stage: jax.Array  # int32 scalar: this device's stage s
-    is_first: jax.Array  # bool scalar: s == 0
-    is_last: jax.Array  # bool scalar: s == S-1
-    n_layers: jax.Array  # [v] int32: layer count of each chunk (its fori_loop trip count)
-    first_layer: jax.Array  # [v] int32: global index of each chunk's first layer
-    params: Any  # this stage's parameters, local stage axis dropped; blocks [v*slots, ...]
-    tokens: jax.Array  # [M, mb, T] int32
-    targets: jax.Array  # [M, mb, T] int32
-    act: jax.ShapeDtypeStruct  # [mb, T, H] in the compute dtype
-    base_key: jax.Array  # dropout key of this step
-    dims: Any  # local ZeRO dims per leaf (stage axis gone), -1 = not scattered
-    slot_dims: Any  # ZeRO dims of one block slot (the per-layer bucket)
-    res: Residuals  # which leaves of a layer's vjp the residual buffers hold
-    split: SplitBackward | None  # zb: the layer's backward as B and W
-    stash: StashLayout | None  # zb: where B keeps W's inputs (B-only residuals, leftovers)
-    fill: float  # bubble value of the send / receive buffers (NaN with nan_bubbles)
-    tables: dict  # schedule tables (Schedule fields "op", "mb", ...): [ticks, S] int32
-
-    def at(self, name: str, t):
-        """This stage's entry of table ``name`` at tick ``t``."""
-        return self.tables[name][t, self.stage]
-
-    def first_vs(self, chunk):
-        """Whether (this stage, ``chunk``) is virtual stage 0 (embeds)."""
-        return self.is_first & (chunk == 0)
-
-    def last_vs(self, chunk, v: int):
-        """Whether (this stage, ``chunk``) is the last virtual stage (the head)."""
-        return self.is_last & (chunk == v - 1)
-
-    @property
-    def embed(self):
-        return self.params["embed"]
-
-    @property
-    def blocks(self):
-        return self.params["blocks"]  # [v*slots, ...] per leaf
-
-    @property
-    def head(self):
-        return self.params["head"]
-
-    def key(self, i, layer):
-        """Dropout key of microbatch ``i`` in global layer ``layer`` (the embedding's
-        dropout is "layer" L, one past the last block)."""
-        return _layer_key(self.base_key, i, layer)
-
-
-def _layer_key(base_key, i, layer):
-    """Dropout key of microbatch ``i`` in global layer ``layer``: from (seed, step, i, layer)."""
-    return jax.random.fold_in(jax.random.fold_in(base_key, i), layer)
-
-
-class PipelineEngine:
-    """Loss and gradients of the GPT over a (stage, data, tensor) mesh."""
 
     def __init__(
         self,
@@ -207,22 +108,6 @@ class PipelineEngine:
         # buffers per layer and micro-batch, are exactly what the policy saves.
         self.block = remat_block(model_cfg)(model_cfg, deterministic=model_cfg.dropout == 0.0)
 
-    # The three model parts as pure functions of their parameters.
-
-    def _embed(self, embed_params, tokens, key):
-        rngs = {"dropout": key} if self.cfg.dropout > 0 else None
-        variables = {"params": {"embed": embed_params}}
-        return self.gpt.apply(variables, tokens, method=GPT.embed_tokens, rngs=rngs)
-
-    def _layer(self, weights, x, key):
-        rngs = {"dropout": key} if self.cfg.dropout > 0 else None
-        y, _ = self.block.apply({"params": weights}, x, rngs=rngs)
-        return y
-
-    def _head_loss(self, embed_params, head_params, x, targets):
-        variables = {"params": {"embed": embed_params, "head": head_params}}
-        return self.gpt.apply(variables, x, targets, method=GPT.head_loss)
-
     def loss_and_grads(self, params, batch, step):
         """Returns ``(loss, grads, grad_norm)``: mean loss, reduced (unclipped) gradients in
         the pipeline layout (1/d shards with ZeRO-1) and their global norm. With
@@ -252,6 +137,8 @@ class PipelineEngine:
             in_specs=(param_specs, PartitionSpec(BATCH_AXES), PartitionSpec()),
             out_specs=(scalar, grad_specs, scalar),
             axis_names={REPLICA, STAGE, DATA},
+            # Off: checked, the vjp of parameters replicated over data would all-reduce each
+            # layer's gradient (zero.py reduces per bucket); chain_sum's sums type as varying.
             check_vma=False,
         )
         with nn.logical_axis_rules(PIPELINE_RULES):
@@ -282,7 +169,7 @@ class PipelineEngine:
                 c, _ = lax.scan(ticks, c, jnp.arange(repeats, dtype=jnp.int32))
         return self._reduce(st, c)
 
-    def _local(self, params, batch, step) -> _Local:
+    def _local(self, params, batch, step) -> StageLocal:
         """This stage's parameters, microbatches and constants (step 1)."""
         S, M = self.layout.stages, self.M
         # Local ZeRO dims: the stage axis is gone inside the shard_map, and a block slot
@@ -305,7 +192,7 @@ class PipelineEngine:
         # One trace of a layer's vjp fixes the residual layout (XLA drops this dead code).
         w0 = dyn_index(p["blocks"], 0)
         _, vjp0 = jax.vjp(
-            lambda w, x: self._layer(w, x, _layer_key(base_key, 0, 0)),
+            lambda w, x: self._layer(w, x, layer_key(base_key, 0, 0)),
             w0,
             jnp.zeros(act.shape, act.dtype),
         )
@@ -318,7 +205,7 @@ class PipelineEngine:
             stash = StashLayout(res.buffered, split.w_reads, split.stash)
         sched = self.schedule
         names = ("op", "mb", "chunk", "slot", "wslot", "xin", "gin", "xarr", "garr", "last")
-        return _Local(
+        return StageLocal(
             stage=stage,
             is_first=is_first,
             is_last=is_last,
@@ -338,7 +225,7 @@ class PipelineEngine:
             tables={k: jnp.asarray(getattr(sched, k)) for k in names},
         )
 
-    def _carry0(self, st: _Local) -> dict:
+    def _carry0(self, st: StageLocal) -> dict:
         """The tick loop's state before tick 0."""
         sched, L = self.schedule, self.layout.slots
         act, fill = st.act, st.fill
@@ -376,7 +263,7 @@ class PipelineEngine:
 
     # --------------------------------------------------------------- one tick
 
-    def _tick(self, st: _Local, c: dict, t, shape: TickShape):
+    def _tick(self, st: StageLocal, c: dict, t, shape: TickShape):
         """Tick ``t``: run this stage's op (FWD / BWD / WGT / IDLE), then the tick's sends.
 
         ``shape`` is what all stages do at this tick (static): ops that no stage runs are
@@ -393,15 +280,14 @@ class PipelineEngine:
                 c = when(op == WGT, lambda c: self._weights(st, c, t), c)
             return c
 
-        # One guard around the tick's op: it carries the residual buffers that a FWD
-        # writes, so the next tick's op comes after every read of them in this one. With
-        # only the per-op guards, a BWD that only reads the buffers and a later FWD that
-        # writes them in place are unordered whenever they share no other state (an
-        # untied head), and XLA then copied every residual buffer on every FWD.
+        # One guard around the tick's op carries the residual buffers a FWD writes, so the
+        # next tick's op comes after every read of them in this one. Per-op guards alone
+        # leave a reading BWD and a later writing FWD unordered when they share no other
+        # state (an untied head), and XLA copies every residual buffer on every FWD.
         c = when(op != IDLE, run, c)
         return self._send(st, c, t, shape)
 
-    def _send(self, st: _Local, c: dict, t, shape: TickShape) -> dict:
+    def _send(self, st: StageLocal, c: dict, t, shape: TickShape) -> dict:
         """The tick's two ``ppermute``s (only the pairs that send); arrivals to their slot."""
         c = dict(c)
         for pairs, out, box, arr in (
@@ -420,166 +306,9 @@ class PipelineEngine:
             )
         return c
 
-    # --------------------------------------------------------------- forward
-
-    def _forward(self, st: _Local, c: dict, t) -> dict:
-        """FWD of (micro-batch, chunk) at tick t: layers (residuals to their slot), then the
-        head on the last virtual stage."""
-        i, ch, k = st.at("mb", t), st.at("chunk", t), st.at("slot", t)
-        x = lax.cond(
-            st.first_vs(ch),
-            lambda: self._embed(st.embed, st.tokens[i], st.key(i, self.cfg.num_layers)),
-            lambda: from_bits(c["xbox"][st.at("xin", t)], st.act.dtype),
-        )  # [mb, T, H]
-        x, bufs = lax.fori_loop(
-            0, st.n_layers[ch], lambda j, s: self._forward_layer(st, i, ch, k, j, s), (x, c["res"])
-        )
-        g = c["grads"]
-        h = (c["loss"], g["embed"], g["head"], c["head_ct"])
-        loss, g_embed, g_head, head_ct = when(
-            st.last_vs(ch, self.v), lambda h, x: self._head(st, i, k, h, x), h, x
-        )
-        grads = dict(g, embed=g_embed, head=g_head)
-        return dict(c, res=bufs, grads=grads, loss=loss, head_ct=head_ct, send_x=x)
-
-    def _forward_layer(self, st: _Local, i, ch, k, j, state):
-        """Chunk ch's layer j on x ``[mb, T, H]``; its residuals go to ``res[.][k, j]``."""
-        x, bufs = state
-        w = dyn_index(st.blocks, ch * self.layout.slots + j)
-        layer = st.first_layer[ch] + j
-        y, vjp_fn = jax.vjp(lambda w, x: self._layer(w, x, st.key(i, layer)), w, x)
-        saved = st.res.split(vjp_fn, w)
-        return y, [put(b, r, k, j) for b, r in zip(bufs, saved, strict=True)]
-
-    def _head(self, st: _Local, i, k, h, x):
-        """Last virtual stage: loss of microbatch i and its gradients, each divided by M.
-
-        ``h`` = (loss, embed grads, head grads, head_ct ``[K, mb, T, H]``); dloss/dx goes to
-        ``head_ct[k]``. Runs under ``when(is_last, ..., h, x)``: x comes in as the guard's
-        operand, so XLA cannot hoist the head out of it onto every stage.
-        """
-        M = self.M
-        loss, (g_embed, g_head, dx) = jax.value_and_grad(self._head_loss, argnums=(0, 1, 2))(
-            st.embed, st.head, x, st.targets[i]
-        )
-        loss_acc, ge, gh, head_ct = h
-        ge = jax.tree.map(lambda a, g: a + g / M, ge, g_embed)
-        gh = jax.tree.map(lambda a, g: a + g / M, gh, g_head)
-        head_ct = lax.dynamic_update_index_in_dim(head_ct, to_bits(dx / M), k, 0)
-        return loss_acc + loss / M, ge, gh, head_ct
-
-    # --------------------------------------------------------------- backward
-
-    def _backward(self, st: _Local, c: dict, t) -> dict:
-        """BWD of (micro-batch, chunk) at tick t from its residuals; embedding backward on
-        the first virtual stage. Under zb only the input gradient (the rest to the stash)."""
-        i, ch, k = st.at("mb", t), st.at("chunk", t), st.at("slot", t)
-        # dloss/dx of this micro-batch [mb, T, H]: the head's or from the next virtual stage
-        ct = lax.select(
-            st.last_vs(ch, self.v),
-            from_bits(c["head_ct"][k], st.act.dtype),
-            from_bits(c["gbox"][st.at("gin", t)], st.act.dtype),
-        )
-        if st.split is None:
-            ct, g_blocks, shards = lax.fori_loop(
-                0,
-                st.n_layers[ch],
-                lambda n, s: self._backward_layer(st, c["res"], t, n, s),
-                (ct, c["grads"]["blocks"], c["shards"]),
-            )
-            c = dict(c, grads=dict(c["grads"], blocks=g_blocks), shards=shards)
-        else:
-            ct, res, stash = lax.fori_loop(
-                0,
-                st.n_layers[ch],
-                lambda n, s: self._input_grad_layer(st, t, n, s),
-                (ct, c["res"], c["stash"]),
-            )
-            c = dict(c, res=res, stash=stash)
-        g_embed = when(
-            st.first_vs(ch),
-            lambda g, ct: self._embed_backward(st, i, g, ct),
-            c["grads"]["embed"],
-            ct,
-        )
-        return dict(c, grads=dict(c["grads"], embed=g_embed), send_g=ct)
-
-    def _saved(self, st: _Local, res, k, j):
-        """The residuals of slot j's layer in residual slot k."""
-        return [from_bits(get(b, k, j), r.dtype) for b, r in zip(res, st.res.buffered, strict=True)]
-
-    def _backward_layer(self, st: _Local, res, t, n, state):
-        """The n-th layer from the top of the chunk (j = layers-1-n), from ``res[.][k, j]``.
-
-        ``state`` = (ct ``[mb, T, H]``, fp32 block grads ``[v*slots, ...]``, reduced shards).
-        """
-        ct, g_blocks, shards = state
-        ch, k = st.at("chunk", t), st.at("slot", t)
-        j = st.n_layers[ch] - 1 - n
-        w = dyn_index(st.blocks, ch * self.layout.slots + j)
-        dw, dx = st.res.join(self._saved(st, res, k, j), w)(ct)
-        slot = ch * self.layout.slots + j
-        g_blocks, shards = self._add_layer_grad(st, t, slot, dw, g_blocks, shards)
-        return dx, g_blocks, shards
-
-    def _add_layer_grad(self, st: _Local, t, slot, dw, g_blocks, shards):
-        """Add a layer's gradient; the op that completes it reduces it (ZeRO-1 phase 1)
-        with per-layer buckets (``shards`` is None with one bucket per step)."""
-        g_j = jax.tree.map(jnp.add, dyn_index(g_blocks, slot), dw)
-        if not self.per_layer:
-            return dyn_set(g_blocks, slot, g_j), shards
-        shards = when(
-            st.at("last", t) == 1,
-            lambda sh, g: dyn_set(
-                sh, slot, reduce_bucket(g, st.slot_dims, self.data, self.replica)
-            ),
-            shards,
-            g_j,
-        )
-        return dyn_set(g_blocks, slot, g_j), shards
-
-    def _input_grad_layer(self, st: _Local, t, n, state):
-        """zb B: the n-th layer from the top, input gradient only. W's inputs go over this
-        layer's B-only residuals (now dead) in ``res[.][k, j]``, the rest to the stash."""
-        ct, res, stash = state
-        ch, k, kw = st.at("chunk", t), st.at("slot", t), st.at("wslot", t)
-        j = st.n_layers[ch] - 1 - n
-        w = dyn_index(st.blocks, ch * self.layout.slots + j)
-        dx, kept = st.split.input_grad(w, self._saved(st, res, k, j), ct)
-        res, stash = st.stash.store(res, stash, kept, k, kw, j)
-        return dx, res, stash
-
-    def _weights(self, st: _Local, c: dict, t) -> dict:
-        """zb W of (micro-batch, chunk) at tick t: every layer's weight gradient from its
-        residuals and stash."""
-        ch, k, kw = st.at("chunk", t), st.at("slot", t), st.at("wslot", t)
-
-        def layer(j, state):
-            g_blocks, shards, res = state
-            slot = ch * self.layout.slots + j
-            w = dyn_index(st.blocks, slot)
-            kept = st.stash.load(res, c["stash"], k, kw, j)
-            # W reads only its own residual leaves (the B-only ones now hold the stash)
-            dw = st.split.weight_grad(w, self._saved(st, res, k, j), kept)
-            return *self._add_layer_grad(st, t, slot, dw, g_blocks, shards), res
-
-        # res is carried through the loop unchanged, not read from outside it: as a live-in
-        # of the loop XLA could not order it before the next tick's writes and copied it.
-        g_blocks, shards, res = lax.fori_loop(
-            0, st.n_layers[ch], layer, (c["grads"]["blocks"], c["shards"], c["res"])
-        )
-        return dict(c, grads=dict(c["grads"], blocks=g_blocks), shards=shards, res=res)
-
-    def _embed_backward(self, st: _Local, i, g_embed, ct):
-        """Stage 0: embedding gradient of microbatch i added to ``g_embed``; ct [mb, T, H]."""
-        # The same dropout key as the forward: the same mask.
-        key = st.key(i, self.cfg.num_layers)
-        _, vjp_fn = jax.vjp(lambda e: self._embed(e, st.tokens[i], key), st.embed)
-        return jax.tree.map(jnp.add, g_embed, vjp_fn(ct)[0])
-
     # --------------------------------------------------------------- after the loop
 
-    def _reduce(self, st: _Local, c: dict):
+    def _reduce(self, st: StageLocal, c: dict):
         """Steps 3–4: reduced gradients, mean loss over all stages and the global norm."""
         S, d, r, dims = self.layout.stages, self.data, self.replica, st.dims
         # 3. gradients reduced over data (inside an island) and replicas (zero.py phases 1-3):
@@ -639,9 +368,8 @@ def tick_segments(sched: Schedule, max_period: int | None = None) -> list[tuple[
 
     ``max_period`` defaults to ``max(6, 2·S·v)``: the steady state repeats every 2 ticks
     under 1F1B, 3 under ZB-H1, but every 2·S·v under interleaved 1F1B, whose wrap-around
-    sends (last stage to first, and back) recur once per S·v micro-batches. With a shorter
-    cap the interleaved steady state was unrolled tick by tick: the program and its
-    temporaries grew with M (60.6 / 84.3 / 96.5 MB at M = 4 / 8 / 16 on 4 stages × v = 2).
+    sends (last stage to first, and back) recur once per S·v micro-batches. A shorter cap
+    unrolls that steady state tick by tick, and the program and its temporaries grow with M.
     """
     if max_period is None:
         max_period = max(6, 2 * sched.stages * sched.virtual)
