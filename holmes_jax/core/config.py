@@ -383,7 +383,7 @@ class DilocoConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Loop length, batch, evaluation and where metrics go."""
+    """Loop length, batch, evaluation, and the run directory where outputs go."""
 
     steps: int = 1000  # <= 1000000000
     global_batch_size: int = 32  # sequences per optimizer step, all devices; <= 1048576
@@ -391,7 +391,8 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (bf16 params and compute, fp32 master and reduction)
     eval_every: int = 100  # 0 = only at the end; <= 1000000000
     eval_batches: int = 8  # <= 100000
-    metrics_path: str | None = None  # JSON lines, one object per logged step
+    run_dir: str | None = None  # holds the auto outputs and config.yaml; null = none
+    metrics_path: str | None = "auto"  # JSON lines; auto = <train.run_dir>/metrics.jsonl
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "global_batch_size", "eval_batches"))
@@ -400,6 +401,8 @@ class TrainConfig:
             raise ConfigError(f"train.seed={self.seed}: must be >= 0")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = at end)")
+        if self.run_dir is not None and not self.run_dir.strip():
+            raise ConfigError("train.run_dir='': must be a path, or null for none")
 
 
 @dataclass(frozen=True)
@@ -407,7 +410,7 @@ class CheckpointConfig:
     """Orbax checkpoints; a run resumes from the newest one in ``dir``, or else starts from
     the parameters in ``init_from`` (fine-tuning: a fresh optimizer at step 0)."""
 
-    dir: str | None = None  # None = no checkpoints
+    dir: str | None = "auto"  # auto = <train.run_dir>/checkpoints; null = no checkpoints
     every: int = 0  # steps between saves; 0 = at the end (and on SIGTERM); <= 1000000000
     keep: int = 3  # keep the newest N; <= 10000
     async_save: bool = True
@@ -431,7 +434,7 @@ class LoggingConfig:
 
     log_every: int = 10  # <= 1000000000
     progress: str = "auto"  # auto (bar on a terminal) | bar | plain | none
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = "auto"  # event files; auto = <train.run_dir>/tb; null = none
     peak_tflops: float | None = None  # per device; MFU is reported when set; <= 1e+09
 
     def validate(self) -> None:
