@@ -17,6 +17,7 @@ from holmes_jax.core.config import check_devices, load_config
 from holmes_jax.planner.placement import stages_per_island
 from holmes_jax.planner.plans import predict_config
 from holmes_jax.planner.topology import load_topology
+from holmes_jax.runtime.rundir import resolve_outputs
 from tests.common import ROOT, config_path
 
 QUICKSTART = config_path("quickstart.yaml")
@@ -63,10 +64,11 @@ def _facts(cfg):
 def _readme_facts(cfg):
     """The README's extra facts: where the outputs go and the planner's predicted step."""
     predicted = predict_config(cfg, load_topology(cfg.parallel.mesh), sync_collectives=True)
+    out = resolve_outputs(cfg)  # the paths the run writes to
     return [
-        ("metrics", r"Metrics go to `([^`]+)`", cfg.train.metrics_path),
-        ("tensorboard", r"TensorBoard events to `([^`]+)`", cfg.logging.tensorboard_dir),
-        ("checkpoints", r"checkpoints to `([^`]+)`", cfg.checkpoint.dir),
+        ("metrics", r"Metrics go to `([^`]+)`", out.train.metrics_path),
+        ("tensorboard", r"TensorBoard events to `([^`]+)`", out.logging.tensorboard_dir),
+        ("checkpoints", r"checkpoints to `([^`]+)`", out.checkpoint.dir),
         ("predicted step", r"against ([\d.]+) s predicted", f"{predicted.step_s:.3g}"),
     ]
 
