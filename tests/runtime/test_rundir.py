@@ -117,6 +117,7 @@ def _steps(path) -> list[int]:
         return [json.loads(line)["step"] for line in f]
 
 
+@pytest.mark.slow
 def test_resume_appends_and_a_finished_run_has_nothing_to_train(
     tmp_path, tiny_config, capsys, monkeypatch
 ):
@@ -149,6 +150,7 @@ def test_resume_appends_and_a_finished_run_has_nothing_to_train(
     assert not os.path.exists(f"{run_dir}-2")
 
 
+@pytest.mark.slow
 def test_a_fresh_run_keeps_anothers_metrics_and_its_bar_leaves_the_compile_out(
     tmp_path, tiny_config, capsys, monkeypatch
 ):
