@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import yaml
 
-from holmes_jax.core.config import Config
+from holmes_jax.core.config import Config, DistributedConfig
 
 AUTO = "auto"  # the value of an output that goes into the run directory
 CONFIG_NAME = "config.yaml"
@@ -194,9 +194,14 @@ def outputs_line(cfg: Config) -> str:
 
 def write_config(cfg: Config) -> str | None:
     """Write ``cfg`` (resolved) as ``<run_dir>/config.yaml``; returns its path, or None
-    without a run directory. Call on one process."""
+    without a run directory. Call on one process.
+
+    The ``distributed`` section is written as its defaults (auto-detection): the launch
+    decides how processes join, and one file serves every process of the job.
+    """
     if cfg.train.run_dir is None:
         return None
+    cfg = cfg.replace(distributed=DistributedConfig())
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     path = os.path.join(cfg.train.run_dir, CONFIG_NAME)
     header = (
