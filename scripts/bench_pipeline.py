@@ -33,7 +33,7 @@ from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.spec import Degrees  # noqa: E402
 
 QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
-NO_IO = ["checkpoint.dir=null", "train.metrics_path=null", "logging.tensorboard_dir=null"]
+NO_IO = ["train.run_dir=null"]  # no checkpoints, metrics, events or config.yaml
 # The quickstart's model, as plain data parallelism (no topology, one stage): each variant
 # below sets its own stages, split and micro-batches on top.
 DATA_PARALLEL = [

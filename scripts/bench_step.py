@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     # two islands): one stage, one micro-batch, no topology.
     flat = ["parallel.mesh=null", "parallel.stages=1", "parallel.layers_per_stage=null"]
     flat.append("parallel.microbatches=1")
-    cfg = load_config(args.config, ["checkpoint.dir=null", "train.metrics_path=null", *flat])
+    cfg = load_config(args.config, ["train.run_dir=null", *flat])
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     sampler = BatchSampler(corpus.train, cfg.model.seq_len, cfg.train.global_batch_size, 0)
     p = cfg.parallel

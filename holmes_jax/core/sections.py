@@ -381,7 +381,7 @@ class DilocoConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Loop length, batch, evaluation and where metrics go."""
+    """Loop length, batch, evaluation, and the run directory where outputs go."""
 
     steps: int = 1000  # the step the run ends at; a resumed run trains up to it
     global_batch_size: int = 32  # sequences per optimizer step, all devices
@@ -389,7 +389,12 @@ class TrainConfig:
     precision: str = "fp32"  # bf16: bf16 params and compute, fp32 master and reduction
     eval_every: int = 100  # steps between evaluations; 0 = only at the end
     eval_batches: int = 8  # batches per evaluation
-    metrics_path: str | None = None  # JSON lines, one object per logged step
+    # The run's directory: checkpoints, metrics, TensorBoard events and config.yaml go
+    # inside it (the outputs set to auto). A run that starts fresh never writes into one
+    # holding another run's records: it moves to <run_dir>-2, -3, ...; null = none.
+    run_dir: str | None = None
+    # JSON lines, one object per logged step; auto = <train.run_dir>/metrics.jsonl
+    metrics_path: str | None = "auto"
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "global_batch_size", "eval_batches"))
@@ -397,6 +402,8 @@ class TrainConfig:
             raise ConfigError(f"train.seed={self.seed}: must be >= 0")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = at end)")
+        if self.run_dir is not None and not self.run_dir.strip():
+            raise ConfigError("train.run_dir='': must be a path, or null for none")
 
 
 @dataclass(frozen=True)
@@ -404,7 +411,7 @@ class CheckpointConfig:
     """Orbax checkpoints; a run resumes from the newest one in ``dir``, or else starts from
     the parameters in ``init_from`` (fine-tuning: a fresh optimizer at step 0)."""
 
-    dir: str | None = None  # directory of the checkpoints; null = no checkpoints
+    dir: str | None = "auto"  # auto = <train.run_dir>/checkpoints; null = no checkpoints
     every: int = 0  # steps between saves; 0 = at the end (and on SIGTERM)
     keep: int = 3  # how many of the newest checkpoints are kept
     async_save: bool = True  # write in the background while training goes on
@@ -428,7 +435,7 @@ class LoggingConfig:
 
     log_every: int = 10  # steps between printed and recorded metrics
     progress: str = "auto"  # how progress prints; auto = a bar on a terminal, else plain
-    tensorboard_dir: str | None = None  # TensorBoard event files; null = none
+    tensorboard_dir: str | None = "auto"  # event files; auto = <train.run_dir>/tb; null = none
     peak_tflops: float | None = None  # per device; MFU is reported when set
 
     def validate(self) -> None:

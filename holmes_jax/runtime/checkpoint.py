@@ -113,8 +113,8 @@ class Checkpointer:
     """Thin wrapper over ``ocp.CheckpointManager`` for one run directory."""
 
     def __init__(self, cfg: CheckpointConfig):
-        if not cfg.dir:
-            raise ValueError("Checkpointer needs checkpoint.dir")
+        if not cfg.dir or cfg.dir == "auto":
+            raise ValueError(f"Checkpointer needs a resolved checkpoint.dir, got {cfg.dir!r}")
         self.cfg = cfg
         self.directory = os.path.abspath(cfg.dir)
         options = ocp.CheckpointManagerOptions(

@@ -2,30 +2,26 @@
 
 Read top to bottom, :func:`run` does:
 
-1. resolve the mesh degrees against the visible devices, let the planner fill in what the
-   config leaves open (``diloco.enabled: auto`` too: DiLoCo or not, by
-   :func:`holmes_jax.planner.strategy.resolve_diloco` on the topology; without one auto
-   means false), and build the mesh; on a topology (``parallel.mesh``), predict the step
-   with the planner's cost model;
-2. load the corpus and build the (seed, step) → batch sampler and fixed eval batches;
-3. build the :class:`~holmes_jax.runtime.program.Program` (shardings, jitted steps);
-4. restore the newest checkpoint in ``checkpoint.dir``, or else start from the parameters
-   of ``checkpoint.init_from`` (a fresh optimizer at step 0), or else initialise sharded
-   state;
-5. loop: make this process's part of the batch, step (under DiLoCo: the inner step, then
-   the outer step of each fragment due after it), and on log steps fetch metrics (only
-   then does the host wait for the device; DiLoCo's per-replica loss and grad norm are
-   averaged here, on the host, gathered from all processes only on log steps), evaluate
-   (the global model under DiLoCo), checkpoint;
+0. choose the run directory (:func:`holmes_jax.runtime.rundir.choose_run_dir`);
+1. resolve the mesh degrees and what the config leaves to the planner (``auto``: the split,
+   remat, DiLoCo by :func:`holmes_jax.planner.strategy.resolve_diloco`), build the mesh,
+   and on a topology (``parallel.mesh``) predict the step with the planner's cost model;
+2. build the :class:`~holmes_jax.runtime.program.Program` (nothing compiles yet);
+3. restore the newest checkpoint in ``checkpoint.dir``; when it holds ``train.steps``
+   steps already, say so in one line and return;
+4. load the corpus and the state: the restored one, else ``checkpoint.init_from``'s
+   parameters with a fresh optimizer at step 0, else a fresh one; write ``config.yaml``;
+5. loop: make this process's part of the batch, step (under DiLoCo: then the outer step of
+   each fragment due), and on log steps fetch metrics (only then does the host wait for
+   the device), evaluate, checkpoint. The first step compiles: the compile is announced,
+   timed (``compile_s``) and left out of the progress bar and the step times;
 6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
 
-Printed through the metrics logger (process 0 only): before training, on a topology, the
-plan (:func:`holmes_jax.planner.report.format_run_plan`: islands, stages per island,
-layers per stage, schedule, micro-batches, the predicted step and what the prediction
-assumes); after training, the predicted against the measured median step
-(:func:`holmes_jax.planner.report.format_step_check`). The measured steps are the logging
-windows' mean step times (host wait included, evaluation and checkpoints excluded), the
-window of the compiling first step left out.
+Printed through the metrics logger (process 0 only): before training, where the outputs
+go and, on a topology, the plan (:func:`holmes_jax.planner.report.format_run_plan`); after
+training, the predicted against the measured median step
+(:func:`holmes_jax.planner.report.format_step_check`), measured as the logging windows'
+mean step times (evaluation and checkpoints excluded, the first window left out).
 
 ``run`` returns the history: one dict per logged step (the same records as the JSON lines).
 """
@@ -33,6 +29,7 @@ window of the compiling first step left out.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import threading
 import time
@@ -63,6 +60,15 @@ from holmes_jax.runtime.mesh import build_mesh, collectives_block
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
 from holmes_jax.runtime.program import Program, compute_dtype
+from holmes_jax.runtime.rundir import (
+    CHECKPOINTS_NAME,
+    choose_run_dir,
+    first_free,
+    moved_line,
+    outputs_line,
+    sibling,
+    write_config,
+)
 
 
 class StopRequest:
@@ -110,6 +116,10 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     Raises:
       ConfigError: settings that are impossible on the visible devices or data.
     """
+    # 0. outputs: the run directory, decided before anything is written
+    outputs = choose_run_dir(cfg)
+    cfg = outputs.cfg
+
     # 1. mesh (and the layer split, when the planner is asked for it)
     devices = jax.devices()
     topology = load_mesh_topology(cfg)
@@ -124,39 +134,45 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     plan_lines, predicted_s = describe_plan(cfg, shape, topology, devices, asked_split)
     is_main = jax.process_index() == 0
     multi_process = jax.process_count() > 1
+    flops = flops_per_token(cfg.model.spec, cfg.model.remat)
+    logger = MetricsLogger(cfg, flops=flops, num_devices=shape.num_devices, is_main=is_main)
 
-    # 2. data
-    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
-    seq, batch_size = cfg.model.seq_len, cfg.train.global_batch_size
-    sampler = BatchSampler(corpus.train, seq, batch_size, cfg.train.seed)
-
-    # 3. program
+    # 2. program (nothing compiles yet)
     program = Program(cfg, mesh)
-    eval_set = [
-        _global_batch(rows, program.batch_sharding)
-        for rows in eval_batches(corpus.eval, seq, batch_size, cfg.train.eval_batches)
-    ]
 
-    # 4. state
+    # 3. the checkpoint to resume from, and nothing more when it has trained every step
     ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
-    state, start = None, 0
+    logical, start = None, 0
     if ckpt is not None and cfg.checkpoint.resume:
         restored = ckpt.restore(program.abstract_logical_state, cfg)
         if restored is not None:
             logical, meta = restored
-            state = program.from_logical(logical)
             start = int(meta["data_position"])
-    resumed = state is not None
+    resumed = logical is not None
+    if resumed and start >= cfg.train.steps:
+        ckpt.close()
+        logger.message(nothing_to_train(cfg, start))
+        return []
+
+    # 4. data and state
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    seq, batch_size = cfg.model.seq_len, cfg.train.global_batch_size
+    sampler = BatchSampler(corpus.train, seq, batch_size, cfg.train.seed)
+    eval_set = [
+        _global_batch(rows, program.batch_sharding)
+        for rows in eval_batches(corpus.eval, seq, batch_size, cfg.train.eval_batches)
+    ]
+    state = program.from_logical(logical) if resumed else None
+    del logical
     started_from = None  # checkpoint.init_from's step directory, when the run starts there
     if state is None and cfg.checkpoint.init_from:
         state, started_from = init_state_from(program, cfg.checkpoint.init_from)
     if state is None:
         state = program.init(cfg.train.seed)
 
-    flops = flops_per_token(cfg.model.spec, cfg.model.remat)
-    logger = MetricsLogger(
-        cfg, flops=flops, num_devices=shape.num_devices, start_step=start, is_main=is_main
-    )
+    if is_main:
+        write_config(cfg)
+    logger.open(start)
     logger.message(
         f"holmes_jax: {cfg.model.spec.num_params / 1e6:.2f}M params | mesh "
         + (f"replica={shape.replica} " if shape.replica > 1 else "")
@@ -164,6 +180,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
         f"{devices[0].platform} devices | {corpus.description}"
     )
+    for line in (moved_line(outputs), outputs_line(cfg)):
+        if line:
+            logger.message(line)
     for line in plan_lines:
         logger.message(line)
     if not plan_lines and (cfg.parallel.stages > 1 or cfg.parallel.microbatches > 1):
@@ -183,7 +202,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     if asked_remat == "auto":
         logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
     if resumed:
-        logger.message(f"resumed from {ckpt.directory} at step {start}")
+        logger.message(f"resumed from {cfg.checkpoint.dir} at step {start}")
         if cfg.checkpoint.init_from:
             logger.message(
                 f"checkpoint.init_from={cfg.checkpoint.init_from} not used: the run resumes "
@@ -192,13 +211,17 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     if started_from:
         logger.message(f"initialised from {started_from} (fresh optimizer, step 0)")
 
+    def save(step: int, state) -> None:
+        ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+        logger.message(f"checkpoint step {step}: {os.path.join(cfg.checkpoint.dir, str(step))}")
+
     # 5. loop
     history: list[dict[str, Any]] = []
     total = cfg.train.steps
     step = start
     last_saved = start if resumed else None
     window_start, window_steps, logged_at = time.perf_counter(), 0, start
-    first = True
+    first, compile_s = True, 0.0
     # Simulated CPU devices: wait for each step before dispatching the next. When two
     # steps overlapped, XLA:CPU's in-process collectives aborted the run now and then (an
     # all-reduce rendezvous that one device never joined within 40 s: a DiLoCo run after
@@ -208,7 +231,16 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         with StopRequest() as stop:
             while step < total:
                 batch = make_batch(sampler, step, program.batch_sharding)
+                if first:
+                    logger.message("compiling the train step ...")
+                    began = time.perf_counter()
+                # The first call traces and compiles before it dispatches the step.
                 state, metrics = program.train_step(state, batch)
+                if first:
+                    compile_s = time.perf_counter() - began
+                    logger.message(f"compiled in {compile_s:.1f} s")
+                    logger.start_progress(step)  # the bar's rate and ETA leave the compile out
+                    window_start = time.perf_counter()
                 if one_step_at_a_time:
                     jax.block_until_ready(state)
                 step += 1
@@ -242,7 +274,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     elapsed = (time.perf_counter() - window_start) / window_steps
                     rec = logger.record(step, values, elapsed)
                     if first:
-                        rec["includes_compile"] = True
+                        rec["compile_s"] = compile_s
                     if evaluate:
                         rec["eval_loss"] = _evaluate(program, program.eval_params(state), eval_set)
                     history.append(rec)
@@ -250,7 +282,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     logged_at, first = step, False
 
                 if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+                    save(step, state)
                     last_saved = step
                 if log_step or stopping:  # the next window starts after eval and saving
                     window_start, window_steps = time.perf_counter(), 0
@@ -259,15 +291,15 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     if requested and not stop.signum:
                         why = "another process received a stop signal"
                     if ckpt is not None and last_saved != step:
-                        ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+                        save(step, state)
                         last_saved = step
-                    where = f"; checkpoint saved in {ckpt.directory}" if ckpt else ""
+                    where = f"; checkpoint saved in {cfg.checkpoint.dir}" if ckpt else ""
                     logger.message(f"stopping after step {step} ({why}){where}")
                     break
 
         # 6. final save
         if ckpt is not None and last_saved != step:
-            ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+            save(step, state)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -279,9 +311,24 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             + (f", eval loss {final['eval_loss']:.4f}" if "eval_loss" in final else "")
         )
     if predicted_s is not None and history:
-        measured = [r["step_time_s"] for r in history if not r.get("includes_compile")]
+        measured = [r["step_time_s"] for r in history if "compile_s" not in r]
         logger.message(format_step_check(predicted_s, measured))
     return history
+
+
+def nothing_to_train(cfg: Config, held: int) -> str:
+    """The one line of a run whose checkpoint already holds ``train.steps`` steps."""
+    again = f"raise train.steps (--set train.steps={max(2 * held, held + 1)})"
+    run_dir = cfg.train.run_dir
+    if run_dir and cfg.checkpoint.dir == os.path.join(run_dir, CHECKPOINTS_NAME):
+        other = sibling(run_dir, first_free(run_dir))
+        new = f"start a new run (--set train.run_dir={other})"
+    else:
+        new = "start a new run in another checkpoint.dir"
+    return (
+        f"nothing to train: {cfg.checkpoint.dir} holds step {held} and "
+        f"train.steps={cfg.train.steps}; {again} or {new}"
+    )
 
 
 def diloco_lines(cfg: Config, program: Program, asked, choice) -> list[str]:

@@ -3,8 +3,10 @@
 For every logged step the record holds at least ``step``, ``loss``, ``step_time_s``,
 ``tokens_per_s``, ``tflops_per_device`` (model FLOPs: 6N + attention, no recompute),
 ``hw_tflops_per_device`` (what runs, recompute included), ``mfu`` (when
-``logging.peak_tflops`` is set), and ``eval_loss`` on steps that were evaluated. Only
-the main process (``jax.process_index() == 0``) writes anything.
+``logging.peak_tflops`` is set), and ``eval_loss`` on steps that were evaluated. The
+first record of a run also holds ``compile_s``, the seconds the train step took to
+compile, which its ``step_time_s`` leaves out. Only the main process
+(``jax.process_index() == 0``) writes anything.
 
 Terminal output: a tqdm bar with loss and tokens/s when stderr is a terminal (or
 ``logging.progress: bar``), plain log lines otherwise (``plain``), nothing for ``none``.
@@ -46,7 +48,12 @@ def throughput(
 
 
 class MetricsLogger:
-    """Writes step records to the terminal, a JSON-lines file and TensorBoard."""
+    """Writes step records to the terminal, a JSON-lines file and TensorBoard.
+
+    Three phases: messages work from construction; :meth:`open` opens the files (before
+    the first record); :meth:`start_progress` starts the progress bar once the train step
+    has compiled, so that the bar's rate and ETA count training steps only.
+    """
 
     def __init__(
         self,
@@ -54,7 +61,6 @@ class MetricsLogger:
         *,
         flops: FlopsPerToken,
         num_devices: int,
-        start_step: int,
         is_main: bool = True,
     ):
         self.cfg = cfg
@@ -65,27 +71,33 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._bar = None
-        if not is_main:
-            return
-        if cfg.train.metrics_path:
-            parent = os.path.dirname(os.path.abspath(cfg.train.metrics_path))
-            os.makedirs(parent, exist_ok=True)
-            # Append on resume so the file keeps the whole run; truncate on a fresh start.
-            mode = "a" if start_step > 0 else "w"
-            self._jsonl = open(cfg.train.metrics_path, mode)  # noqa: SIM115
-        if cfg.logging.tensorboard_dir:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(cfg.logging.tensorboard_dir)
         mode = cfg.logging.progress
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "plain"
         self.mode = mode
-        if mode == "bar":
+
+    def open(self, start_step: int) -> None:
+        """Open the metrics file (appended to when ``start_step`` > 0, a resumed run; else
+        created or truncated) and the TensorBoard writer. ``cfg``'s outputs are resolved
+        paths (:func:`holmes_jax.runtime.rundir.resolve_outputs`)."""
+        if not self.is_main:
+            return
+        path = self.cfg.train.metrics_path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._jsonl = open(path, "a" if start_step > 0 else "w")  # noqa: SIM115
+        if self.cfg.logging.tensorboard_dir:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(self.cfg.logging.tensorboard_dir)
+
+    def start_progress(self, step: int) -> None:
+        """Start the progress bar at ``step`` (bar mode): its clock starts now."""
+        if self.is_main and self.mode == "bar" and self._bar is None:
             from tqdm import tqdm
 
             self._bar = tqdm(
-                total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True
+                total=self.cfg.train.steps, initial=step, unit="step", dynamic_ncols=True
             )
 
     def record(self, step: int, values: dict[str, float], step_time_s: float) -> dict[str, Any]:

@@ -85,14 +85,10 @@ def test_two_processes_stop_lose_a_peer_and_resume(tmp_path, two_reference, env)
     one stops both after the same step (checkpoint, exit 0); a SIGKILLed peer ends the
     other within 60 s with a message naming it; the run then resumes and finishes with
     the uninterrupted run's losses."""
-    ckpt = tmp_path / "ckpt"
-    metrics = tmp_path / "m.jsonl"
-    job = TWO + [
-        f"checkpoint.dir={ckpt}",
-        "checkpoint.every=1",
-        "distributed.heartbeat_timeout_s=5",
-        f"train.metrics_path={metrics}",
-    ]
+    run_dir = tmp_path / "run"  # process 0 chooses it for both (rundir.choose_run_dir)
+    ckpt, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    job = TWO + [f"train.run_dir={run_dir}", "checkpoint.every=1"]
+    job.append("distributed.heartbeat_timeout_s=5")
 
     # 1. SIGTERM to process 1 only: both agree, save and exit 0.
     procs = start_job(2, job, tmp_path, "term", env)
@@ -135,6 +131,7 @@ def test_two_processes_stop_lose_a_peer_and_resume(tmp_path, two_reference, env)
     last = losses(metrics)  # later records win (the resumed run)
     assert sorted(last) == list(range(1, 9))
     compare(last, two_reference)
+    assert not os.path.exists(f"{run_dir}-2")  # every resume stayed in the run's directory
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")

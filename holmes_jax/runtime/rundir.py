@@ -1,0 +1,213 @@
+"""Where a run writes: one run directory for its checkpoints, metrics, TensorBoard events
+and resolved config.
+
+``train.run_dir`` names the directory. An output whose value is ``auto`` (the default)
+goes inside it:
+
+- ``checkpoint.dir``: ``<run_dir>/checkpoints``
+- ``train.metrics_path``: ``<run_dir>/metrics.jsonl``
+- ``logging.tensorboard_dir``: ``<run_dir>/tb``
+- the resolved config, always: ``<run_dir>/config.yaml`` (``load_config`` reads it back)
+
+An explicit path overrides ``auto``, and null turns that output off. With ``run_dir: null``
+the ``auto`` outputs are off and no config is written.
+
+A run never writes over another run's records. A run that will not resume (checkpoints
+off, ``checkpoint.resume: false``, or no step in its checkpoint directory) and whose run
+directory holds records (``metrics.jsonl``, TensorBoard events or checkpoints) moves to
+the first of ``<run_dir>-2``, ``<run_dir>-3``, ... that holds none. A resuming run keeps
+its directory and appends to its metrics.
+
+Several processes decide once: process 0 looks at the disk and broadcasts its choice, so
+every process writes checkpoints to the same directory even where their views of a
+shared filesystem differ for a moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import yaml
+
+from holmes_jax.core.config import Config, DistributedConfig
+
+AUTO = "auto"  # the value of an output that goes into the run directory
+CONFIG_NAME = "config.yaml"
+METRICS_NAME = "metrics.jsonl"
+CHECKPOINTS_NAME = "checkpoints"
+TENSORBOARD_NAME = "tb"
+
+
+def resolve_outputs(cfg: Config) -> Config:
+    """``cfg`` with each ``auto`` output replaced by its path in ``train.run_dir``, or by
+    None when there is no run directory. Explicit paths and nulls are kept."""
+    run_dir = cfg.train.run_dir
+
+    def inside(value: str | None, name: str) -> str | None:
+        if value != AUTO:
+            return value
+        return os.path.join(run_dir, name) if run_dir else None
+
+    return cfg.replace(
+        train=dataclasses.replace(
+            cfg.train, metrics_path=inside(cfg.train.metrics_path, METRICS_NAME)
+        ),
+        checkpoint=dataclasses.replace(
+            cfg.checkpoint, dir=inside(cfg.checkpoint.dir, CHECKPOINTS_NAME)
+        ),
+        logging=dataclasses.replace(
+            cfg.logging, tensorboard_dir=inside(cfg.logging.tensorboard_dir, TENSORBOARD_NAME)
+        ),
+    )
+
+
+def newest_step(directory: str | None) -> int | None:
+    """The highest step number among a checkpoint directory's entries, None when it holds
+    none (or is missing). Orbax names a committed step by its number alone."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+    return max(steps) if steps else None
+
+
+def will_resume(cfg: Config) -> bool:
+    """Whether a run of ``cfg`` (outputs resolved) resumes from its checkpoint directory."""
+    return cfg.checkpoint.resume and newest_step(cfg.checkpoint.dir) is not None
+
+
+def records_in(run_dir: str) -> list[str]:
+    """The records of a run that ``run_dir`` holds: its metrics file, TensorBoard events
+    and checkpoints, by name; empty when there are none (a lone ``config.yaml`` is no
+    record)."""
+    found = []
+    metrics = os.path.join(run_dir, METRICS_NAME)
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append(METRICS_NAME)
+    for name in (TENSORBOARD_NAME, CHECKPOINTS_NAME):
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) and os.listdir(path):
+            found.append(f"{name}/")
+    return found
+
+
+def sibling(run_dir: str, n: int) -> str:
+    """``<run_dir>-n``."""
+    return f"{run_dir.rstrip('/')}-{n}"
+
+
+def first_free(run_dir: str) -> int:
+    """The smallest n >= 2 such that ``<run_dir>-n`` holds no records."""
+    n = 2
+    while records_in(sibling(run_dir, n)):
+        n += 1
+    return n
+
+
+def free_suffix(cfg: Config) -> int:
+    """Process 0's choice: 0 to write into ``train.run_dir`` as given (it holds no records,
+    or the run resumes there), else :func:`first_free`."""
+    run_dir = cfg.train.run_dir
+    if run_dir is None or will_resume(resolve_outputs(cfg)) or not records_in(run_dir):
+        return 0
+    return first_free(run_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """The outputs a run writes to.
+
+    Attributes:
+      cfg: the config with ``train.run_dir`` final and every ``auto`` output resolved.
+      moved_from: the ``train.run_dir`` asked for, when it held another run's records and
+        this run writes elsewhere; else None.
+      records: what ``moved_from`` holds (``metrics.jsonl``, ``tb/``, ``checkpoints/``).
+    """
+
+    cfg: Config
+    moved_from: str | None = None
+    records: tuple[str, ...] = ()
+
+
+def choose_run_dir(cfg: Config) -> RunDir:
+    """Resolve the outputs, moving off a run directory that holds another run's records.
+
+    Every process of a job must call this at the same point: process 0 decides and the
+    others take its choice (one broadcast integer). Nothing is written here.
+    """
+    suffix = free_suffix(cfg) if jax.process_index() == 0 else 0
+    if jax.process_count() > 1 and cfg.train.run_dir is not None:
+        # The checkpoint directory is shared and written by every process, so all must
+        # agree before anyone writes; each process's own look at the disk could differ
+        # (a step committed between two listings, a stale NFS cache).
+        from jax.experimental import multihost_utils
+
+        suffix = int(multihost_utils.broadcast_one_to_all(np.int32(suffix)))
+    if suffix == 0:
+        return RunDir(resolve_outputs(cfg))
+    asked = cfg.train.run_dir
+    moved = cfg.replace(train=dataclasses.replace(cfg.train, run_dir=sibling(asked, suffix)))
+    return RunDir(resolve_outputs(moved), asked, tuple(records_in(asked)))
+
+
+def moved_line(run: RunDir) -> str | None:
+    """The one line saying that a run moved off its asked directory, or None."""
+    if run.moved_from is None:
+        return None
+    new = run.cfg.train.run_dir
+    line = (
+        f"train.run_dir={run.moved_from} holds another run's records "
+        f"({', '.join(run.records)}) and this run starts fresh: it writes to {new} instead"
+    )
+    if run.cfg.checkpoint.dir:
+        line += f" (resume it with --set train.run_dir={new})"
+    return line
+
+
+def outputs_line(cfg: Config) -> str:
+    """Where a run's outputs go, in one line: names inside the run directory, full paths
+    for outputs elsewhere."""
+    run_dir = cfg.train.run_dir
+    outputs = [
+        ("checkpoints", cfg.checkpoint.dir, "/"),
+        ("metrics", cfg.train.metrics_path, ""),
+        ("TensorBoard", cfg.logging.tensorboard_dir, "/"),
+    ]
+    inside, elsewhere = [], []
+    for what, path, slash in outputs:
+        if not path:
+            continue
+        if run_dir and os.path.dirname(os.path.normpath(path)) == os.path.normpath(run_dir):
+            name = os.path.basename(os.path.normpath(path)) + slash
+            inside.append(name + (" (TensorBoard)" if what == "TensorBoard" else ""))
+        else:
+            elsewhere.append(f"{what} to {path}")
+    if run_dir:
+        line = f"run dir {run_dir}: " + ", ".join([*inside, CONFIG_NAME])
+        return line + "".join(f"; {x}" for x in elsewhere)
+    if elsewhere:
+        return "outputs: " + ", ".join(elsewhere)
+    return "outputs: none written (train.run_dir is null)"
+
+
+def write_config(cfg: Config) -> str | None:
+    """Write ``cfg`` (resolved) as ``<run_dir>/config.yaml``; returns its path, or None
+    without a run directory. Call on one process.
+
+    The ``distributed`` section is written as its defaults (auto-detection): the launch
+    decides how processes join, and one file serves every process of the job.
+    """
+    if cfg.train.run_dir is None:
+        return None
+    cfg = cfg.replace(distributed=DistributedConfig())
+    os.makedirs(cfg.train.run_dir, exist_ok=True)
+    path = os.path.join(cfg.train.run_dir, CONFIG_NAME)
+    header = (
+        "# The resolved config of the run in this directory, written when it started.\n"
+        f"#   python -m holmes_jax.train --config {path}\n"
+    )
+    with open(path, "w") as f:
+        f.write(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
