@@ -120,7 +120,7 @@ def rows(root: type = Config) -> list[tuple[str, str, list[tuple[str, ...]]]]:
                 takes = ", ".join(f"`{yaml_text(c)}`" for c in CONFIG_CHOICES[key])
             elif key in CONFIG_LIMITS:
                 takes = bound_text(CONFIG_LIMITS[key])
-            meaning = comments[f.name].replace("|", "\\|")
+            meaning = comments[f.name].replace("|", "\\|").replace("<", "&lt;")
             table.append((key, type_text(hints[f.name]), yaml_text(default), takes, meaning))
         out.append((section.name, inspect.cleandoc(cls.__doc__ or ""), table))
     return out

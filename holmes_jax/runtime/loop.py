@@ -50,7 +50,7 @@ from holmes_jax.planner.plans import (
     predict_config,
     resolve_auto,
 )
-from holmes_jax.planner.report import format_run_plan, format_step_check
+from holmes_jax.planner.report import format_preference, format_run_plan, format_step_check
 from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
 from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
@@ -222,10 +222,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     last_saved = start if resumed else None
     window_start, window_steps, logged_at = time.perf_counter(), 0, start
     first, compile_s = True, 0.0
-    # Simulated CPU devices: wait for each step before dispatching the next. When two
-    # steps overlapped, XLA:CPU's in-process collectives aborted the run now and then (an
-    # all-reduce rendezvous that one device never joined within 40 s: a DiLoCo run after
-    # ~80 steps, a replica 2 x data 4 run at step ~170 on a loaded machine). GPUs overlap.
+    # Simulated CPU devices: wait for each step before dispatching the next. XLA:CPU's
+    # in-process collectives can miss a rendezvous when two steps overlap. GPUs overlap.
     one_step_at_a_time = devices[0].platform == "cpu" and jax.local_device_count() > 1
     try:
         with StopRequest() as stop:
@@ -247,12 +245,10 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 window_steps += 1
                 for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
                     state = program.outer_step(state, fragment, step)
-                    # Wait for it: on simulated CPU devices an inner step dispatched while
-                    # the outer step's all-gather is still running deadlocked XLA's
-                    # in-process collectives (a reduce-scatter rendezvous one device never
-                    # joined, reproducibly after ~80 steps at H = 10). One host sync per
-                    # outer step costs nothing next to the sync itself (and on GPUs the
-                    # next inner step needs the new parameters anyway).
+                    # Wait for it: an inner step dispatched during the outer step's
+                    # all-gather can miss a collective rendezvous on simulated CPU
+                    # devices. One host sync per outer step is cheap next to the sync
+                    # itself, and the next inner step needs the new parameters anyway.
                     jax.block_until_ready(state)
                     warm = in_warmup(step, cfg.diloco.warmup_steps)
                     kind = "averaging (warm-up)" if warm else "outer"
@@ -410,6 +406,7 @@ def describe_plan(
     else:
         split = "even (parallel.layers_per_stage unset)"
     lines = format_run_plan(cfg, shape, topology, prediction, sync_collectives=sync, split=split)
+    lines += format_preference(cfg, topology, prediction.step_s, sync_collectives=sync)
     if cfg.diloco.enabled is True and shape.replica > 1:
         # The plan above prices replica > 1 as hierarchical (a cross-island gradient ring
         # every step); DiLoCo's inner steps send nothing across: price those instead.
