@@ -3,45 +3,23 @@
     sudo .venv/bin/python scripts/bench_islands.py [--steps 6] [--keep-logs DIR] \\
         [--set model.hidden_size=512] [--only holmes,fast]
 
-Four single-device hosts in two islands, each host a process in its own network namespace
-(``python -m holmes_jax.launch --emulate``): 1 Gbit/s inside each island, 100 Mbit/s
-between them (meshes/emu-4host-2island.yaml), real gloo traffic through ``tc htb``. The
-model (4 layers, hidden 256, seq 32, untied head; 3.3M parameters = 13 MB of fp32
-gradients) has gradients ~400x larger than one micro-batch's activations (32 KiB), so
-where the gradient traffic flows decides the step time. Side by side, a few steps each:
+Four single-device hosts in two islands, each a process in its own network namespace
+(``launch --emulate``). Links are 1 Gbit/s inside each island and 100 Mbit/s between them
+(meshes/emu-4host-2island.yaml), real gloo traffic through ``tc htb``. The model's
+gradients (13 MB fp32) are ~400x one micro-batch's activations (32 KiB), so where the
+gradient traffic flows decides the step time. Variants, a few steps each:
 
-(a) holmes: 2 stages (one per island, only activations cross) x data 2 inside each island,
-    1F1B, 4 micro-batches;
-(b) naive:  data parallel 4 across both islands (``parallel.enforce_islands=false``): the
-    gradient all-reduce ring crosses the slow link;
-(c) fast:   (a) on emu-4host-2island-fast.yaml, every link 1 Gbit/s (homogeneous reference);
-(d) zb:     (a) with the ZB-H1 schedule (at S = 2, M = 4 its tables' bubble is 0.077
-    against 1F1B's 0.200, with no more p2p traffic).
+- (a) holmes: 2 stages (one per island) x data 2, 1F1B, 4 micro-batches;
+- (b) naive: data parallel 4 across both islands (``parallel.enforce_islands=false``);
+- (c) fast: (a) with every link 1 Gbit/s (emu-4host-2island-fast.yaml);
+- (d) zb: (a) with the ZB-H1 schedule.
 
-Beside each pipeline variant's time: the bytes per step that cross the island boundary,
-read from its compiled HLO (holmes_jax.runtime.traffic: every collective-permute times its
-loops' trip counts). (b) moves its gradients by an all-reduce whose ring crosses the link
-instead; its HLO has no point-to-point traffic.
-
-Step times are medians over logging windows of 5 steps after the first step (which
-compiles), from the trainer's metrics.
-
-Predictions come from the cost model (holmes_jax.planner.cost, placement) fed with a profile that
-holmes_jax.probe measures first *through the same emulated launch* (``launch --program
-probe``, one per topology and plan micro-batch: the Holmes plans', and naive data
-parallel's): a stage of the plan on every device while the 4 processes share the 2
-cores, and the links as gloo sees them through the namespaces (all-reduce, ZeRO-1's
-reduce-scatter and all-gather inside each island, point-to-point between the islands). The
-model prices the step as the trainer runs it (holmes_jax.planner.plans.predict_config): each
-micro-batch's activation and gradient once per stage boundary, one collective per parameter
-leaf, and synchronous CPU collectives (``sync_collectives``: each stage's reduction inside
-its own last backward tick, added up across stages). (b) is the planner's naive placement
-(holmes_jax.planner.placement.naive_hardware): one stage, data 4, the ring bounded by its
-slowest hop (the measured inter-island link, with the measured per-byte extra of the
-reduce-scatter or all-gather over the all-reduce).
-
-Diagnostic: (a)'s plan also runs on 4 devices of this one process (no network, no
-process boundaries), next to the model's prediction for it with the in-process probe.
+Each pipeline variant also reports the bytes per step that cross the island boundary, read
+from its compiled HLO (:mod:`holmes_jax.runtime.traffic`). Step times are medians of
+5-step logging windows after the first. Predictions are
+:func:`holmes_jax.planner.plans.predict_config` on a profile the probe measures through
+the same emulated launch (docs/multihost.md, "Benchmark"). A diagnostic runs (a)'s plan on
+4 devices of this one process, next to its prediction from the in-process probe.
 
 Targets: (b)/(a) >= 2, (a)/(c) <= 1.25, every prediction within 25% of its measurement.
 Needs root. Prints one JSON line; progress and the processes' output go to stderr.

@@ -4,38 +4,27 @@
         [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
         [--links 100mbit,10mbit] [--quality-variants sync,H10,...] [--keep-logs DIR [--reuse]]
 
-**Speed** (root): the 4-host two-island emulation (``launch --emulate``: each host a process
-in its own network namespace, ``tc htb`` links), 1 Gbit/s inside each island and
-100 Mbit/s (meshes/emu-4host-2island.yaml) or 10 Mbit/s (meshes/emu-4host-2island-slow.yaml)
-between them, the quickstart model (1.64M parameters). For each link speed, side by side:
+**Speed** (root): the 4-host two-island emulation (``launch --emulate``), 1 Gbit/s inside
+each island and 100 Mbit/s or 10 Mbit/s between them, the quickstart model. Per link speed:
 
-(a) pipeline:     the planner's best ``replica = 1`` plan (the stage axis spans the islands);
-(b) hierarchical: the planner's best ``replica = 2`` plan (ZeRO-1 gradient shards
-    all-reduced across the islands every step);
-(c) diloco:       (b)'s degrees with ``diloco.enabled=true``, ``H = --inner-steps``
-    (fp32 outer gradients), and the same with int8 outer gradients.
+- (a) pipeline: the planner's best ``replica = 1`` plan;
+- (b) hierarchical: the planner's best ``replica = 2`` plan;
+- (c) diloco: (b)'s degrees with ``diloco.enabled=true``, ``H = --inner-steps``, with fp32
+  and with int8 outer gradients.
 
-Each variant's time per step is the mean over all logged windows after the first (the
-first compiles): DiLoCo's windows include its outer syncs in their true proportion (the run
-is ``2H + 1`` steps, two outer syncs). Tokens/s = global batch × sequence / step. Beside
-each, the planner's prediction for exactly that config, from a profile that
-``holmes_jax.probe`` measures through the same emulated launch (the links as gloo sees
-them, the layer times with four processes on the machine's cores), with blocking
-collectives (gloo): (a), (b) by :func:`holmes_jax.planner.plans.predict_config`, (c) by
-:func:`holmes_jax.planner.strategy.predict_diloco_config`. The probe runs twice per link,
-with (a)'s and with (b)'s plan, since it times a stage at the plan's micro-batch (1 or 2
-sequences of 4 layers for (a), 8 sequences of 8 layers for (b) and (c)): on cores shared
-by four processes a layer's time per sequence is not the same at both.
+Time per step is the mean over the logged windows after the first. A DiLoCo run is
+``2H + 1`` steps, so its windows hold its outer syncs in their true proportion. Each
+prediction comes from a profile the probe measures through the same launch, once per plan
+micro-batch: :func:`holmes_jax.planner.plans.predict_config` for (a) and (b),
+:func:`holmes_jax.planner.strategy.predict_diloco_config` for (c).
 
-**Quality** (no root, one process, 8 simulated devices): the quickstart model on the
-stdlib corpus for ``--quality-steps`` steps of 32 × 128 tokens (the same tokens for every
-variant), ``replica = 2`` × data 4: synchronous (hierarchical data parallel, the reference
-any synchronous plan reproduces) against DiLoCo with H = 10, 25, 50 (fragments 1, fp32),
-H = 50 with 4 fragments and H = 50 with int8 outer gradients. Eval loss every 50 steps
-(the global model for DiLoCo); the curves go to ``--png``, the final losses to a table.
+**Quality** (no root, 8 simulated devices): ``--quality-steps`` steps of the quickstart
+model, ``replica = 2`` x data 4, the same tokens for every variant. Synchronous against
+DiLoCo with H = 10, 25, 50, H = 50 with 4 fragments and H = 50 with int8. Eval loss every
+50 steps goes to ``--png``, the final losses to a table.
 
-Targets: at 10 Mbit/s DiLoCo >= 3x the tokens/s of the best synchronous plan;
-final eval loss within 3% of synchronous for some H >= 10; predictions within 25%.
+Targets: at 10 Mbit/s DiLoCo >= 3x the tokens/s of the best synchronous plan; final eval
+loss within 3% of synchronous for some H >= 10; predictions within 25%.
 Prints one JSON line; progress and the runs' output go to stderr.
 """
 

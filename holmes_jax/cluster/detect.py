@@ -1,31 +1,24 @@
 """Who joins a multi-process run, and how: explicit settings or a detected cluster.
 
-Who joins, in this order (:func:`resolve`):
+:func:`resolve` decides, in this order:
 
 1. **Explicit settings**: ``distributed.coordinator_address`` / ``num_processes`` /
-   ``process_id`` (CLI ``--coordinator``, ``--num-processes``, ``--process-id``;
-   ``JAX_COORDINATOR_ADDRESS`` counts as a coordinator). Missing pieces are auto-detected.
+   ``process_id`` (CLI ``--coordinator``, ``--num-processes``, ``--process-id``).
+   ``JAX_COORDINATOR_ADDRESS`` counts as a coordinator. Missing pieces are auto-detected.
 2. **Auto-detection**, through ``jax.distributed.initialize``'s cluster detection:
 
-   - SLURM (``srun``): ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``,
-     ``SLURM_PROCID`` and ``SLURM_LOCALID`` all set. Id ``SLURM_PROCID``, count
-     ``SLURM_NTASKS``; coordinator: the step's first node, port derived from the job id.
-   - Open MPI (``mpirun``): ``OMPI_MCA_orte_hnp_uri`` set. Id ``OMPI_COMM_WORLD_RANK``,
-     count ``OMPI_COMM_WORLD_SIZE``; coordinator: the launcher's address.
-   - Kubernetes Indexed Job: ``KUBERNETES_SERVICE_HOST`` and ``JOB_COMPLETION_INDEX`` set
-     and the ``kubernetes`` package installed (``pip install 'jax[k8s]'``; the pod's
-     service account must read pods and jobs). Id ``JOB_COMPLETION_INDEX``, count the
-     Job's parallelism; coordinator: pod 0 behind the Job's headless service.
+   - SLURM (``srun``): id ``SLURM_PROCID``, count ``SLURM_NTASKS``;
+   - Open MPI (``mpirun``): id ``OMPI_COMM_WORLD_RANK``, count ``OMPI_COMM_WORLD_SIZE``;
+   - Kubernetes Indexed Job: id ``JOB_COMPLETION_INDEX``, count the Job's parallelism
+     (needs the ``kubernetes`` package).
 
-   ``JAX_COORDINATOR_PORT`` overrides the derived port. With one task per node (holmes_jax's
-   model: one process per host, all its devices) every local device stays visible;
-   with one task per GPU jax gives each process its ``SLURM_LOCALID`` /
-   ``OMPI_COMM_WORLD_LOCAL_RANK`` device.
+   The variables that detect each, and where the coordinator is: docs/multihost.md,
+   "Starting a process of a multi-process run". ``JAX_COORDINATOR_PORT`` overrides the
+   derived port. With one task per node every local device stays visible.
 3. Otherwise a single process: nothing is initialised.
 
-Processes are numbered in the topology's host order (island → host): process ``i`` holds
-host ``i``'s devices, which is the order the mesh builder expects.
-
+Processes are numbered in the topology's host order (island → host). Process ``i`` holds
+host ``i``'s devices, the order the mesh builder expects.
 :func:`holmes_jax.cluster.distributed.start` joins with what :func:`resolve` decides.
 No jax import.
 """

@@ -1,41 +1,26 @@
 """Multi-process runs: join the job (``jax.distributed``), and never hang on a dead peer.
 
-Who joins is decided by :func:`holmes_jax.cluster.detect.resolve` (explicit settings,
-or SLURM / Open MPI / Kubernetes detected, else a single process). Processes are numbered
-in the topology's host order (island → host): process ``i`` holds host ``i``'s devices,
-which is the order the mesh builder expects.
+:func:`holmes_jax.cluster.detect.resolve` decides who joins. Process ``i`` holds host
+``i``'s devices, in the topology's island → host order.
 
-**Dead peers.** A :class:`~holmes_jax.cluster.watchdog.Watchdog` thread in every process writes a
-heartbeat counter to the coordination service's key-value store each ``interval`` and
-reads everyone's. A peer whose counter has not moved for
-``distributed.heartbeat_timeout_s`` (and that did not finish) is lost: every remaining
-process prints one line naming it, e.g. ``error: lost peer process 1 (host ib-1): no
-heartbeat for 30 s``, and exits with code 3. A collective whose peer vanished raises at
-once: that process says it is failing, keeps beating and waits up to one timeout for the
-verdict, so a crash that cascades through the collectives is blamed on the process that
-went silent, not on its victims; only with no peer lost does it publish the error as its
-own (the others then exit naming it). If the coordinator (process 0, which holds the
-store) stops answering, it is the lost peer. jax's own heartbeat timeout is
-:func:`backstop_timeout` (3x + 10 s), behind the watchdog.
+- **Dead peers.** A :class:`~holmes_jax.cluster.watchdog.Watchdog` in every process
+  beats through the coordination service's key-value store. A peer silent for
+  ``distributed.heartbeat_timeout_s`` is lost. Every survivor prints one line naming it
+  and exits with code 3. A process whose collective failed waits one timeout for the
+  verdict, so the blame goes to the process that went silent, not to its victims.
+  jax's own heartbeat timeout, :func:`backstop_timeout` (3x + 10 s), stays behind it.
+- **A dead coordinator.** jax's client reacts with ``LOG(FATAL)`` (exit 134).
+  :func:`initialize` gives the client a ``missed_heartbeat_callback`` instead, through a
+  wrapper of jaxlib's module (:class:`_WithCallback`). It calls
+  :meth:`Watchdog.coordinator_lost`: one line, exit 3. jaxlib 0.10 throws
+  ``std::bad_cast`` instead of calling it, so a ``std::set_terminate`` handler
+  (:func:`_on_terminate`) turns exactly that exception into the same call. Where the
+  handler cannot be installed, the callback is not passed and jax's abort remains.
+- **Leaving.** jax's shutdown is a barrier of every process. A process that failed skips
+  it and exits with its code at once (:func:`_leave`). A barrier that fails because a peer
+  is gone ends the process with its watchdog's code, not a traceback.
 
-**A dead coordinator.** When process 0 dies its sockets close, and within a second every
-other process's jax client fails a call to the coordination service. jax's default
-reaction is ``LOG(FATAL)``: a C++ stack trace and exit 134 before the watchdog can speak.
-:func:`initialize` therefore gives the client a ``missed_heartbeat_callback`` (which
-``jax.distributed.initialize`` does not expose: the client is made through a wrapper of
-jaxlib's module, :class:`_WithCallback`) that calls :meth:`Watchdog.coordinator_lost`:
-one line, ``error: lost peer process 0 (host ib-0): the coordination service it held at
-... is gone``, exit 3. jaxlib 0.10 cannot convert the callback's ``absl::Status`` argument
-to Python and throws ``std::bad_cast`` in its thread instead of calling it, which ends in
-``std::terminate``; so a terminate handler (:func:`_on_terminate`, installed through
-libstdc++'s ``std::set_terminate``) makes that one exception call the same function, and
-leaves every other one to the previous handler. Where the handler cannot be installed, the
-callback is not passed and jax's abort remains.
-
-**Leaving.** At exit jax's shutdown is a barrier of every process. A process that failed
-(its watchdog closed with a non-zero code; its peers were told and are ending) skips it
-and exits with its code at once (:func:`_leave`); a barrier that fails otherwise (a peer
-gone) ends the process with its watchdog's code, not with a traceback.
+The full behaviour, with the lines printed: docs/multihost.md, "When a peer dies".
 """
 
 from __future__ import annotations

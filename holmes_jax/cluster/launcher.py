@@ -1,35 +1,27 @@
 """Local multi-process launches: one training process per host of a topology.
 
 The library half of ``python -m holmes_jax.launch`` (:mod:`holmes_jax.launch` parses the
-command line and calls :func:`launch`).
+command line and calls :func:`launch`)::
 
     python -m holmes_jax.launch --mesh meshes/cpu8-two-islands.yaml -- \\
         --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20
-    python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate [--scale 1] -- ...
-    sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
-        --program probe -- --set train.global_batch_size=8 --out runs/probe/emu.json
-    python -m holmes_jax.launch --print-env --mesh meshes/paper-ib-roce-4x8.yaml --host roce-0
-    python -m holmes_jax.launch --cleanup
 
-Starts ``python -m holmes_jax.train <train arguments>`` once per host of the topology, in
-topology order (process ``i`` = host ``i``), each with that host's CPU device count
-(``--cpu-devices``; ``JAX_PLATFORMS=cpu``), its transport profile
-(:mod:`holmes_jax.cluster.transport`) and ``--coordinator/--num-processes/--process-id``.
-Every output line is prefixed with the host name; library chatter (:func:`quiet`: gloo's
-connection reports, jax's echoes of a lost peer) is hidden unless ``--verbose``, and a
-closing line counts it. A ``--mesh`` among the train arguments naming the launcher's file
-(by real path) is dropped; one naming another file is refused. The first process to fail
-ends the launch: the others get ``--grace`` seconds to report (a survivor's watchdog names
-the lost peer) and are then killed; the launcher exits with its code. Ctrl-C or SIGTERM
-is forwarded as SIGTERM (the processes agree on a step, checkpoint and exit 0); a second
-Ctrl-C kills them. ``--program probe`` runs ``python -m holmes_jax.probe`` the same way, so
-the links are measured as training sees them (process 0 writes the profile).
+- Starts ``python -m holmes_jax.train <train arguments>`` once per host, in topology order
+  (process ``i`` = host ``i``). Each gets its host's CPU device count, its transport
+  profile (:mod:`holmes_jax.cluster.transport`) and ``--coordinator/--num-processes/
+  --process-id``. ``--program probe`` runs ``python -m holmes_jax.probe`` the same way.
+- Every output line is prefixed with the host name. Library chatter (:func:`quiet`) is
+  hidden unless ``--verbose``; a closing line counts it.
+- A ``--mesh`` among the train arguments must name the launcher's file (it is dropped).
+- The first process to fail ends the launch. The others get ``--grace`` seconds to report,
+  then are killed; the launcher exits with the first one's code.
+- Ctrl-C or SIGTERM is forwarded as SIGTERM (stop, checkpoint, exit 0). A second Ctrl-C
+  kills.
+- ``--emulate`` (root) runs every host in its own network namespace, shaped with ``tc htb``
+  at its island's rates times ``--scale`` (:mod:`holmes_jax.cluster.netns`). Everything it
+  made is removed on exit; ``--cleanup`` removes what a killed launcher left behind.
 
-``--emulate`` runs every host in its own network namespace, a bridge per island, islands
-joined through a router namespace, every host's NIC shaped with ``tc htb`` at its island's
-rate and the inter-island rates, times ``--scale`` (:mod:`holmes_jax.cluster.netns`). Needs root.
-Namespaces, hosts files and processes are removed on exit, on Ctrl-C and on failure;
-``--cleanup`` removes what a killed launcher left behind. Bad input: one line, exit 2.
+Bad input: one line, exit 2. More: docs/multihost.md, "The local launcher".
 """
 
 from __future__ import annotations

@@ -1,34 +1,27 @@
 """The shape of a model and of a run's parallelism: one home for each fact.
 
-Everything that more than one layer needs to agree on is defined here once:
+Everything that more than one layer must agree on is defined here once:
 
 - the names a config may choose from (:data:`SCHEDULES`, :data:`REMAT_POLICIES`, ...);
-- :class:`ModelSpec`, the model's shape, with its parameter counts (per layer, embedding,
-  head, total) and the number of parameter leaves the trainer reduces one by one;
-- the FLOP counts (notation of ``docs/design.md``: L layers, hidden h, seq s, vocab V,
-  mlp width f, b sequences; k = num_kv_heads·head_dim the key/value width, k = h without
-  grouped-query attention; m = 2 MLP matmuls for GPT-2's GELU MLP, 3 for Llama's SwiGLU):
+- :class:`ModelSpec`, the model's shape, with its parameter counts and the number of
+  parameter leaves the trainer reduces one by one;
+- the FLOP counts (L layers, hidden h, seq s, vocab V, MLP width f, b sequences, k the
+  key/value width, m = 2 MLP matmuls for GELU, 3 for SwiGLU):
 
-  - one layer forward ``2·b·s·(2h² + 2h·k) + 2·m·b·s·h·f + 4·b·s²·h`` (q and output
-    projections, k and v projections, the MLP; q·kᵀ and A·V over the full, not
-    causal-halved, square); for GPT-2 (k = h, m = 2, f = r·h) ``2(4 + 2r)·b·s·h² + 4·b·s²·h``;
+  - one layer forward ``2·b·s·(2h² + 2h·k) + 2·m·b·s·h·f + 4·b·s²·h``, attention over the
+    full square; for GPT-2 (k = h, m = 2, f = r·h) ``2(4 + 2r)·b·s·h² + 4·b·s²·h``;
   - LM head forward ``2·b·s·h·V``; backward = 2x forward;
-  - remat ``full`` reruns a forward per layer, ``selective`` the scores q·kᵀ
-    (``2·b·s²·h`` per layer);
+  - remat ``full`` reruns a forward per layer, ``selective`` the scores (``2·b·s²·h``);
 
-  used by the planner (:mod:`holmes_jax.planner.pricing`), the trainer's throughput and MFU
-  (:func:`flops_per_token`) and the fidelity check (:func:`megatron_flops`);
-- :class:`Degrees` (replica x stages x data x tensor), the one parallel-degrees type, and
-  :class:`Layout`, degrees plus the pipeline's micro-batches and schedule;
+- :class:`Degrees` (replica x stages x data x tensor) and :class:`Layout`, degrees plus
+  micro-batches and schedule;
 - the limits (:class:`Bound`): an upper bound on every number that sizes a loop or an
-  allocation in the loaders and the planner, generous beyond any real cluster or model, so
-  that a typo (``hosts: 1000000000000``) is a one-line error instead of a process that
-  allocates until it dies. Each bound lives here once; ``docs/configuration.md`` is
-  generated from :data:`CONFIG_LIMITS`, and the topology schema
-  (:mod:`holmes_jax.planner.topology`) quotes the others;
+  allocation, so a typo (``hosts: 1000000000000``) is a one-line error, not an endless
+  allocation. ``docs/configuration.md`` is generated from :data:`CONFIG_LIMITS`;
 - the batch rule (:func:`check_batch`).
 
-Plain Python; no jax import.
+The planner, the trainer's MFU (:func:`flops_per_token`) and the fidelity check
+(:func:`megatron_flops`) share these counts. Plain Python; no jax import.
 """
 
 from __future__ import annotations

@@ -1,38 +1,30 @@
 """Per-device peak memory of one training step, priced the way the engine allocates it.
 
-Pure Python (no jax): the planner uses it to pick a remat policy and microbatch size that
-fit, and the trainer to refuse a plan that will not fit before anything compiles. It is
-checked against XLA's compiled memory analysis (``scripts/bench_memory.py``,
-``tests/test_memory.py``).
+The planner uses it to pick a remat policy and micro-batch size that fit; the trainer, to
+refuse a plan that will not fit before anything compiles. ``scripts/bench_memory.py`` and
+``tests/test_memory.py`` check it against XLA's compiled memory analysis.
 
-Notation: b sequences per microbatch, s sequence length, h hidden, f MLP width, a heads,
-k the key/value width (num_kv_heads x head_dim; k = h without grouped-query attention),
-V vocabulary, t tensor degree, d data degree, n layer slots per device, K residual sets
-the schedule keeps (1F1B: min(S, M), GPipe: M), β bytes of the compute dtype. The arch
-(``gpt2`` or ``llama``) enters through the parameter counts of
-:class:`~holmes_jax.core.spec.ModelSpec` and the per-layer residuals.
+Notation: b sequences per micro-batch, s sequence, h hidden, f MLP width, a heads, k the
+key/value width (num_kv_heads x head_dim), V vocabulary, t tensor, d data,
+n = max(layers_per_stage) layer slots per device, K residual sets kept (1F1B: min(S, M),
+GPipe: M), β bytes of the compute dtype.
+Every device holds its n slots (padded) and a copy of the embedding and of the head:
 
-Every device of a pipeline holds the same arrays (:mod:`holmes_jax.runtime.pipeline`): its stage's
-``n = max(layers_per_stage)`` layer slots (padded), a copy of the embedding and of the
-head. Per device:
+- **state** (donated): parameters ``P·β``; AdamW moments ``8·P/d`` (ZeRO-1); under bf16
+  the fp32 master ``4·P/d``.
+- **tick loop** (alive through the pipeline): fp32 gradient accumulators ``4·P``; reduced
+  block gradients ``4·P_blocks/d``; residuals ``K·n·R``, R a layer's residual bytes under
+  the remat policy (:func:`layer_residual_bytes`; interleaved: K sets of n/v layers);
+  inboxes, sends and head cotangents ``(6 + K)·b·s·h·β``;
+  under ``zb`` the stash the residual slot cannot hold, ``min(S, M)·n`` times
+  :func:`zb_stash_bytes`.
+- **working set** of the largest single op: a layer's backward (its recompute, its fp32
+  weight gradient, with XLA attention the ``[b, a/t, s, s]`` fp32 scores) or the head
+  (fp32 logits over ``V/t`` and their gradient).
+- **update** (after the loop): gradients, clipped gradients and AdamW updates on the 1/d
+  shards, beside the state.
 
-- **state** (arguments, donated into the outputs): parameters ``P·β``; AdamW moments
-  ``8·P/d`` (ZeRO-1 shards them over data); the fp32 master copy ``4·P/d`` under bf16.
-- **tick loop** (temporaries, alive through the whole pipeline):
-  fp32 gradient accumulators ``4·P``; the reduced block gradients ``4·P_blocks/d``;
-  residual buffers ``K·n·R`` with R a layer's residual bytes under the remat policy
-  (:func:`layer_residual_bytes`; interleaved: K chunk sets of n/v layers); activation
-  buffers ``(6 + K)·b·s·h·β`` (inbox, sends, receives, head cotangents); under ``zb``
-  the stash of deferred weight gradients where the residual slot's B-only leaves cannot
-  hold it, ``min(S, M)·n`` times :func:`zb_stash_bytes` (0 under ``remat: none``).
-- **working set** of the largest single op on top of the loop: a layer's backward
-  (what it recomputes, its fp32 weight gradient, and with XLA attention the
-  ``[b, a/t, s, s]`` fp32 scores, probabilities and their gradients) or the head (fp32
-  logits over ``V/t`` and their gradient).
-- **update** (after the loop): gradients, clipped gradients and AdamW updates on the
-  1/d shards, beside the state.
-
-Peak = state + max(tick loop + working set, update).
+Peak = state + max(tick loop + working set, update). Pure Python (no jax).
 """
 
 from __future__ import annotations

@@ -13,21 +13,15 @@ Pure Python; no jax import.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
 
-from holmes_jax.core.config import check_devices
+from holmes_jax.core.config import Config, check_devices
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, Degrees, ModelSpec
-from holmes_jax.planner.cost import (
-    Prediction,
-    RunSpec,
-    memory_inputs,
-    predict,
-    stage_costs,
-    with_lockstep,
-)
+from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, Degrees, Layout, ModelSpec
+from holmes_jax.planner.cost import Prediction, predict, with_lockstep
 from holmes_jax.planner.memory import MemoryInputs
 from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
+from holmes_jax.planner.pricing import RunSpec, memory_inputs, stage_costs
 from holmes_jax.planner.search import (
     METHODS,
     Plan,
@@ -41,7 +35,7 @@ from holmes_jax.planner.topology import Topology, single_host_topology
 _BYTES = {"fp32": (4, 4, 4, 8), "bf16": (2, 2, 4, 12)}  # act, param, grad, optimizer
 
 
-def specs_from_config(cfg: Any, attention: str = "xla") -> tuple[ModelSpec, RunSpec]:
+def specs_from_config(cfg: Config, attention: str = "xla") -> tuple[ModelSpec, RunSpec]:
     """The cost model's view of a :class:`holmes_jax.core.config.Config`.
 
     Precision sets the byte sizes (fp32: 4-byte everything, Adam m and v; bf16: 2-byte
@@ -68,7 +62,7 @@ def specs_from_config(cfg: Any, attention: str = "xla") -> tuple[ModelSpec, RunS
     return model, run
 
 
-def memory_inputs_from_config(cfg: Any, data: int, attention: str = "xla") -> MemoryInputs:
+def memory_inputs_from_config(cfg: Config, data: int, attention: str = "xla") -> MemoryInputs:
     """The memory model's inputs for ``cfg`` at data-parallel degree ``data``.
 
     Raises:
@@ -82,7 +76,7 @@ def memory_inputs_from_config(cfg: Any, data: int, attention: str = "xla") -> Me
 
 
 def make_plan(
-    cfg: Any,
+    cfg: Config,
     topology: Topology,
     method: str = "optimal",
     calibration: Calibration | None = None,
@@ -133,7 +127,7 @@ def plan_overrides(plan: Plan) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def run_overrides(cfg: Any, topology: Topology, plan: Plan) -> list[str]:
+def run_overrides(cfg: Config, topology: Topology, plan: Plan) -> list[str]:
     """The :func:`plan_overrides` that change what ``cfg`` runs on ``topology``.
 
     An override is left out when the trainer resolves the config's own value to the same
@@ -153,7 +147,9 @@ def run_overrides(cfg: Any, topology: Topology, plan: Plan) -> list[str]:
     return [f"{k}={v}" for k, v in wanted.items() if have[k] != v]
 
 
-def _run_values(layout: Any, layers_per_stage: Any, remat: str, islands: bool) -> dict[str, str]:
+def _run_values(
+    layout: Layout, layers_per_stage: Sequence[int], remat: str, islands: bool
+) -> dict[str, str]:
     """The config keys (as ``--set`` writes their values) that fix what the trainer runs."""
     split = ",".join(str(n) for n in layers_per_stage)
     return {
@@ -170,7 +166,7 @@ def _run_values(layout: Any, layers_per_stage: Any, remat: str, islands: bool) -
     }
 
 
-def plan_config(cfg: Any, plan: Plan) -> Any:
+def plan_config(cfg: Config, plan: Plan) -> Config:
     """``cfg`` set to run ``plan``: the values :func:`plan_overrides` gives on the command
     line (a plan's placement respects the islands)."""
     lay = plan.layout
@@ -206,7 +202,7 @@ def topology_blocks(topology: Topology) -> bool:
 
 
 def as_trained(
-    cfg: Any,
+    cfg: Config,
     topology: Topology,
     plan: Plan,
     calibration: Calibration | None = None,
@@ -267,7 +263,7 @@ def schedule_alternatives(
     return out
 
 
-def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
+def resolve_auto(cfg: Config, shape: Degrees, topology: Topology | None) -> Config:
     """Resolve what the config leaves to the planner, for the trainer.
 
     - ``model.remat: auto``: the fastest activation policy that fits under the config's
@@ -279,7 +275,7 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
 
     Args:
       cfg: a :class:`holmes_jax.core.config.Config`.
-      shape: the resolved :class:`holmes_jax.core.config.Degrees`.
+      shape: the resolved :class:`holmes_jax.core.spec.Degrees`.
       topology: the cluster, or None.
 
     Returns:
@@ -322,7 +318,7 @@ def resolve_auto(cfg: Any, shape: Any, topology: Topology | None) -> Any:
     )
 
 
-def _resolve_schedule(cfg: Any, shape: Any, topology: Topology | None) -> Any:
+def _resolve_schedule(cfg: Config, shape: Degrees, topology: Topology | None) -> Config:
     """``parallel.schedule: auto``: the fastest schedule that fits on the config's degrees
     and micro-batches (:func:`schedule_alternatives`: its v and exact split come with it).
     One stage has no pipeline: gpipe (the plain micro-batched step)."""
@@ -362,7 +358,7 @@ def _resolve_schedule(cfg: Any, shape: Any, topology: Topology | None) -> Any:
 
 
 def predict_config(
-    cfg: Any,
+    cfg: Config,
     topology: Topology,
     calibration: Calibration | None = None,
     *,
@@ -383,7 +379,7 @@ def predict_config(
       topology: the cluster (links possibly replaced by a profile).
       calibration: device speed (e.g. from a profile).
       sync_collectives: collectives block the device (CPU runtimes such as gloo; see
-        :class:`holmes_jax.planner.cost.RunSpec`): the reductions are priced that way, and
+        :class:`holmes_jax.planner.pricing.RunSpec`): the reductions are priced that way, and
         the pipeline by running the schedule's ticks in lockstep
         (:func:`holmes_jax.planner.cost.lockstep_pipeline`) instead of the closed form
         the split searches use.
@@ -408,7 +404,7 @@ def predict_config(
 
 
 def alternatives(
-    cfg: Any, topology: Topology, plan: Plan, calibration: Calibration | None = None
+    cfg: Config, topology: Topology, plan: Plan, calibration: Calibration | None = None
 ) -> dict[str, Plan | None]:
     """The uniform, holmes and optimal splits of the plan's placement and activation
     policy (None: no fit)."""

@@ -1,47 +1,21 @@
 """Measured profiles: device speed and link figures that override a topology's numbers.
 
 Analytic peak-FLOPs models are tens of percent off; a short measurement on the real
-devices lands within a few percent. ``python -m holmes_jax.probe --mesh M`` times one
-layer's forward and backward and the collectives along each mesh axis and writes a JSON
-profile; ``python -m holmes_jax.plan --profile P`` reads it. Schema (version 1; every key
-is checked, unknown keys are errors)::
+devices lands within a few percent. ``python -m holmes_jax.probe --mesh M`` times a stage
+of layers and the collectives along each mesh axis and writes a JSON profile.
+``python -m holmes_jax.plan --profile P`` reads it. The file is loaded strictly (version 1;
+an unknown key is an error). The schema and the bounds: docs/planner.md, "Profiles".
 
-    {
-      "version": 1,
-      "topology": "cpu8-two-islands",          # optional: must match the --mesh name
-      "measured_with": {                        # the layer shape that was timed
-        "hidden_size": 128, "seq_len": 128, "num_heads": 4, "mlp_ratio": 4,
-        "microbatch_size": 1, "tensor": 1,
-        "act_bytes": 4,                         # optional: bytes per activation (default 2)
-        "arch": "llama", "num_kv_heads": 2,     # optional: a llama layer (default gpt2,
-        "mlp_size": 344                         #   kv heads = heads, mlp = ratio x hidden)
-      },
-      "compute": {                              # optional, per island (any subset)
-        "<island>": {"layer_fwd_s": 0.004, "layer_bwd_s": 0.008}
-      },
-      "links": {                                # optional, same units as the topology
-        "tensor": {"bandwidth_gbps": 80, "latency_us": 8},      # -> intra_host (per device)
-        "data:<island>": {"bandwidth_gbps": 20, "latency_us": 15},  # -> island NIC (per host)
-        "data:<island>:reduce-scatter": {...},  # optional: ZeRO-1's own collectives, in
-        "data:<island>:all-gather": {...},      #   the cost model's ring terms
-        "stage": {"bandwidth_gbps": 0.9, "latency_us": 250},        # -> inter_island default
-        "stage:<a>:<b>": {"bandwidth_gbps": 2, "latency_us": 90}    # -> that pair
-      }
-    }
+- Compute: the measured times become the island's achieved FLOP/s, net of the cost
+  model's memory-bound element-wise term. The model then reproduces the measured layer
+  exactly and scales to other shapes by FLOPs.
+- Links: a probe measuring per-ring bus bandwidth on an axis multiplies by the number of
+  rings that shared the host NIC. ``tensor`` is per device and needs no conversion.
+- A runtime may run a reduce-scatter or all-gather at nearly a whole all-reduce's cost
+  (gloo on CPUs). The ``:reduce-scatter`` and ``:all-gather`` links then price ZeRO-1's
+  collectives.
 
-Compute: the measured times become the island's achieved FLOP/s, net of the cost model's
-memory-bound element-wise term, so the model reproduces the measured layer exactly and
-scales to other shapes by FLOPs. Links: a probe measuring per-ring bus bandwidth on an
-axis multiplies by the number of rings that shared the host NIC (``tensor`` needs no
-conversion: it is per device). A runtime may not run a reduce-scatter or all-gather as
-half an all-reduce (gloo on CPUs takes nearly a whole one): the ``:reduce-scatter`` and
-``:all-gather`` links then price ZeRO-1's collectives.
-
-Bounds (one home: :mod:`holmes_jax.core.spec`): the file is at most 16777216 bytes; the
-``measured_with`` shape obeys the model's bounds (hidden <= 262144, heads <= 16384, seq <=
-16777216, mlp_ratio <= 64, microbatch_size <= 1048576 sequences, tensor <= 1024 devices,
-act_bytes <= 8); layer times are in [1e-12, 1e+06] s; links obey the topology's bounds.
-Pure Python; no jax import.
+Bounds have one home, :mod:`holmes_jax.core.spec`. Pure Python; no jax import.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, resolve_grad_buckets
@@ -30,12 +30,15 @@ from holmes_jax.planner.search import Plan
 from holmes_jax.planner.strategy import StrategyChoice
 from holmes_jax.planner.topology import Topology
 
+if TYPE_CHECKING:
+    from holmes_jax.core.config import Config
+
 
 def plan_json(
     plan: Plan,
     topology: Topology,
     alts: dict[str, Plan | None],
-    cfg: Any,
+    cfg: Config,
     choice: StrategyChoice | None = None,
     *,
     kept: bool = False,
@@ -78,7 +81,7 @@ def format_plan(
     plan: Plan,
     topology: Topology,
     alts: dict[str, Plan | None],
-    cfg: Any,
+    cfg: Config,
     choice: StrategyChoice | None = None,
     *,
     kept: bool = False,
@@ -155,7 +158,7 @@ def format_plan(
 
 
 def format_run_plan(
-    cfg: Any,
+    cfg: Config,
     shape: Degrees,
     topology: Topology,
     prediction: Prediction,
@@ -224,7 +227,7 @@ def run_command(command: str, overrides: Sequence[str]) -> str:
 
 
 def format_preference(
-    cfg: Any, topology: Topology, step_s: float, *, sync_collectives: bool
+    cfg: Config, topology: Topology, step_s: float, *, sync_collectives: bool
 ) -> list[str]:
     """A line for the trainer's log when the planner's own plan is predicted faster.
 

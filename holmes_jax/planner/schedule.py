@@ -1,44 +1,34 @@
 """Pipeline schedules as tables: for every tick and stage, which op on which micro-batch.
 
-Pure NumPy (no jax). The pipeline engine (:mod:`holmes_jax.runtime.pipeline`) runs one SPMD
-tick loop for every schedule and only looks up these tables; the planner prices the same
-tables (exact bubble fractions, buffer depths). One tick is at most one op per stage:
+The engine (:mod:`holmes_jax.runtime.pipeline`) runs one tick loop for every schedule and
+only looks up these tables; the planner prices the same tables. One tick is at most one
+op per stage:
 
 - ``IDLE``: nothing (a bubble; control flow skips it);
-- ``FWD``: forward of micro-batch ``mb`` through chunk ``chunk`` of the stage, residuals kept
-  in residual slot ``slot``;
-- ``BWD``: backward from those residuals. Under ``zb`` only the input-gradient part (the
-  critical path); its weight-gradient half is stashed in stash slot ``wslot``;
-- ``WGT`` (``zb`` only): the deferred weight-gradient part from residual slot ``slot`` and
-  stash slot ``wslot``; frees both.
+- ``FWD``: micro-batch ``mb`` through chunk ``chunk``, residuals kept in slot ``slot``;
+- ``BWD``: backward from those residuals; under ``zb`` only the input gradient, with the
+  weight-gradient half stashed in slot ``wslot``;
+- ``WGT`` (``zb`` only): the deferred weight gradient from ``slot`` and ``wslot``; frees both.
 
-Virtual stages. With ``v`` chunks per device (``interleaved``), chunk c of stage s is virtual
-stage ``c·S + s``; a micro-batch visits virtual stages 0, 1, ..., vS−1, so stage S−1 hands
-chunk c's output to stage 0's chunk c+1 (the ring wrap). Other schedules have v = 1.
-
-Traffic. A value produced at tick t is sent at the end of tick t to the device that runs the
-next (forward) or previous (backward) virtual stage and lands in that device's inbox slot
-(``xarr`` / ``garr``), to be read by the op that needs it (``xin`` / ``gin``). Nothing is sent
-on a tick that has nothing to send: ``fwd_pairs[t]`` / ``bwd_pairs[t]`` list exactly the
-(source, target) stage pairs of tick t, so each micro-batch crosses each virtual-stage
-boundary once forward and once backward.
+With v chunks per device (``interleaved``), chunk c of stage s is virtual stage ``c·S + s``;
+stage S−1 hands chunk c's output to stage 0's chunk c+1 (the ring wrap).
+A value made at tick t is sent at the end of tick t and lands in the receiver's inbox slot
+(``xarr`` / ``garr``). ``fwd_pairs[t]`` / ``bwd_pairs[t]`` list exactly the stage pairs
+that send at tick t, so each micro-batch crosses each boundary once each way.
 
 Schedules (S stages, M micro-batches):
 
 - ``gpipe``: every forward, then every backward; M residual sets per stage.
-- ``1f1b`` (PipeDream-flush): stage s runs min(S − s, M) warm-up forwards, then alternates one
-  backward and one forward, then drains; at most S − s residual sets on stage s.
-- ``interleaved`` (Narayanan et al. 2021, Megatron-LM's order): v chunks per device; forwards
-  visit micro-batches in groups of g = min(S, M) (M a multiple of g), chunk by chunk; stage s
-  runs min(vM, 2(S − s − 1) + (v − 1)g) warm-up forwards, then one forward and one backward
-  per step, then drains. The bubble shrinks about v-fold.
-- ``zb`` (ZB-H1, Qi et al. 2023): 1F1B's order of forwards and backwards, the backward split
-  in B (input gradient, the critical path) and W (weight gradient); stage s defers up to s
-  W's into what would be bubbles (:func:`_zb_ticks`). In-flight micro-batches stay <= S per
-  stage (1F1B's peak); with F = B = W the bubble is a third of 1F1B's.
+- ``1f1b`` (PipeDream-flush): stage s runs min(S − s, M) warm-up forwards, then one
+  backward and one forward alternately, then drains; at most S − s residual sets on stage s.
+- ``interleaved`` (Narayanan et al. 2021): forwards visit micro-batches in groups of
+  g = min(S, M) (M a multiple of g), chunk by chunk. Stage s runs
+  min(vM, 2(S − s − 1) + (v − 1)g) warm-up forwards. The bubble shrinks about v-fold.
+- ``zb`` (ZB-H1, Qi et al. 2023): 1F1B's order, the backward split in B and W. Stage s
+  defers up to s W's into bubbles (:func:`_zb_ticks`); at most S micro-batches in flight.
+  With F = B = W the bubble is a third of 1F1B's.
 
-Ticks are a schedule's order, not its timing: the engine runs ops back to back, and the
-planner (:mod:`holmes_jax.planner.cost`) prices each op with its own duration.
+Ticks are an order, not a timing; :mod:`holmes_jax.planner.cost` prices each op. Pure NumPy.
 """
 
 from __future__ import annotations

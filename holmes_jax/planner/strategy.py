@@ -1,18 +1,15 @@
 """The cross-island strategy: pipeline, hierarchical data parallel or DiLoCo, priced side by side.
 
-Three ways to span islands:
-
 - ``pipeline``: the stage axis spans the islands (``replica = 1``); activations cross.
-- ``hierarchical``: one pipeline copy per island (``replica = R``, R islands of equal
-  size); each step the ZeRO-1 gradient shards are all-reduced across islands.
-- ``diloco``: the best plan inside one island, one replica per island; each island takes
-  ``H = diloco.inner_steps`` steps alone, then the replicas average their parameter deltas.
+- ``hierarchical``: one pipeline copy per equal island (``replica = R``); each step the
+  ZeRO-1 gradient shards are all-reduced across islands.
+- ``diloco``: one replica per island, each taking ``H = diloco.inner_steps`` steps alone;
+  then the replicas average their parameter deltas.
 
-DiLoCo's step time, for inner step ``t`` (the best plan with one copy per island, each on
-``B / R`` of the global batch ``B``, the slowest island setting the pace, the cross-island
-gradient ring priced free), ``P`` parameters and ``β`` bytes per element of
-``diloco.outer_dtype`` (fp32 4, bf16 2, int8 1: the runtime adds one fp32 scale per tensor
-and replica, which the price leaves out)::
+DiLoCo's inner step ``t`` is the best plan with one copy per island on ``B / R`` of the
+batch, the cross-island ring priced free. With ``P`` parameters, ``β`` bytes of
+``diloco.outer_dtype`` (4, 2, 1; int8's per-tensor scales are left out), ``bw``/``lat``
+the slowest inter-island link (per host) and ``h`` hosts of the smallest island::
 
     T_outer = 2(R-1)/R · P·β / (h · bw) + 2(R-1) · lat     # one outer all-reduce
     step    = t + T_outer · n                                # every outer sync blocks
@@ -20,18 +17,13 @@ and replica, which the price leaves out)::
     cross-island bytes per step (per replica) = 2(R-1)/R · P·β · n
     peak bytes of one sync = 2(R-1)/R · P·β / F              # F fragments, F syncs per H
 
-``n`` is ``1/H`` without warm-up; ``diloco.warmup_steps`` = K adds a full sync after each
-of the first K of the run's N = ``train.steps`` steps (K ≥ N: every step).
+K = ``diloco.warmup_steps`` full syncs start the run of N = ``train.steps`` steps
+(K ≥ N: every step); without warm-up n = 1/H. Fragments cut the peak volume and the
+longest pause F-fold, not the total.
 
-Fragments (streaming DiLoCo) spread the same bytes over F syncs on different steps: the
-peak volume and the longest pause drop F-fold, the total per H steps does not. Each
-fragment's sync blocks the next inner step, which needs the fragment's new parameters.
-
-``bw``/``lat``: the slowest inter-island link (per host), ``h``: hosts of the smallest
-island (each host carries its share of the shards). ``enabled: false`` picks the faster of
-pipeline and hierarchical; ``true`` DiLoCo; ``auto`` DiLoCo only when
-``best synchronous step / DiLoCo step >= diloco.auto_min_speedup`` (DiLoCo changes the
-optimisation, so it must win clearly). Pure Python; no jax import.
+``enabled: false`` picks the faster of pipeline and hierarchical, ``true`` DiLoCo, ``auto``
+DiLoCo only when ``best synchronous step / DiLoCo step >= diloco.auto_min_speedup``.
+DiLoCo changes the optimisation, so it must win clearly. Pure Python; no jax import.
 """
 
 from __future__ import annotations

@@ -1,50 +1,26 @@
 """Physical topology of a cluster: islands of hosts, their NICs and the links between them.
 
-An **island** is a group of hosts on one RDMA fabric (InfiniBand or RoCE) or, at worst,
-plain Ethernet. Inside a host devices talk over the intra-host link (NVLink, or shared
-memory for simulated CPU devices); between islands only the inter-island link exists
-(usually slow Ethernet/TCP). A topology is described by a YAML file in ``meshes/`` and
-loaded strictly by :func:`load_topology`: an unknown key, a wrong type or an impossible
-value raises :class:`~holmes_jax.core.errors.ConfigError` with a one-line message naming the
-file, the key, the value and the rule.
+An **island** is a group of hosts on one RDMA fabric (InfiniBand or RoCE) or plain
+Ethernet. Inside a host, devices talk over the intra-host link (NVLink, or shared memory
+for simulated CPU devices). Between islands only the inter-island link exists, usually
+slow Ethernet.
 
 Bandwidth conventions (what the cost model assumes):
 
 - ``intra_host``: per-device bandwidth to the other devices of its host.
-- ``islands[i].link``: per-host NIC bandwidth inside the island (all NICs of a host
-  together, e.g. 4 x 200 Gbit/s HDR = 800).
+- ``islands[i].link``: per-host NIC bandwidth inside the island, all NICs of a host
+  together (4 x 200 Gbit/s HDR = 800).
 - ``inter_island``: per-host bandwidth of the path between two islands.
 
-Devices are numbered island → host → device; :meth:`Topology.device_places` gives that
-order, which the mesh builder and the planner both follow. Plain Python: no jax import.
+Devices are numbered island → host → device. :meth:`Topology.device_places` gives that
+order, which the mesh builder and the planner both follow.
 
-Schema (every key is checked; optional keys marked). Counts and figures have bounds far
-beyond any real cluster (one home: :mod:`holmes_jax.core.spec`), checked before anything
-is built from them, so a typo is a one-line error, not an allocation without end::
-
-    name: str
-    description: str                     # optional, may span lines
-    intra_host: {bandwidth_gbps: float, latency_us: float}
-    inter_island:                        # required when there is more than one island
-      default: {bandwidth_gbps: float, latency_us: float}
-      overrides:                         # optional
-        - {between: [island_a, island_b], bandwidth_gbps: float, latency_us: float}
-    islands:                             # <= 256 islands; <= 1048576 devices in all
-      - name: str
-        nic: infiniband | roce | ethernet
-        link: {bandwidth_gbps: float, latency_us: float}
-        hosts: [str, ...] | int          # names, or a count (named <island>-<i>); <= 100000
-        devices_per_host: int            # <= 1024
-        device_kind: str
-        peak_tflops: float               # per device, dense 16-bit (or fp32 on CPU); <= 1e+09
-        memory_gb: float                 # per device, 1e9 bytes; <= 1e+09
-        memory_bandwidth_gbs: float      # optional, per device GB/s (optimizer step); <= 1e+09
-        hcas: [str, ...]                 # optional, infiniband/roce only (NCCL_IB_HCA)
-        gid_index: int                   # optional, roce only (NCCL_IB_GID_INDEX); <= 65535
-        interface: str                   # optional (NCCL_SOCKET_IFNAME)
-
-Every ``bandwidth_gbps`` is <= 1e+09 (and >= 1e-06), every ``latency_us`` <= 1e+09;
-strings are one printable line (``description`` excepted).
+A topology is a YAML file in ``meshes/``, loaded strictly by :func:`load_topology`. An
+unknown key, a wrong type or an impossible value is a one-line
+:class:`~holmes_jax.core.errors.ConfigError` naming the file, the key, the value and the
+rule. Counts and figures are bounded (one home: :mod:`holmes_jax.core.spec`) and checked
+before anything is built from them. The schema and the bounds: docs/planner.md, "Topology
+files". Plain Python: no jax import.
 """
 
 from __future__ import annotations

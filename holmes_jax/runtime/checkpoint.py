@@ -1,82 +1,27 @@
 """Orbax checkpoints: asynchronous, keep-last-N, resumed from the newest usable one.
 
-A checkpoint at step k is a directory ``<checkpoint.dir>/<k>/`` holding two items:
+A checkpoint at step k is a directory ``<checkpoint.dir>/<k>/`` with two items:
 
-- ``state``: the train state in its *logical* (mesh-independent) layout: parameters with
-  blocks stacked ``[L, ...]``, the optimizer state mirroring them, and the step. Orbax
-  writes each process's own shards and restores into whatever shardings the new run asks
-  for, so a run may resume on another mesh.
-- ``meta``: JSON (``meta/metadata``) with the step, the data position (the number of
-  batches consumed; batches are a pure function of (seed, step)), and the full config.
+- ``state``: the train state in its logical, mesh-independent layout. Blocks are stacked
+  ``[L, ...]`` and the optimizer state mirrors the parameters. It restores into any
+  shardings, so a run may resume on another mesh.
+- ``meta``: JSON (``meta/metadata``) with the step, the data position and the full config.
 
-Saves are asynchronous: ``save`` returns once the arrays are copied off the devices and
-the write continues in the background; :meth:`Checkpointer.close` waits for it.
+:meth:`Checkpointer.save` returns once the arrays are copied off the devices. The write
+goes on in the background; :meth:`Checkpointer.close` waits for it.
 
-Resuming past a damaged checkpoint (:meth:`Checkpointer.restore`)
-------------------------------------------------------------------
+:meth:`Checkpointer.restore` reads the newest step in full. A step that fails to read is
+renamed ``<k>.corrupt``, named in one warning line, and the next older step is tried.
+No usable step is a one-line :class:`ConfigError` that changes nothing on disk. An empty or
+missing directory returns None. A checkpoint of another model shape is a ConfigError at once.
+With several processes a step is used only if every process read it.
 
-Restoring step k reads it in full: ``meta`` (and its model shape is checked), then every
-array of ``state``. A read that fails (a file truncated or deleted by a crash, a full
-disk or a bad copy: invalid JSON, a missing ``_METADATA`` or manifest, a short array
-file) makes k *unusable*, and restore tries the next older step. Once one succeeds:
+:func:`save_params` writes a parameters-only checkpoint (``meta.params_only``, step 0), as
+``python -m holmes_jax.hf import`` does. It cannot be resumed; ``checkpoint.init_from``
+starts a run from it. :func:`read_params` reads the parameters alone from either kind.
 
-- every unusable newer step is renamed ``<dir>/<k>.corrupt`` (``.corrupt-2``, ... when
-  taken): kept for inspection, never deleted. Orbax only counts integer names as steps,
-  so the renamed one neither counts towards ``checkpoint.keep`` nor collides with the
-  re-save of step k; later saves and keep-last-N go on as before;
-- one warning line per unusable step goes to stderr: the step, what was wrong (the
-  error folded to one line, naming the item and the array, file or JSON position), where
-  it was kept, and the step the run resumes from. Only the steps after that one are lost,
-  and recomputing them reproduces them exactly (batches depend on (seed, step) only).
-
-A save interrupted mid-write never becomes a step at all: orbax writes into
-``<k>.orbax-checkpoint-tmp-*`` and renames on commit. Such a leftover newer than the
-restored step gets a one-line note too (it is left where it is, untouched).
-
-When no checkpoint is usable, restore raises a one-line :class:`ConfigError` naming the
-directory and each step's error, and changes nothing on disk. It does not start from
-scratch, because what a user with a checkpoint directory expects is their run back, not a
-new one: (1) all of several checkpoints unreadable at once is rarely bit rot; it is a
-wrong or half-mounted directory, a filesystem outage or a changed state layout, which a
-person must look at before compute is spent; (2) a fresh run there would throw away all
-the training those checkpoints hold, and its own saves would then collide with the old
-step numbers (orbax refuses to overwrite a step) or be pruned by keep-last-N in favour
-of the higher-numbered unreadable ones. An empty or missing directory is the normal first
-start: restore returns None and the run starts fresh.
-
-A checkpoint written for another model shape is a ConfigError at once, never a fallback:
-every older step in the same directory would be the same mistake.
-
-Parameters only: imports and ``checkpoint.init_from``
-------------------------------------------------------
-
-:func:`save_params` writes the same layout with ``state`` holding only ``{step, params}``
-and ``meta`` marked ``params_only`` (what ``python -m holmes_jax.hf import`` writes: step
-0). Such a checkpoint cannot be resumed (there is no optimizer state; restore says so in
-one line); a run starts from it with ``checkpoint.init_from``. :func:`read_params` reads
-the parameters alone from either kind, a run's checkpoint included (its fp32 ``master``
-when it has one), restoring only those arrays (orbax's partial restore): into given
-shardings and dtype (:func:`init_state_from`, which adds a fresh optimizer state at step 0
-and converts to the program's layout), or into host numpy arrays (the export). Shapes are
-checked against the stored metadata first: a leaf that is missing, extra or of another
-shape is a one-line error naming it and the model keys in which the two configs differ.
-
-Several processes
------------------
-
-The directory must be shared, but each process reads only its own shards, so one process
-can fail on a step that another reads without error. The decision cannot diverge:
-
-1. agree on the candidate: the newest step below the last one tried that any process
-   lists (an all-gather of one integer);
-2. every process reads it with orbax's item handlers directly; they hold no barrier
-   (``CheckpointManager.restore`` ends in one), so a process that fails never leaves the
-   others waiting inside orbax;
-3. all-gather every process's outcome: the step is used only if all read it.
-
-Process 0 alone renames the unusable steps and prints the summary (a process whose own
-read failed when process 0's did not prints its own error); a barrier, then every process
-reloads its list of steps.
+Why restore never falls back to a fresh run, and how processes agree on a step:
+docs/design.md, "Checkpoints".
 """
 
 from __future__ import annotations

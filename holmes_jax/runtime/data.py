@@ -11,9 +11,9 @@ Three sources, chosen by ``data.source``:
   nothing else), opened with ``np.memmap`` and never read whole into memory; eval is its
   last ``eval_fraction`` of tokens. ``python -m holmes_jax.data prepare`` writes one from
   a Hugging Face tokenizer (:mod:`holmes_jax.runtime.prepare`), with a sidecar
-  ``<file>.json`` whose ``dtype`` must then equal ``data.token_dtype`` (a uint32 file read
-  as uint16 would pass every other check); a file without a sidecar is read as
-  ``data.token_dtype`` says.
+  ``<file>.json``. The sidecar's ``dtype`` must equal ``data.token_dtype``, because a
+  uint32 file read as uint16 passes every other check. A file without a sidecar is read as
+  ``data.token_dtype``.
 
 Multi-file sources are split *by file*, so eval text is never seen in training: files are
 ranked by the CRC-32 of their relative path and the lowest-ranked go to eval until they
@@ -45,6 +45,8 @@ from holmes_jax.core.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
     import jax
+
+    from holmes_jax.core.sections import DataConfig
 
 SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -106,11 +108,11 @@ class Corpus:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_corpus(cfg: Any, vocab_size: int) -> Corpus:
+def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
     """Loads the corpus named by a data config.
 
     Args:
-        cfg: a DataConfig with ``source`` ('stdlib' | 'text' | 'tokens'), ``path``,
+        cfg: the ``data`` section: ``source`` ('stdlib' | 'text' | 'tokens'), ``path``,
             ``token_dtype`` ('uint16' | 'uint32'), ``eval_fraction`` (0 < f < 1) and
             ``max_bytes`` (cap on bytes read for the byte-level sources ``stdlib`` and
             ``text``; 0 = no cap; a ``tokens`` memmap costs nothing to open and is not

@@ -1,44 +1,30 @@
 """DiLoCo across the ``replica`` axis: the outer step, its wire format and its fragments.
 
-With ``diloco.enabled`` (and ``replica`` = R > 1) every replica (one per island) owns its
-own parameters, AdamW moments and master copy: those leaves carry a leading ``[R]`` axis
-sharded over ``replica`` (:func:`stack_spec`), and the inner train step
-(:class:`holmes_jax.runtime.program.Program`, the engine with ``independent_replicas``)
-runs no collective over ``replica`` at all. The train state also holds the outer state
-``outer = {'global', 'momentum'}``: fp32, no ``[R]`` axis, sharded like one replica's
-ZeRO-1 moments (1/d per device inside an island).
+With ``diloco.enabled`` and ``replica`` = R > 1, each replica (one per island) owns its
+parameters, AdamW moments and master copy. Those leaves carry a leading ``[R]`` axis
+sharded over ``replica`` (:func:`stack_spec`); the inner step runs no collective over
+``replica``. The outer state ``outer = {'global', 'momentum'}`` is fp32, with no ``[R]``
+axis, sharded like one replica's ZeRO-1 moments.
 
-The outer step of fragment f (one jitted function per fragment, static slices), on each of
-its leaves, in order:
+The outer step of fragment f (one jitted function per fragment), on each of its leaves:
 
-1. ``Δ_r = global − θ_r`` in fp32 per replica (θ_r: the replica's master, else its
-   parameters), each device on its own 1/d shard.
-2. Encode for the wire in ``diloco.outer_dtype`` (:func:`encode`): fp32 as is; bf16; int8
-   with one absmax scale per replica and tensor, ``s = max|Δ_r| / 127``,
-   ``q = round(Δ_r / s)``, so ``|Δ_r − q·s| ≤ s/2`` elementwise.
-3. The only cross-island traffic: the encoded ``[R, ...]`` shards are all-gathered over
-   ``replica`` (an explicit ``all_gather`` in a ``shard_map``) in the encoded dtype (s8,
-   bf16 as its u16 bit pattern, f32 in the HLO; the int8 scales are R more floats).
+1. ``Δ_r = global − θ_r`` in fp32 per replica (θ_r: its master, else its parameters).
+2. Encode in ``diloco.outer_dtype`` (:func:`encode`): fp32; bf16; int8 with
+   ``s = max|Δ_r| / 127`` per replica and tensor, ``q = round(Δ_r / s)``, ``|Δ_r − q·s| ≤ s/2``.
+3. All-gather the encoded ``[R, ...]`` shards over ``replica`` in the encoded dtype, the
+   only cross-island traffic (an explicit ``all_gather`` in a ``shard_map``).
 4. Decode and average in fp32: ``Δ = mean_r decode(q_r, s_r)``.
 5. Nesterov: ``m ← μ·m + Δ``; ``global ← global − lr·(Δ + μ·m)`` (``lr`` =
    ``diloco.outer_lr``, ``μ`` = ``diloco.outer_momentum``).
-6. Every replica restarts from the new global model: ``θ_r ← global`` (compute dtype; the
-   master, under bf16, in fp32). The AdamW moments and step counts are kept.
+6. ``θ_r ← global`` for every replica. The AdamW moments and step counts are kept.
 
-Warm-up (``diloco.warmup_steps`` = K): after each of the first K inner steps every fragment
-takes an *averaging* outer step instead: steps 1–4 and 6 with ``global ← global − Δ`` (the
-mean of the replicas) and the momentum left as it is (a second jitted function per
-fragment). The H-step rounds of the outer optimizer count from step K.
+Warm-up: after each of the first K = ``diloco.warmup_steps`` steps every fragment takes
+an averaging step instead (1–4, 6 with ``global ← global − Δ``, momentum untouched).
+With H = 1, lr = 1, μ = 0 the outer step is the mean of the replicas' AdamW steps.
 
-With H = 1, lr = 1, μ = 0 the outer step makes every replica the mean of the replicas'
-AdamW steps.
-
-Fragments (streaming DiLoCo). The F fragments are F contiguous ranges of the blocks' slot
-axis (``[.., S, v·slots, ...]``: the same slots of every stage), the embedding going with
-fragment 0 and the head with fragment F−1. Fragment f is due after inner step n (n > 0
-steps done) iff ``n mod H == ⌊f·H / F⌋`` (:func:`due_fragments`), so each fragment syncs
-once per H steps and the fragments' syncs are spread over the H steps. The phase follows
-from the step, so a checkpoint needs no field for it.
+Fragments are F contiguous ranges of the block slots (embedding with fragment 0, head with
+F−1). After the warm-up, fragment f is due after step n iff ``(n − K) mod H == ⌊f·H / F⌋``
+(:func:`due_fragments`). The phase follows from the step, so checkpoints need no field.
 """
 
 from __future__ import annotations

@@ -1,51 +1,25 @@
 """Hugging Face names, layouts and config.json fields <-> the logical parameter tree.
 
-The one home of the mapping :mod:`holmes_jax.runtime.hf` reads and writes with: one
-:class:`Rule` per HF tensor (its name, its HF shape, the layout functions both ways),
-:func:`model_from_hf` (config.json -> the ``model`` section) and :func:`hf_config` (the
-inverse). Plain numpy, no files.
+The one home of the mapping :mod:`holmes_jax.runtime.hf` reads and writes with:
 
-The mapping, HF tensor -> our leaf for layer ``i`` (ours stacked over layers):
+- one :class:`Rule` per HF tensor: its name, its HF shape, the layout functions both ways;
+- :func:`model_from_hf`: config.json -> the ``model`` section;
+- :func:`hf_config`: the inverse.
 
-GPT-2 (names under ``transformer.``, or bare in the original hub files; HF's ``Conv1D``
-stores weights ``[in, out]``, so kernels are only reshaped; ``c_attn`` is q | k | v along
-``out``)::
-
-    wte.weight [V, H]                 embed.wte [Vp, H]      (Vp: V padded, model.vocab_multiple)
-    wpe.weight [T, H]                 embed.wpe [T, H]        (rows past model.seq_len dropped)
-    h.i.ln_1.{weight,bias} [H]        blocks.ln1.{scale,bias}
-    h.i.attn.c_attn.weight [H, 3H]    blocks.qkv_kernel [H, 3, nh, hd]
-    h.i.attn.c_attn.bias [3H]         blocks.qkv_bias [3, nh, hd]
-    h.i.attn.c_proj.weight [H, H]     blocks.out_kernel [nh, hd, H]
-    h.i.attn.c_proj.bias [H]          blocks.out_bias
-    h.i.ln_2.{weight,bias}            blocks.ln2.{scale,bias}
-    h.i.mlp.c_fc.{weight,bias}        blocks.fc_kernel [H, F], fc_bias [F]
-    h.i.mlp.c_proj.{weight,bias}      blocks.proj_kernel [F, H], proj_bias [H]
-    ln_f.{weight,bias}                head.ln_f.{scale,bias}
-    lm_head.weight [V, H]             head.lm_kernel [H, Vp]  (untied only; transposed)
-
-Llama (names under ``model.``; ``nn.Linear`` stores ``[out, in]``, so every kernel is the
-transpose, then split into heads; both sides rotate with ``rotate_half`` on contiguous
-halves of a head, so q and k need no permutation: the interleaved-pairs permutation of
-Meta's original checkpoints is already undone by HF's own converter)::
-
-    embed_tokens.weight [V, H]                    embed.wte [Vp, H]
-    layers.i.input_layernorm.weight [H]           blocks.ln1.scale
-    layers.i.self_attn.q_proj.weight [nh*hd, H]   blocks.q_kernel [H, nh, hd]
-    layers.i.self_attn.{k,v}_proj.weight [nkv*hd, H]   blocks.{k,v}_kernel [H, nkv, hd]
-    layers.i.self_attn.o_proj.weight [H, nh*hd]   blocks.out_kernel [nh, hd, H]
-    layers.i.post_attention_layernorm.weight      blocks.ln2.scale
-    layers.i.mlp.{gate,up}_proj.weight [F, H]     blocks.{gate,up}_kernel [H, F]
-    layers.i.mlp.down_proj.weight [H, F]          blocks.down_kernel [F, H]
-    norm.weight [H]                               head.ln_f.scale
-    lm_head.weight [V, H]                         head.lm_kernel [H, Vp]  (untied only)
-
+GPT-2's ``Conv1D`` stores weights ``[in, out]``, so its kernels are only reshaped.
+Llama's ``nn.Linear`` stores ``[out, in]``, so its kernels are transposed, then split into
+heads. Both sides rotate q and k with ``rotate_half``, so nothing is permuted.
 Llama 3.1's ``rope_scaling`` (``rope_type: llama3``) maps to ``model.rope_scaling_factor``
-and its three companions. Everything the mapping cannot represent is a one-line
-:class:`ConfigError` naming it: an unsupported architecture, a config field whose value the
-model does not implement (GPT-2's exact ``gelu``, another ``rope_scaling``, biases), a
-missing tensor, a tensor of another shape, a tensor nothing maps (buffers such as GPT-2's
-causal mask and ``inv_freq`` are skipped).
+and its three companions. The table of every tensor: docs/huggingface.md, "The mapping".
+
+Everything the mapping cannot represent is a one-line :class:`ConfigError` naming it:
+
+- an unsupported architecture;
+- a config field whose value the model does not implement (GPT-2's exact ``gelu``,
+  another ``rope_scaling``, biases);
+- a missing tensor, a tensor of another shape, a tensor nothing maps.
+
+Buffers such as GPT-2's causal mask and ``inv_freq`` are skipped. Plain numpy, no files.
 """
 
 from __future__ import annotations

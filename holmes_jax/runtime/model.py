@@ -2,21 +2,11 @@
 
     tokens [B, T] --Embed--> x [B, T, H] --Block x L--> x --Head--> loss (or logits)
 
-Two architectures (``model.arch``) share this structure, the parameter tree's three parts,
-the logical axis names and everything downstream (pipeline, ZeRO-1, tensor parallelism,
-remat policies):
-
-- ``gpt2``: Embed = token embedding + learned positions (+ dropout); Block = pre-LayerNorm
-  causal self-attention (fused QKV, biases) and a GELU MLP ``proj(gelu(fc(x)))``, each
-  with a residual; Head = final LayerNorm and the LM head (tied to the token embedding by
-  default).
-- ``llama``: Embed = token embedding only (positions are rotary, inside attention);
-  Block = pre-RMSNorm attention with separate q ``[H, nh, hd]``, k and v ``[H, nkv, hd]``
-  (grouped-query when nkv < nh; rotary q and k) and a SwiGLU MLP
-  ``down(silu(gate(x)) * up(x))``, no biases; Head = final RMSNorm and an untied LM head
-  by default.
-
-Parameters (every ``blocks`` leaf stacked ``[L, ...]``)::
+Two architectures (``model.arch``) share the parts, the logical axis names and everything
+downstream. ``gpt2``: learned positions, pre-LayerNorm attention with fused QKV and biases,
+a GELU MLP ``proj(gelu(fc(x)))``, head tied by default. ``llama``: rotary positions,
+pre-RMSNorm grouped-query attention, a SwiGLU MLP ``down(silu(gate(x)) * up(x))``, no
+biases, head untied by default. Parameters (every ``blocks`` leaf stacked ``[L, ...]``)::
 
     gpt2   embed {wte [V,H], wpe [T,H]}
            blocks {ln1 {scale,bias}, qkv_kernel [H,3,nh,hd], qkv_bias [3,nh,hd],
@@ -29,16 +19,12 @@ Parameters (every ``blocks`` leaf stacked ``[L, ...]``)::
                    down_kernel [F,H]}
            head {ln_f {scale}, lm_kernel [H,V] (untied only)}
 
-``GPT`` stacks the L blocks along a leading ``layers`` axis with ``nn.scan``; the pipeline
-re-cuts ``blocks`` into stages and applies one layer with :func:`block_apply`.
-
-Every parameter carries logical axis names; :data:`LOGICAL_RULES`, the one table that maps
-them to mesh axes, puts heads / key-value heads / MLP width / vocabulary on ``tensor``
-(Megatron-style tensor parallelism through GSPMD) and the batch on ``data``. The norms,
-rotary embedding and attention kernels are in :mod:`holmes_jax.runtime.layers`.
-
-The model's shape, parameter and FLOP counts live in one place,
-:class:`holmes_jax.core.spec.ModelSpec` (``cfg.spec``), shared with the planner.
+``GPT`` stacks the blocks with ``nn.scan``; the pipeline re-cuts them into stages and
+applies one layer with :func:`block_apply`. :data:`LOGICAL_RULES`, the one table from
+logical axis names to mesh axes, puts heads, key-value heads, MLP width and vocabulary on
+``tensor`` and the batch on ``data``. Norms, rotary embedding and attention kernels live
+in :mod:`holmes_jax.runtime.layers`; shape, parameter and FLOP counts in
+:class:`holmes_jax.core.spec.ModelSpec`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,27 @@
 """ZeRO-1: the optimizer state sharded over ``data``, gradients reduce-scattered into it.
 
-Each data-parallel rank owns 1/d of every gradient, of the AdamW moments and (with bf16
-parameters) of the fp32 master copy. The reduction runs in these phases, and the engine
-(:mod:`holmes_jax.runtime.pipeline`) calls them in this order:
+Each data-parallel rank owns 1/d of every gradient, of the AdamW moments and, with bf16
+parameters, of the fp32 master copy. The engine (:mod:`holmes_jax.runtime.pipeline`)
+runs these phases in order:
 
-1. Per-layer buckets, during the backward of a stage's last microbatch: as soon as layer
-   j's gradient is complete it is reduced over ``data`` (reduce-scatter with ZeRO-1,
-   all-reduce without), inside the island. On a GPU the asynchronous collective overlaps
-   the backward of layer j−1; stages reduce at different ticks, each as soon as its own
-   last backward is done (the 1F1B cooldown), not at a global barrier. That is
-   ``parallel.grad_buckets: layer``. With ``step`` (the default where collectives block
-   the device, as gloo's on CPU: nothing would overlap, and each call is a rendezvous of
-   the group) the loop only accumulates, and each block leaf is reduced once after it,
-   all of the stage's ``[slots, ...]`` at a time: 12 calls for a gpt2 stage instead of
-   12 per layer.
+1. Per-layer buckets, during the backward of a stage's last micro-batch: layer j's
+   gradient is reduced over ``data`` inside the island as soon as it is complete
+   (reduce-scatter with ZeRO-1, all-reduce without). On a GPU this overlaps the backward
+   of layer j−1, and each stage reduces at its own tick. That is
+   ``parallel.grad_buckets: layer``. With ``step``, the default where collectives block
+   the device (gloo on CPU), the loop only accumulates. Each block leaf is then reduced
+   once after it, all ``[slots, ...]`` at a time.
 2. After the tick loop, the embedding and head buckets.
-3. With ``parallel.replica > 1`` (one pipeline copy per island): all-reduce of each 1/d
-   shard across islands over ``replica`` — the only bytes that cross an island for it.
-4. Cross-stage sums (tied embedding, the global gradient norm for clipping) by
-   neighbour-to-neighbour hops (``stages.chain_sum``), on the 1/d shards.
-5. Outside the ``shard_map``: AdamW updates the 1/d shard (its state is sharded the same
-   way), and the updated parameters are all-gathered over ``data`` (GSPMD inserts it:
-   parameters are replicated over ``data``).
+3. With ``parallel.replica > 1``: all-reduce of each 1/d shard across islands over
+   ``replica``, the only bytes that cross an island for it.
+4. Cross-stage sums (tied embedding, the global gradient norm) by neighbour hops
+   (``stages.chain_sum``), on the 1/d shards.
+5. Outside the ``shard_map``: AdamW updates the 1/d shard, and GSPMD all-gathers the
+   updated parameters over ``data``.
 
-Which dimension of a leaf is split: the first one that is not already sharded (not the
-stage / slot axes, not a tensor-parallel axis) and that ``data`` divides. A leaf with no
-such dimension (a small bias) stays replicated and is all-reduced instead.
+A leaf is split on its first dimension that is not already sharded (not stage, slot or a
+tensor-parallel axis) and that ``data`` divides. A leaf with none (a small bias) stays
+replicated and is all-reduced.
 """
 
 from __future__ import annotations
