@@ -1,8 +1,9 @@
 """The README and docs/ are held to what they promise: their commands run, their links resolve.
 
-- Every ``python -m holmes_jax.train`` command in a README code block and in a shipped
-  config's header parses and loads: its keys exist, its values pass the config's rules,
-  its topology loads, and its degrees fit the devices.
+- Every ``python -m holmes_jax.train`` command in a code block of README.md or docs/*.md
+  (whose config ships with the repo) and in a shipped config's header parses and loads:
+  its keys exist, its values pass the config's rules, its topology loads, and its degrees
+  fit the devices.
 - Every ``python -m holmes_jax.plan`` command there runs to exit code 0 (the planner has
   no jax, so this takes seconds).
 - Every relative link in README.md and docs/*.md names a file that exists, and an
@@ -28,7 +29,7 @@ from tests.common import ROOT
 README = os.path.join(ROOT, "README.md")
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-COMMAND = re.compile(r"^(?:\S*python3?|sudo \S*python3?) -m holmes_jax\.(train|plan)\s(.*)$")
+COMMAND = re.compile(r"(?:^|\s)\S*python3? -m holmes_jax\.(train|plan)\s(.*)$")
 
 
 def _read(path: str) -> str:
@@ -49,9 +50,9 @@ def _joined(lines: list[str]) -> list[str]:
     return out
 
 
-def readme_commands() -> list[str]:
-    """Command lines inside the README's fenced code blocks."""
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", _read(README), flags=re.S)
+def block_commands(path: str) -> list[str]:
+    """Command lines inside the fenced code blocks of the Markdown file ``path``."""
+    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", _read(path), flags=re.S)
     return [line for b in blocks for line in _joined(b.splitlines())]
 
 
@@ -66,14 +67,25 @@ def header_commands(path: str) -> list[str]:
 
 
 def holmes_commands() -> list[tuple[str, str, list[str]]]:
-    """(where, program, argv) for every train/plan command the README and configs show."""
-    found = [("README.md", c) for c in readme_commands()]
-    found += [(os.path.relpath(p, ROOT), c) for p in CONFIGS for c in header_commands(p)]
+    """(where, program, argv) for every train/plan command the docs and configs show.
+
+    Plan commands count in the README and the configs; train commands in docs/ too,
+    unless their ``--config`` is a file a run writes (``runs/...``)."""
+    found = [(README, c) for c in block_commands(README)]
+    found += [(p, c) for p in DOCS for c in block_commands(p)]
+    found += [(p, c) for p in CONFIGS for c in header_commands(p)]
     out = []
-    for where, line in found:
-        m = COMMAND.match(line.split(" #")[0].strip())
-        if m:
-            out.append((where, m.group(1), shlex.split(m.group(2))))
+    for path, line in found:
+        m = COMMAND.search(line.split(" #")[0].strip())
+        if not m:
+            continue
+        argv = shlex.split(m.group(2))
+        config = argv[argv.index("--config") + 1] if "--config" in argv else None
+        if config is not None and not os.path.exists(os.path.join(ROOT, config)):
+            continue
+        if m.group(1) == "plan" and path in DOCS:
+            continue
+        out.append((os.path.relpath(path, ROOT), m.group(1), argv))
     return out
 
 
