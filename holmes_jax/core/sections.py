@@ -395,6 +395,10 @@ class TrainConfig:
     run_dir: str | None = None
     # JSON lines, one object per logged step; auto = <train.run_dir>/metrics.jsonl
     metrics_path: str | None = "auto"
+    # jax's persistent compilation cache, so a restart skips the compile; auto =
+    # <train.run_dir>/compile_cache unless JAX_COMPILATION_CACHE_DIR is set (then that);
+    # null = none of ours (JAX_COMPILATION_CACHE_DIR still applies); a path wins over both.
+    compilation_cache: str | None = "auto"
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "global_batch_size", "eval_batches"))
@@ -404,6 +408,8 @@ class TrainConfig:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = at end)")
         if self.run_dir is not None and not self.run_dir.strip():
             raise ConfigError("train.run_dir='': must be a path, or null for none")
+        if self.compilation_cache is not None and not self.compilation_cache.strip():
+            raise ConfigError("train.compilation_cache='': must be auto, a path, or null for none")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Read top to bottom, :func:`run` does:
 
-0. choose the run directory (:func:`holmes_jax.runtime.rundir.choose_run_dir`);
+0. choose the run directory (:func:`holmes_jax.runtime.rundir.choose_run_dir`) and the
+   persistent compilation cache (:func:`holmes_jax.runtime.compile_cache.configure`);
 1. resolve the mesh degrees and what the config leaves to the planner (``auto``: the split,
    remat, DiLoCo by :func:`holmes_jax.planner.strategy.resolve_diloco`), build the mesh,
    and on a topology (``parallel.mesh``) predict the step with the planner's cost model;
@@ -14,7 +15,8 @@ Read top to bottom, :func:`run` does:
 5. loop: make this process's part of the batch, step (under DiLoCo: then the outer step of
    each fragment due), and on log steps fetch metrics (only then does the host wait for
    the device), evaluate, checkpoint. The first step compiles: the compile is announced,
-   timed (``compile_s``) and left out of the progress bar and the step times;
+   timed (``compile_s``; the line says whether the compilation cache served it) and left
+   out of the progress bar and the step times;
 6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
 
 Printed through the metrics logger (process 0 only): before training, where the outputs
@@ -53,6 +55,7 @@ from holmes_jax.planner.plans import (
 from holmes_jax.planner.report import format_preference, format_run_plan, format_step_check
 from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
 from holmes_jax.planner.topology import Topology
+from holmes_jax.runtime import compile_cache
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.runtime.diloco import in_warmup
@@ -119,6 +122,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     # 0. outputs: the run directory, decided before anything is written
     outputs = choose_run_dir(cfg)
     cfg = outputs.cfg
+    cache = compile_cache.configure(cfg)  # before the first compile
 
     # 1. mesh (and the layer split, when the planner is asked for it)
     devices = jax.devices()
@@ -172,7 +176,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
 
     if is_main:
         write_config(cfg)
-    logger.open(start)
+    logger.open(start, append=outputs.continued)
     logger.message(
         f"holmes_jax: {cfg.model.spec.num_params / 1e6:.2f}M params | mesh "
         + (f"replica={shape.replica} " if shape.replica > 1 else "")
@@ -180,6 +184,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         f"data={shape.data} tensor={shape.tensor} on {shape.num_devices} "
         f"{devices[0].platform} devices | {corpus.description}"
     )
+    if outputs.continued:
+        logger.message(f"restart: continuing the run in {cfg.train.run_dir}")
     for line in (moved_line(outputs), outputs_line(cfg)):
         if line:
             logger.message(line)
@@ -231,12 +237,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 batch = make_batch(sampler, step, program.batch_sharding)
                 if first:
                     logger.message("compiling the train step ...")
-                    began = time.perf_counter()
+                    began, hits = time.perf_counter(), compile_cache.CacheHits()
                 # The first call traces and compiles before it dispatches the step.
                 state, metrics = program.train_step(state, batch)
                 if first:
                     compile_s = time.perf_counter() - began
-                    logger.message(f"compiled in {compile_s:.1f} s")
+                    how = hits.describe() if cache else ""
+                    logger.message(f"compiled in {compile_s:.1f} s" + (f" ({how})" if how else ""))
                     logger.start_progress(step)  # the bar's rate and ETA leave the compile out
                     window_start = time.perf_counter()
                 if one_step_at_a_time:

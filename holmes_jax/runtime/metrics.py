@@ -76,16 +76,16 @@ class MetricsLogger:
             mode = "bar" if sys.stderr.isatty() else "plain"
         self.mode = mode
 
-    def open(self, start_step: int) -> None:
-        """Open the metrics file (appended to when ``start_step`` > 0, a resumed run; else
-        created or truncated) and the TensorBoard writer. ``cfg``'s outputs are resolved
-        paths (:func:`holmes_jax.runtime.rundir.resolve_outputs`)."""
+    def open(self, start_step: int, append: bool = False) -> None:
+        """Open the metrics file (appended to when ``start_step`` > 0, a resumed run, or
+        ``append``, a restart; else created or truncated) and the TensorBoard writer.
+        ``cfg``'s outputs are resolved paths (:func:`holmes_jax.runtime.rundir.resolve_outputs`)."""
         if not self.is_main:
             return
         path = self.cfg.train.metrics_path
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._jsonl = open(path, "a" if start_step > 0 else "w")  # noqa: SIM115
+            self._jsonl = open(path, "a" if start_step > 0 or append else "w")  # noqa: SIM115
         if self.cfg.logging.tensorboard_dir:
             from tensorboardX import SummaryWriter
 

@@ -18,6 +18,13 @@ directory holds records (``metrics.jsonl``, TensorBoard events or checkpoints) m
 the first of ``<run_dir>-2``, ``<run_dir>-3``, ... that holds none. A resuming run keeps
 its directory and appends to its metrics.
 
+A restart continues its run: with ``HOLMES_CONTINUE_RUN_DIR=<path>`` in the environment,
+``train.run_dir`` is ``<path>`` whatever the config says, and the run never moves off it.
+It resumes from the newest checkpoint there when there is one, else it starts at step 0
+in the same directory, and it appends to the metrics either way (a later record of a step
+supersedes an earlier one). The launcher sets it when it restarts a job
+(:mod:`holmes_jax.cluster.launcher`); a requeued batch job can set it the same way.
+
 Several processes decide once: process 0 looks at the disk and broadcasts its choice, so
 every process writes checkpoints to the same directory even where their views of a
 shared filesystem differ for a moment.
@@ -39,6 +46,15 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 CHECKPOINTS_NAME = "checkpoints"
 TENSORBOARD_NAME = "tb"
+COMPILE_CACHE_NAME = "compile_cache"
+# A restart of the run in this directory: write there, resume or start over, append.
+CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
+
+
+def continued_run_dir(environ=None) -> str | None:
+    """The run directory a restart continues (``HOLMES_CONTINUE_RUN_DIR``), or None."""
+    value = (os.environ if environ is None else environ).get(CONTINUE_VAR, "").strip()
+    return value or None
 
 
 def resolve_outputs(cfg: Config) -> Config:
@@ -106,11 +122,13 @@ def first_free(run_dir: str) -> int:
     return n
 
 
-def free_suffix(cfg: Config) -> int:
+def free_suffix(cfg: Config, continued: bool = False) -> int:
     """Process 0's choice: 0 to write into ``train.run_dir`` as given (it holds no records,
-    or the run resumes there), else :func:`first_free`."""
+    the run resumes there, or it is ``continued``: a restart), else :func:`first_free`."""
     run_dir = cfg.train.run_dir
-    if run_dir is None or will_resume(resolve_outputs(cfg)) or not records_in(run_dir):
+    if run_dir is None or continued:
+        return 0
+    if will_resume(resolve_outputs(cfg)) or not records_in(run_dir):
         return 0
     return first_free(run_dir)
 
@@ -124,20 +142,26 @@ class RunDir:
       moved_from: the ``train.run_dir`` asked for, when it held another run's records and
         this run writes elsewhere; else None.
       records: what ``moved_from`` holds (``metrics.jsonl``, ``tb/``, ``checkpoints/``).
+      continued: a restart of the run in ``train.run_dir`` (:func:`continued_run_dir`).
     """
 
     cfg: Config
     moved_from: str | None = None
     records: tuple[str, ...] = ()
+    continued: bool = False
 
 
 def choose_run_dir(cfg: Config) -> RunDir:
     """Resolve the outputs, moving off a run directory that holds another run's records.
 
     Every process of a job must call this at the same point: process 0 decides and the
-    others take its choice (one broadcast integer). Nothing is written here.
+    others take its choice (one broadcast integer). Nothing is written here. A restart
+    (:func:`continued_run_dir`) takes the directory it continues, as is.
     """
-    suffix = free_suffix(cfg) if jax.process_index() == 0 else 0
+    continued = continued_run_dir()
+    if continued is not None:
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, run_dir=continued))
+    suffix = free_suffix(cfg, continued is not None) if jax.process_index() == 0 else 0
     if jax.process_count() > 1 and cfg.train.run_dir is not None:
         # The checkpoint directory is shared and written by every process, so all must
         # agree before anyone writes; each process's own look at the disk could differ
@@ -146,7 +170,7 @@ def choose_run_dir(cfg: Config) -> RunDir:
 
         suffix = int(multihost_utils.broadcast_one_to_all(np.int32(suffix)))
     if suffix == 0:
-        return RunDir(resolve_outputs(cfg))
+        return RunDir(resolve_outputs(cfg), continued=continued is not None)
     asked = cfg.train.run_dir
     moved = cfg.replace(train=dataclasses.replace(cfg.train, run_dir=sibling(asked, suffix)))
     return RunDir(resolve_outputs(moved), asked, tuple(records_in(asked)))

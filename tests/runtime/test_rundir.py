@@ -107,6 +107,43 @@ def test_every_process_takes_process_0s_choice(tmp_path, monkeypatch):
     assert chosen.cfg.train.metrics_path == f"{asked}-3/metrics.jsonl"
 
 
+def test_a_restart_continues_its_dir_even_without_a_checkpoint(tmp_path, monkeypatch):
+    """HOLMES_CONTINUE_RUN_DIR: a job killed before its first checkpoint left metrics and
+    no checkpoint; its restart writes into the same directory (a fresh run would move to
+    -2) and appends to the metrics, whatever train.run_dir the config names."""
+    first = str(tmp_path / "run")
+    _write(f"{first}/metrics.jsonl")
+    cfg = load_config(None, [f"train.run_dir={first}"])
+    assert choose_run_dir(cfg).cfg.train.run_dir == f"{first}-2"  # no restart: moves
+    monkeypatch.setenv(rundir.CONTINUE_VAR, first)
+    for asked in (first, str(tmp_path / "other")):
+        chosen = choose_run_dir(load_config(None, [f"train.run_dir={asked}"]))
+        assert chosen.continued and chosen.moved_from is None
+        assert chosen.cfg.train.run_dir == first
+        assert chosen.cfg.train.metrics_path == f"{first}/metrics.jsonl"
+    monkeypatch.setenv(rundir.CONTINUE_VAR, " ")
+    assert rundir.continued_run_dir() is None
+    assert not choose_run_dir(cfg).continued
+
+
+def test_the_compilation_cache_dir_and_its_precedence():
+    """A path wins; then JAX_COMPILATION_CACHE_DIR (auto sets nothing); auto is
+    <run_dir>/compile_cache; null and no run dir set nothing."""
+    from holmes_jax.runtime.compile_cache import cache_dir
+
+    env, jax_env = {}, {"JAX_COMPILATION_CACHE_DIR": "/j"}
+    auto = load_config(None, ["train.run_dir=r"])
+    assert cache_dir(auto, env) == os.path.join("r", "compile_cache")
+    assert cache_dir(auto, jax_env) is None
+    assert cache_dir(load_config(None), env) is None
+    off = load_config(None, ["train.run_dir=r", "train.compilation_cache=null"])
+    assert cache_dir(off, env) is None
+    path = load_config(None, ["train.run_dir=r", "train.compilation_cache=/c"])
+    assert cache_dir(path, jax_env) == "/c"
+    with pytest.raises(Exception, match=r"train.compilation_cache='': must be auto, a path"):
+        load_config(None, ["train.compilation_cache=''"])
+
+
 # -- end to end: the tiny model, one or two steps per run --------------------------------
 
 TINY = [*TINY_RUN, "train.eval_every=0", "train.eval_batches=1", "logging.log_every=1"]

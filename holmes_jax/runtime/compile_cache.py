@@ -1,0 +1,113 @@
+"""jax's persistent compilation cache for a run (``train.compilation_cache``).
+
+The cache directory, in order of precedence:
+
+- ``train.compilation_cache: <path>``: that path;
+- ``JAX_COMPILATION_CACHE_DIR`` in the environment: jax's own setting, left as it is;
+- ``auto`` (the default): ``<train.run_dir>/compile_cache``, none without a run directory;
+- ``null``: none.
+
+A run sets it in :func:`configure` before its first compile (never at import time). When
+this module sets the directory it also caches every program, however fast its compile
+(``jax_persistent_cache_min_compile_time_secs=0``; jax's default of 1 s leaves most CPU
+programs out), unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set.
+
+:class:`CacheHits` counts jax's cache events (``jax.monitoring``), so a run can say
+whether its train step came from the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from holmes_jax.core.config import Config
+from holmes_jax.runtime.rundir import AUTO, COMPILE_CACHE_NAME
+
+ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
+ENV_MIN_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+
+
+def cache_dir(cfg: Config, environ=None) -> str | None:
+    """The directory this module sets for ``cfg`` (outputs resolved), or None when it sets
+    none: the cache is off, or ``JAX_COMPILATION_CACHE_DIR`` decides."""
+    environ = os.environ if environ is None else environ
+    value = cfg.train.compilation_cache
+    if value is None or value != AUTO:
+        return value
+    if environ.get(ENV_DIR):
+        return None
+    run_dir = cfg.train.run_dir
+    return os.path.join(run_dir, COMPILE_CACHE_NAME) if run_dir else None
+
+
+def configure(cfg: Config) -> str | None:
+    """Point jax's persistent cache at ``cfg``'s directory (see the module doc); returns
+    the directory in use (``JAX_COMPILATION_CACHE_DIR`` when that decides), or None.
+
+    Several runs in one process each get their own setting: jax's cache is re-opened when
+    the directory changes.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = cache_dir(cfg)
+    if path is None:
+        wanted = os.environ.get(ENV_DIR) or None  # jax's own setting
+    else:
+        wanted = os.path.abspath(path)
+        os.makedirs(wanted, exist_ok=True)
+        if not os.environ.get(ENV_MIN_TIME):
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if jax.config.jax_compilation_cache_dir != wanted:
+        jax.config.update("jax_compilation_cache_dir", wanted)
+        cc.reset_cache()  # jax opens its cache once; a new directory needs a new one
+    return wanted
+
+
+class CacheHits:
+    """Counts jax's persistent-cache events from creation on (one listener per process).
+
+    ``hits`` and ``requests`` are the numbers of compiles served from the cache and of
+    compiles that asked it, since this object was made.
+    """
+
+    _lock = threading.Lock()
+    _counts = {HIT_EVENT: 0, REQUEST_EVENT: 0}
+    _listening = False
+
+    def __init__(self):
+        with CacheHits._lock:
+            if not CacheHits._listening:
+                import jax
+
+                jax.monitoring.register_event_listener(CacheHits._on_event)
+                CacheHits._listening = True
+            self._start = dict(CacheHits._counts)
+
+    @staticmethod
+    def _on_event(event: str, **kwargs) -> None:
+        if event in CacheHits._counts:
+            with CacheHits._lock:
+                CacheHits._counts[event] += 1
+
+    @property
+    def hits(self) -> int:
+        return CacheHits._counts[HIT_EVENT] - self._start[HIT_EVENT]
+
+    @property
+    def requests(self) -> int:
+        return CacheHits._counts[REQUEST_EVENT] - self._start[REQUEST_EVENT]
+
+    def describe(self) -> str:
+        """``compilation cache: hit`` (every compile served), ``... N of M hit`` or
+        ``... miss``; empty when no compile asked the cache."""
+        if not self.requests:
+            return ""
+        if self.hits == self.requests:
+            return "compilation cache: hit"
+        if self.hits:
+            return f"compilation cache: {self.hits} of {self.requests} hit"
+        return "compilation cache: miss"
