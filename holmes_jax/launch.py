@@ -7,6 +7,7 @@ The entry point: it parses the command line and calls
         --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20
     python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate [--scale 1] -- ...
     python -m holmes_jax.launch --verbose --mesh ...   # with gloo's and jax's own chatter
+    python -m holmes_jax.launch --max-restarts 3 --fail-host roce-0@20:+30 --mesh ... -- ...
     sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
         --program probe -- --set train.global_batch_size=8 --out runs/probe/emu.json
     python -m holmes_jax.launch --print-env --mesh meshes/paper-ib-roce-4x8.yaml --host roce-0
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from holmes_jax.cluster.launcher import DEFAULT_GRACE_S, PROGRAMS, launch
+from holmes_jax.cluster.supervisor import DEFAULT_MAX_RESTARTS
 from holmes_jax.cluster.transport import format_exports, host_environment
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import load_topology
@@ -55,6 +57,21 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         type=float,
         default=DEFAULT_GRACE_S,
         help=f"seconds the others get after a failure (default {DEFAULT_GRACE_S:g})",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=DEFAULT_MAX_RESTARTS,
+        help="restart every worker from the newest checkpoint after a failure, up to N times "
+        f"(default {DEFAULT_MAX_RESTARTS}; 0 = none; exit code 2 is never retried)",
+    )
+    parser.add_argument(
+        "--fail-host",
+        action="append",
+        default=[],
+        metavar="HOST@STEP[:permanent|:+SECONDS]",
+        help="fault injection: SIGKILL HOST's worker when the job reaches STEP; permanent: "
+        "it never comes back; +SECONDS: it comes back after that long (repeatable)",
     )
     parser.add_argument(
         "--verbose",
@@ -112,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace_s=args.grace,
             program=args.program,
             verbose=args.verbose,
+            max_restarts=args.max_restarts,
+            fail_hosts=args.fail_host,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -217,13 +217,23 @@ class _Stop(Exception):
 
 
 class Launch:
-    """Runs the workers: prefixed output, first-failure propagation, signal forwarding.
+    """Runs the workers once: prefixed output, first-failure propagation, signal forwarding.
 
     Args:
       workers: from :func:`plan_workers`.
       grace_s: how long the others may take to exit after the first failure.
       out: where prefixed lines go (default stdout).
       verbose: pass library chatter through (default: :func:`quiet` drops it).
+      watch: called with each shown output line (worker, line), outside the output lock.
+      start_at: host -> ``time.monotonic()`` at which its worker starts (later than the
+        others: a host that is away); ``inf``: never. Hosts not named start at once.
+      failure_line: (worker, exit code) -> the line said on the first failure; default
+        ``<host> (process <i>) exited with <code or signal>; stopping the others ...``.
+      count_hidden: end with the line counting hidden chatter (off when a caller counts
+        over several launches, from :attr:`hidden`).
+
+    After :meth:`run`: :attr:`failure` is the first failure (worker, raw exit code) or
+    None, :attr:`failed_at` its ``time.monotonic()`` (the kill's, for :meth:`kill`).
     """
 
     def __init__(
@@ -233,17 +243,29 @@ class Launch:
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
+        watch: Callable[[Worker, str], None] | None = None,
+        start_at: dict[str, float] | None = None,
+        failure_line: Callable[[Worker, int], str] | None = None,
+        count_hidden: bool = True,
     ):
         self.workers = workers
         self.grace_s = grace_s
         self.out: IO[str] = out or sys.stdout
         self.verbose = verbose
+        self.watch = watch
+        self.start_at = dict(start_at or {})
+        self.failure_line = failure_line
+        self.count_hidden = count_hidden
         self.hidden = 0  # chatter lines dropped
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | None] = [None] * len(workers)
+        self.failure: tuple[Worker, int] | None = None
+        self.failed_at: float | None = None
+        self._killed_at: dict[int, float] = {}  # process id -> when kill() sent SIGKILL
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
         self._signals = 0
         self._width = max(len(w.host) for w in workers)
+        self._die_with_parent = _die_with_parent()
 
     def say(self, line: str) -> None:
         with self._lock:
@@ -262,10 +284,12 @@ class Launch:
                     continue
                 self.out.write(tag + line + "\n")
                 self.out.flush()
+            if self.watch is not None:
+                self.watch(worker, line)
 
     def _on_signal(self, signum, frame) -> None:
         self._signals += 1
-        if not self.procs:
+        if not any(self.procs):
             raise _Stop
         if self._signals == 1:
             self.say(f"{signal.Signals(signum).name}: asking every process to stop")
@@ -274,13 +298,56 @@ class Launch:
             self.say("second signal: killing every process")
             self._send(signal.SIGKILL)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether a signal asked the launch to stop."""
+        return self._signals > 0
+
     def _send(self, sig: int) -> None:
         for p in self.procs:
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
+
+    def kill(self, host: str) -> bool:
+        """SIGKILL ``host``'s worker (fault injection); False when it is not running."""
+        for w, p in zip(self.workers, self.procs, strict=True):
+            if w.host == host and p is not None and p.poll() is None:
+                self._killed_at[w.process_id] = time.monotonic()
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    return False
+                return True
+        return False
+
+    def _start(self, index: int) -> None:
+        w = self.workers[index]
+        p = subprocess.Popen(
+            w.command,
+            env=w.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # signals reach it only through the launcher
+            preexec_fn=self._die_with_parent,
+        )
+        self.procs[index] = p
+        t = threading.Thread(target=self._pump, args=(w, p.stdout), daemon=True)
+        t.start()
+        self._readers.append(t)
+
+    def _start_due(self, announce: bool) -> None:
+        now = time.monotonic()
+        for i, w in enumerate(self.workers):
+            if self.procs[i] is None and self.start_at.get(w.host, 0.0) <= now:
+                if announce:
+                    self.say(f"{w.host} is back: starting process {w.process_id}")
+                self._start(i)
 
     def run(self) -> int:
         """Start every worker and wait; returns the launch's exit code.
@@ -288,50 +355,46 @@ class Launch:
         0 when every process exited 0; else the first failure's code (128 + signal for a
         process killed by a signal).
         """
-        die_with_parent = _die_with_parent()
         try:
-            for w in self.workers:
-                p = subprocess.Popen(
-                    w.command,
-                    env=w.env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    bufsize=1,
-                    start_new_session=True,  # signals reach it only through the launcher
-                    preexec_fn=die_with_parent,
-                )
-                self.procs.append(p)
-                t = threading.Thread(target=self._pump, args=(w, p.stdout), daemon=True)
-                t.start()
-                self._readers.append(t)
+            self._start_due(announce=False)
             return self._wait()
         finally:
             self._send(signal.SIGKILL)
             for p in self.procs:
                 try:
-                    p.wait(timeout=10)
+                    if p is not None:
+                        p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
             for t in self._readers:
                 t.join(timeout=2)
-            if self.hidden:
+            if self.hidden and self.count_hidden:
                 self.say(f"{self.hidden} lines of library output hidden (--verbose shows them)")
 
     def _wait(self) -> int:
-        failed: tuple[Worker, int] | None = None
         deadline = None
         while True:
-            codes = [p.poll() for p in self.procs]
-            if all(c is not None for c in codes):
+            if self.failure is None and not self._signals:
+                self._start_due(announce=True)
+            codes = [p.poll() if p is not None else None for p in self.procs]
+            running = any(
+                p is not None and c is None for p, c in zip(self.procs, codes, strict=True)
+            )
+            waiting = any(  # a worker that has yet to start, at a known time
+                p is None and self.start_at.get(w.host, 0.0) < float("inf")
+                for w, p in zip(self.workers, self.procs, strict=True)
+            )
+            if not running and (self.failure is not None or self._signals or not waiting):
                 break
-            if failed is None:
-                for w, c in zip(self.workers, codes, strict=True):
-                    if c not in (None, 0):
-                        failed = (w, c)
+            if self.failure is None:
+                for w, p, c in zip(self.workers, self.procs, codes, strict=True):
+                    if p is not None and c not in (None, 0):
+                        self.failure = (w, c)
+                        self.failed_at = self._killed_at.get(w.process_id, time.monotonic())
+                        line = self.failure_line(w, c) if self.failure_line else None
                         self.say(
-                            f"{w.host} (process {w.process_id}) exited with {_describe(c)}; "
+                            line
+                            or f"{w.host} (process {w.process_id}) exited with {describe(c)}; "
                             f"stopping the others (in {self.grace_s:g} s at most)"
                         )
                         deadline = time.monotonic() + self.grace_s
@@ -342,13 +405,25 @@ class Launch:
                 self._send(signal.SIGKILL)
                 deadline = float("inf")
             time.sleep(0.1)
-        if failed is None:
-            bad = [(w, c) for w, c in zip(self.workers, codes, strict=True) if c != 0]
-            failed = bad[0] if bad else None
-        if failed is None:
+        if self.failure is None:
+            bad = [
+                (w, c)
+                for w, p, c in zip(self.workers, self.procs, codes, strict=True)
+                if p is not None and c != 0
+            ]
+            self.failure = bad[0] if bad else None
+            if self.failure is not None:  # every process ended at once
+                self.failed_at = time.monotonic()
+                if self.failure_line:
+                    self.say(self.failure_line(*self.failure))
+        if self.failure is None:
             return 0
-        code = failed[1]
-        return 128 - code if code < 0 else code
+        return exit_code(self.failure[1])
+
+
+def exit_code(code: int) -> int:
+    """A process's exit status as a shell reports it: 128 + signal for a signal."""
+    return 128 - code if code < 0 else code
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -366,7 +441,8 @@ def _die_with_parent() -> Callable[[], None] | None:
     return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _describe(code: int) -> str:
+def describe(code: int) -> str:
+    """``code 3`` or ``signal SIGKILL`` for a ``Popen.returncode``."""
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
@@ -386,6 +462,8 @@ def launch(
     env: dict[str, str] | None = None,
     program: str = "train",
     verbose: bool = False,
+    max_restarts: int = 0,
+    fail_hosts: Sequence[str] = (),
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -399,47 +477,64 @@ def launch(
       env: base environment of the processes (default ``os.environ``).
       program: ``train`` (default) or ``probe`` (:data:`PROGRAMS`).
       verbose: show library chatter (:func:`quiet`) too.
+      max_restarts: restarts after failures (:class:`~holmes_jax.cluster.supervisor.Supervisor`);
+        0 runs the job once.
+      fail_hosts: ``--fail-host`` specs (:func:`~holmes_jax.cluster.supervisor.parse_fault`).
 
     Returns:
-      The exit code (see :meth:`Launch.run`); 130 when stopped before anything started.
+      The exit code of the last attempt (see :meth:`Launch.run`); 130 when stopped before
+      anything started.
 
     Raises:
-      ConfigError: bad topology, arguments, or ``--emulate`` without root.
+      ConfigError: bad topology, arguments, fault specs, or ``--emulate`` without root.
     """
+    from holmes_jax.cluster.supervisor import Supervisor, parse_fault
+
     topology = load_topology(mesh_path)
+    hosts = [h for isl in topology.islands for h in isl.hosts]
+    faults = [parse_fault(spec, hosts) for spec in fail_hosts]
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts={max_restarts}: must be >= 0 (0 = no restarts)")
+    base = dict(os.environ if env is None else env)
+    plan_workers(topology, mesh_path, train_args, "127.0.0.1:1", base_env={}, program=program)
     handlers = {}
-    launcher: Launch | None = None
+    supervisor: Supervisor | None = None
 
     def on_signal(signum, frame):
-        if launcher is None:
+        if supervisor is None:
             raise _Stop
-        launcher._on_signal(signum, frame)
+        supervisor.on_signal(signum, frame)
+
+    def supervise(coordinator: Callable[[], str], prefix=None) -> Supervisor:
+        def make_workers(extra: dict[str, str]) -> list[Worker]:
+            return plan_workers(
+                topology, mesh_path, train_args, coordinator(), base_env={**base, **extra},
+                program=program, prefix=prefix,
+            )  # fmt: skip
+
+        return Supervisor(
+            make_workers, max_restarts=max_restarts, faults=faults, grace_s=grace_s, out=out,
+            verbose=verbose,
+        )  # fmt: skip
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             handlers[sig] = signal.signal(sig, on_signal)
     try:
         if not emulate:
-            coordinator = f"127.0.0.1:{free_port()}"
-            workers = plan_workers(
-                topology, mesh_path, train_args, coordinator, base_env=env, program=program
-            )
-            launcher = Launch(workers, grace_s=grace_s, out=out, verbose=verbose)
-            return launcher.run()
+            supervisor = supervise(lambda: f"127.0.0.1:{free_port()}")
+            return supervisor.run()
         from holmes_jax.cluster import netns
 
         netns.check_privileges()
         netns.remove_stale()
         plan = netns.plan_network(topology, tag=str(os.getpid()), scale=scale)
         with netns.EmulatedNetwork(plan) as network:
-            coordinator = f"{plan.hosts[0].address}:{EMULATED_PORT}"
-            workers = plan_workers(
-                topology, mesh_path, train_args, coordinator, base_env=env, program=program,
-                prefix=network.exec_prefix,
-            )  # fmt: skip
-            launcher = Launch(workers, grace_s=grace_s, out=out, verbose=verbose)
-            launcher.say(_emulation_summary(topology, len(plan.hosts), scale))
-            return launcher.run()
+            address = f"{plan.hosts[0].address}:{EMULATED_PORT}"
+            supervisor = supervise(lambda: address, network.exec_prefix)
+            print(f"launch: {_emulation_summary(topology, len(plan.hosts), scale)}",
+                  file=out or sys.stdout, flush=True)  # fmt: skip
+            return supervisor.run()
     except _Stop:
         return 130
     finally:

@@ -1,0 +1,281 @@
+"""Supervised restarts and fault injection for the local launcher.
+
+:class:`Supervisor` runs a job (:class:`~holmes_jax.cluster.launcher.Launch`) and, when a
+worker fails, runs it again, up to ``max_restarts`` times:
+
+- Any failure is restarted (a signal, a lost peer's exit 3, a step error's exit 1) except
+  exit code 2, a config or usage error, which a restart cannot fix. A job stopped by
+  Ctrl-C or SIGTERM is not restarted.
+- Every worker restarts, on a fresh coordinator port. The job resumes from the newest
+  checkpoint of its run: a restart gets ``HOLMES_CONTINUE_RUN_DIR`` set to the run
+  directory the first attempt printed (``run dir <path>: ...``), so it continues that
+  run even when it died before its first checkpoint
+  (:mod:`holmes_jax.runtime.rundir`).
+- It reads the job's progress from process 0's lines: ``step N | ...`` (the last step
+  reached), ``resumed from ... at step N`` (the checkpoint a restart resumes from) and
+  ``compiled in ...``. So it needs ``logging.progress`` ``auto`` or ``plain`` (a worker's
+  output is a pipe, so ``auto`` is ``plain``).
+
+One line per event: the failure (host, process, exit code or signal, the last step the
+job reached, what happens next), and after a restart, once its first step is done, the
+seconds since the failure, the checkpoint step it resumed from and the steps lost.
+
+Fault injection (:class:`Fault`, ``--fail-host HOST@STEP[:permanent|:+SECONDS]``): once
+the job reports step STEP or later, the host's worker gets SIGKILL, once per fault. The
+host then stays away for SECONDS (``permanent``: for good): a restart in that time starts
+without it and starts it when it is back. The others wait for it to join up to
+``distributed.initialization_timeout_s`` and then fail, which uses up a restart; so a job
+with a host lost for good ends after its restarts, each bounded by that timeout, with a
+last line naming the host.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from holmes_jax.cluster.launcher import (
+    DEFAULT_GRACE_S,
+    Launch,
+    Worker,
+    _Stop,
+    describe,
+    exit_code,
+)
+from holmes_jax.core.errors import ConfigError
+
+DEFAULT_MAX_RESTARTS = 3
+NOT_RETRIED_EXIT = 2  # a config or usage error: the same command fails the same way
+# holmes_jax.runtime.rundir.CONTINUE_VAR (not imported: the launcher's process runs no jax)
+CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
+
+# Process 0's lines the supervisor reads (holmes_jax.runtime.loop and .metrics print them).
+_STEP = re.compile(r"step (\d+)(?: \||$)")
+_RESUMED = re.compile(r"resumed from .* at step (\d+)$")
+_RUN_DIR = re.compile(r"run dir (.+?): ")
+_COMPILED = re.compile(r"compiled in ([0-9.]+) s(?: \((.*)\))?$")
+_FAULT = re.compile(r"([^@\s]+)@([^:\s]+)(?::(.*))?")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One ``--fail-host``: SIGKILL ``host``'s worker at ``step``; it stays away ``away_s``
+    seconds after the kill (``inf``: for good)."""
+
+    host: str
+    step: int
+    away_s: float = 0.0
+    spec: str = ""
+
+    @property
+    def permanent(self) -> bool:
+        return math.isinf(self.away_s)
+
+
+def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
+    """``HOST@STEP``, ``HOST@STEP:permanent`` or ``HOST@STEP:+SECONDS`` -> :class:`Fault`.
+
+    Raises:
+      ConfigError: a malformed spec, a host not in ``hosts``, a step < 1, or seconds that
+        are not a number >= 0.
+    """
+    flag = f"--fail-host={spec}"
+    form = "must be HOST@STEP, HOST@STEP:permanent or HOST@STEP:+SECONDS"
+    m = _FAULT.fullmatch(spec)
+    if not m or not re.fullmatch(r"-?\d+", m[2]):
+        raise ConfigError(f"{flag}: {form}")
+    host, step, tail = m[1], int(m[2]), m[3]
+    if host not in hosts:
+        raise ConfigError(f"{flag}: '{host}' is not a host of the topology ({', '.join(hosts)})")
+    if step < 1:
+        raise ConfigError(f"{flag}: step {step} must be >= 1")
+    away = 0.0
+    if tail == "permanent":
+        away = math.inf
+    elif tail is not None:
+        if not tail.startswith("+"):
+            raise ConfigError(f"{flag}: {form}")
+        try:
+            away = float(tail[1:])
+        except ValueError:
+            away = -1.0
+        if not away >= 0 or math.isinf(away):
+            raise ConfigError(f"{flag}: '{tail[1:]}' must be a number of seconds >= 0")
+    return Fault(host, step, away, spec)
+
+
+class Supervisor:
+    """Runs a job, restarting it after failures and injecting faults (see the module doc).
+
+    Args:
+      make_workers: extra environment -> the workers of one attempt (a fresh coordinator
+        each call).
+      max_restarts: restarts allowed after failures; 0 runs the job once.
+      faults: the ``--fail-host`` faults.
+      grace_s, out, verbose: as :class:`~holmes_jax.cluster.launcher.Launch`'s.
+    """
+
+    def __init__(
+        self,
+        make_workers: Callable[[dict[str, str]], list[Worker]],
+        *,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
+        faults: Sequence[Fault] = (),
+        grace_s: float = DEFAULT_GRACE_S,
+        out=None,
+        verbose: bool = False,
+    ):
+        self.make_workers = make_workers
+        self.max_restarts = max_restarts
+        self.faults = list(faults)
+        self.grace_s = grace_s
+        self.out: IO[str] | None = out
+        self.verbose = verbose
+        self.current: Launch | None = None
+        self.restarts = 0
+        self.step = 0  # the last step the job reported, over every attempt
+        self.run_dir: str | None = None
+        self._fired: set[int] = set()  # indices of the faults that fired
+        self._away_until: dict[str, float] = {}  # host -> monotonic time it may start
+        self._lock = threading.Lock()
+        self._signals = 0
+        # per attempt
+        self._resumed_from = 0
+        self._compiled: str | None = None
+        self._failed_step = 0
+        self._failed_at: float | None = None
+        self._announced = True
+
+    # -- signals ----------------------------------------------------------------
+
+    def on_signal(self, signum, frame) -> None:
+        """Forward Ctrl-C / SIGTERM to the running attempt; no restart follows."""
+        self._signals += 1
+        if self.current is None:
+            raise _Stop
+        self.current._on_signal(signum, frame)
+
+    # -- the job's output -------------------------------------------------------
+
+    def _watch(self, worker: Worker, line: str) -> None:
+        with self._lock:
+            if m := _STEP.match(line):
+                self._on_step(int(m[1]))
+            elif m := _RESUMED.search(line):
+                self._resumed_from = int(m[1])
+            elif m := _COMPILED.search(line):
+                self._compiled = f"compile {m[1]} s" + (f", {m[2]}" if m[2] else "")
+            elif self.run_dir is None and (m := _RUN_DIR.match(line)):
+                self.run_dir = m[1]
+
+    def _on_step(self, step: int) -> None:
+        self.step = step
+        launch = self.current
+        if not self._announced and self._failed_at is not None:
+            self._announced = True
+            took = time.monotonic() - self._failed_at
+            lost = max(0, self._failed_step - self._resumed_from)
+            where = (
+                f"from checkpoint step {self._resumed_from}"
+                if self._resumed_from
+                else "from step 0 (no checkpoint)"
+            )
+            compiled = f"; {self._compiled}" if self._compiled else ""
+            launch.say(
+                f"training resumed: step {step} done {took:.1f} s after the failure (restart "
+                f"{self.restarts} {where}, {lost} step{'s' * (lost != 1)} lost{compiled})"
+            )
+        for i, fault in enumerate(self.faults):
+            if i in self._fired or step < fault.step:
+                continue
+            self._fired.add(i)
+            away = ""
+            if fault.permanent:
+                away = ", for good"
+            elif fault.away_s:
+                away = f", away for {fault.away_s:g} s"
+            self._away_until[fault.host] = time.monotonic() + fault.away_s
+            launch.say(f"--fail-host {fault.spec}: SIGKILL to {fault.host} at step {step}{away}")
+            launch.kill(fault.host)
+
+    # -- the failure line -------------------------------------------------------
+
+    def _failure_line(self, worker: Worker, code: int) -> str:
+        at = f"at step {self.step}" if self.step else "before its first step"
+        head = f"{worker.host} (process {worker.process_id}) exited with {describe(code)} {at}"
+        stopping = f"stopping the others (in {self.grace_s:g} s at most)"
+        if exit_code(code) == NOT_RETRIED_EXIT:
+            return f"{head}; {stopping}; not restarting: exit code 2 is a config or usage error"
+        if self.current is not None and self.current.stopped:
+            return f"{head}; {stopping}"
+        if self.restarts < self.max_restarts:
+            n = self.restarts + 1
+            return f"{head}; {stopping}, then restart {n} of {self.max_restarts}"
+        if self.max_restarts == 0:
+            return f"{head}; {stopping}"
+        return f"{head}; {stopping}; giving up after {self.max_restarts} restarts{self._gone()}"
+
+    def _gone(self) -> str:
+        now = time.monotonic()
+        gone = [f for i, f in enumerate(self.faults) if i in self._fired and f.permanent] or [
+            f for f in self.faults if self._away_until.get(f.host, 0) > now
+        ]
+        if not gone:
+            return ""
+        hosts = ", ".join(sorted({f.host for f in gone}))
+        return (
+            f": {hosts} did not come back (--fail-host {gone[0].spec}) and the job needs "
+            "every host of its topology"
+        )
+
+    # -- the attempts -----------------------------------------------------------
+
+    def run(self) -> int:
+        """Run the job, restarting it as the module doc says; returns the exit code of its
+        last attempt."""
+        hidden = 0
+        env: dict[str, str] = {}
+        try:
+            while True:
+                workers = self.make_workers(env)
+                now = time.monotonic()
+                start_at = {h: t for h, t in self._away_until.items() if t > now}
+                launch = Launch(
+                    workers,
+                    grace_s=self.grace_s,
+                    out=self.out,
+                    verbose=self.verbose,
+                    watch=self._watch,
+                    start_at=start_at,
+                    failure_line=self._failure_line,
+                    count_hidden=False,
+                )
+                for host, t in sorted(start_at.items()):
+                    when = "for good" if math.isinf(t) else f"for {t - now:.1f} s more"
+                    launch.say(
+                        f"{host} is away {when}: the others start without it and wait for it "
+                        "to join (distributed.initialization_timeout_s)"
+                    )
+                self.current = launch
+                try:
+                    code = launch.run()
+                finally:
+                    hidden += launch.hidden
+                if code == 0 or launch.failure is None or launch.stopped or self._signals:
+                    return code
+                worker, raw = launch.failure
+                if exit_code(raw) == NOT_RETRIED_EXIT or self.restarts >= self.max_restarts:
+                    return code
+                self.restarts += 1
+                self._failed_step, self._failed_at = self.step, launch.failed_at
+                self._resumed_from, self._compiled, self._announced = 0, None, False
+                if self.run_dir is not None:
+                    env = {CONTINUE_VAR: self.run_dir}
+        finally:
+            if hidden and self.current is not None:
+                self.current.say(f"{hidden} lines of library output hidden (--verbose shows them)")
