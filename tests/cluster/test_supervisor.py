@@ -1,0 +1,210 @@
+"""Supervised restarts and fault injection, on stand-in workers (no jax, seconds).
+
+Each stand-in is a small Python process that behaves like a trainer of a job as the
+supervisor sees it: every process of an attempt waits for the others to join (and fails
+with exit 1 after a timeout), process 0 prints ``run dir``, ``resumed from`` and ``step``
+lines and saves a "checkpoint" every 2 steps, and a process whose peer died exits 3. The
+real trainer under the same supervisor: ``test_faults.py``.
+"""
+
+import io
+import os
+import signal
+import sys
+
+import pytest
+
+from holmes_jax import launch
+from holmes_jax.cluster import supervisor
+from holmes_jax.cluster.launcher import Worker
+from holmes_jax.runtime import rundir
+from tests.common import ROOT
+
+# A job of FAKE_HOSTS processes in FAKE_DIR, attempt FAKE_ATTEMPT.
+FAKE = r"""
+import os, sys, time, pathlib
+d, pid = pathlib.Path(os.environ["FAKE_DIR"]), int(os.environ["FAKE_PID"])
+n, attempt = int(os.environ["FAKE_HOSTS"]), os.environ["FAKE_ATTEMPT"]
+steps, code = int(os.environ["FAKE_STEPS"]), int(os.environ.get("FAKE_EXIT", "0"))
+(d / f"env-{attempt}-{pid}").write_text(os.environ.get("HOLMES_CONTINUE_RUN_DIR", "-"))
+(d / f"pid-{attempt}-{pid}").write_text(str(os.getpid()))
+deadline = time.time() + float(os.environ.get("FAKE_JOIN_S", "3"))
+while len(list(d.glob(f"pid-{attempt}-*"))) < n:
+    if time.time() > deadline:
+        print("error: the job could not be joined", flush=True)
+        sys.exit(1)
+    time.sleep(0.02)
+peers = {p: int((d / f"pid-{attempt}-{p}").read_text()) for p in range(n) if p != pid}
+def alive(p):  # running, or finished its steps
+    if (d / f"fin-{attempt}-{p}").exists():
+        return True
+    try:
+        return open(f"/proc/{peers[p]}/stat").read().split()[2] != "Z"
+    except OSError:
+        return False
+start = int((d / "ckpt").read_text()) if (d / "ckpt").exists() else 0
+if pid == 0:
+    print(f"run dir {d}/run: checkpoints/, metrics.jsonl", flush=True)
+    if start:
+        print(f"resumed from {d}/run/checkpoints at step {start}", flush=True)
+    print("compiled in 0.5 s (compilation cache: hit)", flush=True)
+    if code:
+        sys.exit(code)
+for step in range(start + 1, steps + 1):
+    time.sleep(0.15)
+    if not all(alive(p) for p in peers):
+        print("error: lost peer", flush=True)
+        sys.exit(3)
+    if pid == 0:
+        print(f"step {step} | loss 1.0", flush=True)
+        if step % 2 == 0:
+            (d / "ckpt").write_text(str(step))
+(d / f"fin-{attempt}-{pid}").write_text("")
+"""
+
+
+def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=3.0):
+    """make_workers for the supervisor: the stand-in job, one attempt per call."""
+    attempts = []
+
+    def make_workers(extra):
+        attempts.append(dict(extra))
+        workers = []
+        for pid, host in enumerate(hosts):
+            env = dict(os.environ, **extra)
+            env.update(
+                FAKE_DIR=str(tmp_path), FAKE_PID=str(pid), FAKE_HOSTS=str(len(hosts)),
+                FAKE_ATTEMPT=str(len(attempts)), FAKE_STEPS=str(steps),
+                FAKE_EXIT=str(exit_code), FAKE_JOIN_S=str(join_s),
+            )  # fmt: skip
+            workers.append(Worker(host, pid, [sys.executable, "-c", FAKE], env))
+        return workers
+
+    return make_workers, attempts
+
+
+def supervise(tmp_path, specs=(), **kwargs):
+    job = {k: kwargs.pop(k) for k in ("steps", "exit_code", "join_s") if k in kwargs}
+    make_workers, attempts = fake_job(tmp_path, **job)
+    faults = [supervisor.parse_fault(s, ["a", "b"]) for s in specs]
+    out = io.StringIO()
+    sup = supervisor.Supervisor(make_workers, faults=faults, grace_s=0.5, out=out, **kwargs)
+    code = sup.run()
+    return code, out.getvalue(), attempts
+
+
+def launcher_lines(text):
+    return [line for line in text.splitlines() if line.startswith("launch: ")]
+
+
+# The launcher forks (to arm PR_SET_PDEATHSIG); jax, loaded in this test process by other
+# tests, warns about any fork. The launcher's own process never imports jax.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
+
+def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path):
+    code, out, attempts = supervise(tmp_path, ["b@3"], max_restarts=2)
+    assert code == 0, out
+    lines = launcher_lines(out)
+    assert lines[0] == "launch: --fail-host b@3: SIGKILL to b at step 3"
+    assert lines[1] == (
+        "launch: b (process 1) exited with signal SIGKILL at step 3; stopping the others "
+        "(in 0.5 s at most), then restart 1 of 2"
+    )
+    assert lines[2].startswith("launch: training resumed: step 3 done ")
+    assert lines[2].endswith(
+        " s after the failure (restart 1 from checkpoint step 2, 1 step lost; compile 0.5 s, "
+        "compilation cache: hit)"
+    )
+    assert len(lines) == 3, out
+    # The restart continues the run directory the first attempt printed.
+    assert attempts == [{}, {rundir.CONTINUE_VAR: f"{tmp_path}/run"}]
+    assert (tmp_path / "env-2-1").read_text() == f"{tmp_path}/run"
+    steps = [line.split()[2] for line in out.splitlines() if line.startswith("[a] step ")]
+    assert steps == ["1", "2", "3", "3", "4", "5", "6"]
+    assert supervisor.CONTINUE_VAR == rundir.CONTINUE_VAR
+
+
+def test_exit_code_2_is_not_retried(tmp_path):
+    code, out, attempts = supervise(tmp_path, exit_code=2, max_restarts=3)
+    assert code == 2 and len(attempts) == 1
+    assert launcher_lines(out) == [
+        "launch: a (process 0) exited with code 2 before its first step; stopping the others "
+        "(in 0.5 s at most); not restarting: exit code 2 is a config or usage error"
+    ]
+
+
+def test_max_restarts_0_runs_once_and_ends_with_the_failure(tmp_path):
+    code, out, attempts = supervise(tmp_path, ["a@2"], max_restarts=0)
+    assert code == 128 + signal.SIGKILL and len(attempts) == 1
+    assert launcher_lines(out)[1] == (
+        "launch: a (process 0) exited with signal SIGKILL at step 2; stopping the others "
+        "(in 0.5 s at most)"
+    )
+
+
+def test_restarts_run_out(tmp_path):
+    """Every attempt fails (exit 1, a step error): the last line gives up."""
+    code, out, attempts = supervise(tmp_path, exit_code=1, max_restarts=2)
+    assert code == 1 and len(attempts) == 3
+    assert launcher_lines(out)[-1] == (
+        "launch: a (process 0) exited with code 1 before its first step; stopping the others "
+        "(in 0.5 s at most); giving up after 2 restarts"
+    )
+
+
+def test_a_host_away_for_seconds_comes_back_and_the_job_finishes(tmp_path):
+    code, out, attempts = supervise(tmp_path, ["b@3:+1.5"], max_restarts=1)
+    assert code == 0, out
+    lines = launcher_lines(out)
+    assert lines[0] == "launch: --fail-host b@3:+1.5: SIGKILL to b at step 3, away for 1.5 s"
+    assert lines[2].startswith("launch: b is away for ") and "start without it" in lines[2]
+    assert lines[3] == "launch: b is back: starting process 1"
+    assert lines[4].startswith("launch: training resumed: step 3 done ")
+    took = float(lines[4].split(" done ")[1].split(" s ")[0])
+    assert took >= 1.5  # it waited for b
+
+
+def test_a_host_lost_for_good_ends_the_job_after_its_restarts(tmp_path):
+    """b never comes back: each restart's a fails to join (exit 1 after its join timeout)
+    and the last line names b."""
+    code, out, attempts = supervise(tmp_path, ["b@3:permanent"], max_restarts=2, join_s=0.5)
+    assert code == 1 and len(attempts) == 3
+    lines = launcher_lines(out)
+    assert lines[0] == "launch: --fail-host b@3:permanent: SIGKILL to b at step 3, for good"
+    assert sum("b is away for good" in line for line in lines) == 2
+    assert not (tmp_path / "pid-2-1").exists() and not (tmp_path / "pid-3-1").exists()
+    assert lines[-1] == (
+        "launch: a (process 0) exited with code 1 at step 3; stopping the others (in 0.5 s at "
+        "most); giving up after 2 restarts: b did not come back (--fail-host b@3:permanent) "
+        "and the job needs every host of its topology"
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--fail-host", "ib-9@3"], "--fail-host=ib-9@3: 'ib-9' is not a host of the topology"),
+        (["--fail-host", "ib-0@0"], "--fail-host=ib-0@0: step 0 must be >= 1"),
+        (["--fail-host", "ib-0@-2"], "--fail-host=ib-0@-2: step -2 must be >= 1"),
+        (["--fail-host", "ib-0@3:+-5"], "--fail-host=ib-0@3:+-5: '-5' must be a number of sec"),
+        (["--fail-host", "ib-0@3:+x"], "--fail-host=ib-0@3:+x: 'x' must be a number of seconds"),
+        (["--fail-host", "ib-0"], "--fail-host=ib-0: must be HOST@STEP, HOST@STEP:permanent or"),
+        (["--fail-host", "ib-0@x"], "--fail-host=ib-0@x: must be HOST@STEP"),
+        (["--fail-host", "ib-0@3:forever"], "--fail-host=ib-0@3:forever: must be HOST@STEP"),
+        (["--max-restarts", "-1"], "--max-restarts=-1: must be >= 0 (0 = no restarts)"),
+    ],
+)
+def test_bad_fault_and_restart_flags_are_one_line_errors(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    argv = ["--mesh", "meshes/cpu8-two-islands.yaml", *args, "--", "--set", "train.steps=1"]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_fault_specs_parse():
+    hosts = ["a", "b"]
+    assert supervisor.parse_fault("a@3", hosts) == supervisor.Fault("a", 3, 0.0, "a@3")
+    assert supervisor.parse_fault("b@1:+2.5", hosts).away_s == 2.5
+    assert supervisor.parse_fault("b@7:permanent", hosts).permanent
