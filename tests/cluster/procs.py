@@ -35,6 +35,21 @@ FOUR = TINY + [
 ]
 
 
+def two_host_mesh(directory):
+    """cpu8-two-islands with one host of 4 devices per island: a two-process launch.
+    Written to ``directory``; returns its path."""
+    import yaml
+
+    with open(f"{ROOT}/meshes/cpu8-two-islands.yaml") as f:
+        raw = yaml.safe_load(f)
+    raw["name"] = "cpu8-two-hosts"
+    for island in raw["islands"]:
+        island["hosts"], island["devices_per_host"] = island["hosts"][:1], 4
+    path = directory / "cpu8-two-hosts.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 def start(pid, count, port, overrides, log_path, env, devices=4):
     """Process ``pid`` of ``count`` (coordinator on ``port``), output to ``log_path``."""
     cmd = [sys.executable, "-m", "holmes_jax.train", *as_flags(overrides)]

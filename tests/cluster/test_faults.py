@@ -6,6 +6,7 @@ sharing one persistent compilation cache. A survivor of a dead peer exits non-ze
 step, the loss of the run that was never interrupted.
 """
 
+import json
 import random
 import re
 import subprocess
@@ -15,8 +16,17 @@ import time
 import pytest
 
 from holmes_jax.cluster.launcher import free_port
-from tests.cluster.procs import FOUR, TWO, compare, losses, start_job, wait, wait_for_step
-from tests.common import ROOT
+from tests.cluster.procs import (
+    FOUR,
+    TWO,
+    compare,
+    losses,
+    start_job,
+    two_host_mesh,
+    wait,
+    wait_for_step,
+)
+from tests.common import ROOT, as_flags
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +163,54 @@ def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, proc_e
     assert logged == set(range(1, steps + 1)), (kill_at, victims, attempts)
     for got in attempts:
         compare(got, reference, atol=1e-6)
+
+
+def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_path, proc_env):
+    """``launch`` on two hosts, a checkpoint every 3 steps, two injected faults: roce-0 killed
+    at step 2 (before any checkpoint) and away for 2 s, then ib-0 (the coordinator) at
+    step 4. The job restarts twice, continues its run directory (no ``-2``), its restarts
+    compile from the run's compilation cache (``auto``: in the run directory, filled here
+    by the uninterrupted run to spare the test a cold compile), and every loss any attempt
+    logged equals the uninterrupted run's at that step, bitwise."""
+    mesh = two_host_mesh(tmp_path)
+    env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}  # the config's cache
+    env["JAX_PLATFORMS"] = "cpu"
+    job = [o for o in TWO if not o.startswith("train.steps")]
+    job += ["train.steps=6", "checkpoint.every=3", "distributed.heartbeat_timeout_s=5"]
+    chaos, straight = tmp_path / "chaos", tmp_path / "straight"
+
+    def launch(run_dir, flags, overrides=()):
+        cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
+        cmd += [*flags, "--", *as_flags([*job, f"train.run_dir={run_dir}", *overrides])]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+        return done.stdout
+
+    # The uninterrupted run fills the cache the chaos run finds in its run directory.
+    cache = f"train.compilation_cache={chaos}/compile_cache"  # where auto puts chaos's cache
+    out = launch(straight, ["--max-restarts", "0"], [cache])
+    assert "compiled in " in out and "(compilation cache: miss)" in out, out[-3000:]
+    reference = losses(straight / "metrics.jsonl")
+    assert sorted(reference) == list(range(1, 7))
+
+    out = launch(chaos, ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"])
+    lines = [line for line in out.splitlines() if line.startswith("launch: ")]
+    resumed = [line for line in lines if line.startswith("launch: training resumed")]
+    assert "launch: --fail-host roce-0@2:+2: SIGKILL to roce-0 at step 2, away for 2 s" in lines
+    assert "launch: --fail-host ib-0@4: SIGKILL to ib-0 at step 4" in lines
+    assert any(
+        line.startswith("launch: roce-0 (process 1) exited with signal SIGKILL at step 2; ")
+        and line.endswith("then restart 1 of 3")
+        for line in lines
+    ), out[-4000:]
+    assert len(resumed) == 2, out[-4000:]
+    assert "(restart 1 from step 0 (no checkpoint), 2 steps lost; " in resumed[0]
+    assert "(restart 2 from checkpoint step 3, 1 step lost; " in resumed[1]
+    assert all(line.endswith("compilation cache: hit)") for line in resumed), resumed
+    assert out.count("restart: continuing the run in ") == 2
+    assert not (tmp_path / "chaos-2").exists()
+    records = [json.loads(line) for line in (chaos / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records} == set(range(1, 7))
+    assert [r["step"] for r in records if "compile_s" in r] == [1, 1, 4]  # three attempts
+    for r in records:  # bitwise: the same plan and data order on every attempt
+        assert r["loss"] == reference[r["step"]], (r, reference)
