@@ -13,8 +13,10 @@ command line and calls :func:`launch`)::
 - Every output line is prefixed with the host name. Library chatter (:func:`quiet`) is
   hidden unless ``--verbose``; a closing line counts it.
 - A ``--mesh`` among the train arguments must name the launcher's file (it is dropped).
-- The first process to fail ends the launch. The others get ``--grace`` seconds to report,
-  then are killed; the launcher exits with the first one's code.
+- The first process to fail ends the attempt. The others get ``--grace`` seconds to report,
+  then are killed. Then the job restarts (``--max-restarts``, default 3) or the launcher
+  exits with the first one's code. Restarts and ``--fail-host`` fault injection:
+  :mod:`holmes_jax.cluster.supervisor`.
 - Ctrl-C or SIGTERM is forwarded as SIGTERM (stop, checkpoint, exit 0). A second Ctrl-C
   kills.
 - ``--emulate`` (root) runs every host in its own network namespace, shaped with ``tc htb``
