@@ -242,6 +242,8 @@ class Supervisor:
         env: dict[str, str] = {}
         try:
             while True:
+                if self._signals:  # a stop between two attempts
+                    return 130
                 workers = self.make_workers(env)
                 now = time.monotonic()
                 start_at = {h: t for h, t in self._away_until.items() if t > now}
