@@ -218,7 +218,8 @@ class Supervisor:
             return f"{head}; {stopping}, then restart {n} of {self.max_restarts}"
         if self.max_restarts == 0:
             return f"{head}; {stopping}"
-        return f"{head}; {stopping}; giving up after {self.max_restarts} restarts{self._gone()}"
+        used = f"{self.max_restarts} restart{'s' * (self.max_restarts != 1)}"
+        return f"{head}; {stopping}; giving up after {used}{self._gone()}"
 
     def _gone(self) -> str:
         now = time.monotonic()
