@@ -1,4 +1,5 @@
-"""Process faults: process 0 (the coordinator) killed, and kill -9 at random steps then resume.
+"""Process faults: process 0 (the coordinator) killed, kill -9 at random steps then resume,
+and the launcher's supervised restarts after injected faults (``--fail-host``).
 
 Real ``python -m holmes_jax.train`` processes on localhost (``tests/cluster/procs.py``),
 sharing one persistent compilation cache. A survivor of a dead peer exits non-zero within
