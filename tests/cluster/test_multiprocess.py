@@ -49,7 +49,8 @@ def env(proc_env):
 
 def test_four_processes_through_the_launcher_match_one(tmp_path, env):
     metrics = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", "meshes/cpu8-two-islands.yaml"]
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--max-restarts", "0"]
+    cmd += ["--mesh", "meshes/cpu8-two-islands.yaml"]
     train = [o for o in FOUR if not o.startswith("parallel.mesh")]
     cmd += ["--", *as_flags(train + [f"train.metrics_path={metrics}"])]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -68,7 +69,7 @@ def test_four_processes_through_the_launcher_match_one(tmp_path, env):
 def test_verbose_launch_shows_library_chatter_and_takes_a_repeated_mesh(tmp_path, env):
     """--verbose passes gloo's reports through; a --mesh after '--' naming the launcher's
     own file (another spelling of the same path) is accepted."""
-    cmd = [sys.executable, "-m", "holmes_jax.launch", "--verbose"]
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--max-restarts", "0", "--verbose"]
     cmd += ["--mesh", "meshes/cpu8-two-islands.yaml", "--"]
     cmd += ["--mesh", os.path.join(ROOT, "meshes", ".", "cpu8-two-islands.yaml")]
     train = [o for o in FOUR if not o.startswith(("parallel.mesh", "train.steps"))]
@@ -140,7 +141,8 @@ def test_emulated_islands_match_one(tmp_path, env):
 
     metrics = tmp_path / "m.jsonl"
     before = set(list_namespaces())
-    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", "meshes/emu-4host-2island.yaml"]
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--max-restarts", "0"]
+    cmd += ["--mesh", "meshes/emu-4host-2island.yaml"]
     train = [o for o in EMULATED if not o.startswith("parallel.mesh")]
     cmd += ["--emulate", "--", *as_flags(train + [f"train.metrics_path={metrics}"])]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

@@ -473,7 +473,8 @@ def test_four_processes_through_the_launcher_match_one(tmp_path):
         r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")
     )
     metrics = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", "meshes/cpu8-two-islands.yaml"]
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--max-restarts", "0"]
+    cmd += ["--mesh", "meshes/cpu8-two-islands.yaml"]
     train = [o for o in overrides if not o.startswith("parallel.mesh")]
     cmd += ["--", *as_flags([*train, f"train.metrics_path={metrics}"])]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
