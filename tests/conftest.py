@@ -1,6 +1,8 @@
 """Test setup and shared fixtures.
 
 8 simulated CPU devices, set before jax is imported anywhere (this file is loaded first).
+One persistent compilation cache per test run (a temporary directory, removed at the end)
+serves every test and every process the tests start: programs with the same HLO compile once.
 
 Fixtures:
 
@@ -9,19 +11,66 @@ Fixtures:
 - ``make_program(cfg, degrees, **kwargs)``: the compiled side of a run
   (:class:`holmes_jax.runtime.program.Program`) on a mesh of those degrees.
 
+Parallel runs (pytest-xdist, ``-n N``; ``bootstrap.py test`` picks N): each test belongs to
+one group (:func:`tests.common.group_of`), and one worker runs a whole group in collection
+order. A test's group is its module, so module fixtures and cached programs are built once;
+the tests that start several jax processes of their own share the group
+:data:`tests.common.PROCESSES`, so they run one at a time: they share neither ports nor cores
+with each other, and their timeouts hold on two cores. Workers take the groups of
+:data:`tests.common.SLOW_GROUPS` first, in that order.
+
 Paths and override lists live in :mod:`tests.common`, HLO readers in :mod:`tests.hlo`.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
-from tests.common import TINY_RUN
+from tests.common import SLOW_GROUPS, TINY_RUN, group_of
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The process that creates the cache owns it; pytest-xdist workers and the processes that
+# tests start inherit the variable, so they share it.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="holmes_jax-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Hand out whole groups (:func:`tests.common.group_of`), in the workers' order, for
+    every ``--dist`` mode but ``each``."""
+    if config.getvalue("dist") == "each":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the workers' order: slow groups first
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker, the groups of :data:`tests.common.SLOW_GROUPS` first."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: i for i, name in enumerate(SLOW_GROUPS)}
+    order = {item: (rank.get(group_of(item.nodeid), len(rank)), i) for i, item in enumerate(items)}
+    items.sort(key=order.__getitem__)
 
 
 @pytest.fixture(scope="session")
