@@ -57,13 +57,28 @@ PROCESS_TESTS = (
     "tests/cluster/test_faults.py::",
     "tests/runtime/test_diloco.py::test_four_processes_through_the_launcher_match_one",
 )
+# Tests (node ids, parameters left out) long enough to be a group of their own, when no
+# module fixture ties them to the rest of their module.
+OWN_GROUPS = ("tests/runtime/test_pipeline.py::test_pipeline_loss_and_grads_equal_unpipelined",)
 # The groups that take longest, longest first: the workers start with these (the worker
 # that starts the longest group last finishes last).
-SLOW_GROUPS = (PROCESSES,)
+SLOW_GROUPS = (
+    PROCESSES,
+    "tests/runtime/test_pipeline.py",
+    OWN_GROUPS[0],
+    "tests/runtime/test_switches.py",
+    "tests/runtime/test_diloco.py",
+    "tests/test_fuzz.py",
+    "tests/test_notebook.py",
+    "tests/runtime/test_zero.py",
+    "tests/runtime/test_model.py",
+)
 
 
 def group_of(nodeid: str) -> str:
     """The pytest-xdist group of the test ``nodeid``."""
     if nodeid.startswith(PROCESS_TESTS):
         return PROCESSES
+    if nodeid.split("[")[0] in OWN_GROUPS:
+        return nodeid.split("[")[0]
     return nodeid.split("::")[0]

@@ -28,7 +28,7 @@ import tempfile
 
 import pytest
 
-from tests.common import SLOW_GROUPS, TINY_RUN, group_of
+from tests.common import PROCESSES, SLOW_GROUPS, TINY_RUN, group_of
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -65,7 +65,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """On a pytest-xdist worker, the groups of :data:`tests.common.SLOW_GROUPS` first."""
+    """Tests that start jax processes (``proc_env``) are in the group ``PROCESSES``; on a
+    pytest-xdist worker, the groups of :data:`tests.common.SLOW_GROUPS` come first."""
+    for item in items:
+        if "proc_env" in getattr(item, "fixturenames", ()) and group_of(item.nodeid) != PROCESSES:
+            raise pytest.UsageError(
+                f"{item.nodeid}: uses proc_env (starts jax processes), so it must be in "
+                "tests.common.PROCESS_TESTS (its processes would share cores and ports)"
+            )
     if not hasattr(config, "workerinput"):
         return
     rank = {name: i for i, name in enumerate(SLOW_GROUPS)}
