@@ -63,15 +63,16 @@ OWN_GROUPS = ("tests/runtime/test_pipeline.py::test_pipeline_loss_and_grads_equa
 # The groups that take longest, longest first: the workers start with these (the worker
 # that starts the longest group last finishes last).
 SLOW_GROUPS = (
-    PROCESSES,
-    "tests/runtime/test_pipeline.py",
-    OWN_GROUPS[0],
     "tests/runtime/test_switches.py",
+    PROCESSES,
+    OWN_GROUPS[0],
     "tests/runtime/test_diloco.py",
-    "tests/test_fuzz.py",
-    "tests/test_notebook.py",
     "tests/runtime/test_zero.py",
+    "tests/runtime/test_pipeline.py",
     "tests/runtime/test_model.py",
+    "tests/runtime/test_loop.py",
+    "tests/runtime/test_memory.py",
+    "tests/test_notebook.py",
 )
 
 
