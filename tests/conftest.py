@@ -1,8 +1,6 @@
 """Test setup and shared fixtures.
 
 8 simulated CPU devices, set before jax is imported anywhere (this file is loaded first).
-One persistent compilation cache per test run (a temporary directory, removed at the end)
-serves every test and every process the tests start: programs with the same HLO compile once.
 
 Fixtures:
 
@@ -23,8 +21,6 @@ Paths and override lists live in :mod:`tests.common`, HLO readers in :mod:`tests
 """
 
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -34,18 +30,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The process that creates the cache owns it; pytest-xdist workers and the processes that
-# tests start inherit the variable, so they share it.
-_OWN_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _OWN_CACHE = tempfile.mkdtemp(prefix="holmes_jax-tests-jax-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-
-def pytest_unconfigure(config):
-    if _OWN_CACHE:
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; absent under -p no:xdist
