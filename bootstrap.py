@@ -5,6 +5,9 @@
     python3 bootstrap.py test [pytest args ...]                     # the test suite (as CI runs it)
 
 The virtual environment is (re)installed when pyproject.toml changes; otherwise reused.
+``test`` runs pytest on one worker per core (pytest-xdist, at most 4 workers, none on a
+one-core machine) and prints the 25 slowest tests. Arguments after ``test`` go to pytest:
+``-n 0`` or ``-p no:xdist`` runs in one process, ``-n N`` picks the worker count.
 """
 
 from __future__ import annotations
@@ -40,6 +43,33 @@ def ensure_venv(extras: str) -> None:
         f.write(digest)
 
 
+MAX_WORKERS = 4  # each worker holds its own jax and compiled programs (~1-2 GB)
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's total)."""
+    if hasattr(os, "process_cpu_count"):  # Python 3.13+
+        return os.process_cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_args(rest: list[str]) -> list[str]:
+    """pytest's arguments: the durations report, workers unless ``rest`` chose, then ``rest``.
+
+    The workers run the tests in groups (``tests/conftest.py``), whatever ``--dist`` says.
+    """
+    args = ["-q", "--durations=25"]
+    pairs = zip(rest, rest[1:], strict=False)
+    no_xdist = "-pno:xdist" in rest or any(a == "-p" and b == "no:xdist" for a, b in pairs)
+    chose = any(
+        a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=")) for a in rest
+    )
+    if not (no_xdist or chose):
+        workers = min(cpu_count(), MAX_WORKERS)
+        args += ["-n", str(workers) if workers > 1 else "0"]
+    return args + rest
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("quickstart", "test"):
         print(__doc__, file=sys.stderr)
@@ -53,7 +83,7 @@ def main(argv: list[str]) -> int:
         cmd = [PYTHON, "-m", "holmes_jax.train", "--config", "configs/quickstart.yaml", *rest]
     else:
         ensure_venv("dev")
-        cmd = [PYTHON, "-m", "pytest", "-q", *rest]
+        cmd = [PYTHON, "-m", "pytest", *pytest_args(rest)]
     print("bootstrap: " + " ".join(cmd[1:]), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
 

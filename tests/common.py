@@ -45,3 +45,41 @@ TINY_RUN = (
 def as_flags(overrides) -> list[str]:
     """``["a=1", "b=2"]`` -> ``["--set", "a=1", "--set", "b=2"]`` for the CLIs."""
     return [arg for item in overrides for arg in ("--set", item)]
+
+
+# pytest-xdist groups (``tests/conftest.py``). A group runs on one worker, in order. The tests
+# that start several jax processes of their own (ports, cores, timeouts) share one group, so
+# they run one at a time; they are named here, by node id prefix, because the scheduler sees
+# node ids only. Every other test's group is its module.
+PROCESSES = "processes"
+PROCESS_TESTS = (
+    "tests/cluster/test_multiprocess.py::",
+    "tests/cluster/test_faults.py::",
+    "tests/runtime/test_diloco.py::test_four_processes_through_the_launcher_match_one",
+)
+# Tests (node ids, parameters left out) long enough to be a group of their own, when no
+# module fixture ties them to the rest of their module.
+OWN_GROUPS = ("tests/runtime/test_pipeline.py::test_pipeline_loss_and_grads_equal_unpipelined",)
+# The groups that take longest, longest first: the workers start with these (the worker
+# that starts the longest group last finishes last).
+SLOW_GROUPS = (
+    "tests/runtime/test_switches.py",
+    PROCESSES,
+    OWN_GROUPS[0],
+    "tests/runtime/test_diloco.py",
+    "tests/runtime/test_zero.py",
+    "tests/runtime/test_pipeline.py",
+    "tests/runtime/test_model.py",
+    "tests/runtime/test_loop.py",
+    "tests/runtime/test_memory.py",
+    "tests/test_notebook.py",
+)
+
+
+def group_of(nodeid: str) -> str:
+    """The pytest-xdist group of the test ``nodeid``."""
+    if nodeid.startswith(PROCESS_TESTS):
+        return PROCESSES
+    if nodeid.split("[")[0] in OWN_GROUPS:
+        return nodeid.split("[")[0]
+    return nodeid.split("::")[0]

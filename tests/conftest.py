@@ -9,6 +9,14 @@ Fixtures:
 - ``make_program(cfg, degrees, **kwargs)``: the compiled side of a run
   (:class:`holmes_jax.runtime.program.Program`) on a mesh of those degrees.
 
+Parallel runs (pytest-xdist, ``-n N``; ``bootstrap.py test`` picks N): each test belongs to
+one group (:func:`tests.common.group_of`), and one worker runs a whole group in collection
+order. A test's group is its module, so module fixtures and cached programs are built once;
+the tests that start several jax processes of their own share the group
+:data:`tests.common.PROCESSES`, so they run one at a time: they share neither ports nor cores
+with each other, and their timeouts hold on two cores. Workers take the groups of
+:data:`tests.common.SLOW_GROUPS` first, in that order.
+
 Paths and override lists live in :mod:`tests.common`, HLO readers in :mod:`tests.hlo`.
 """
 
@@ -16,12 +24,44 @@ import os
 
 import pytest
 
-from tests.common import TINY_RUN
+from tests.common import PROCESSES, SLOW_GROUPS, TINY_RUN, group_of
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Hand out whole groups (:func:`tests.common.group_of`), in the workers' order, for
+    every ``--dist`` mode but ``each``."""
+    if config.getvalue("dist") == "each":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the workers' order: slow groups first
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start jax processes (``proc_env``) are in the group ``PROCESSES``; on a
+    pytest-xdist worker, the groups of :data:`tests.common.SLOW_GROUPS` come first."""
+    for item in items:
+        if "proc_env" in getattr(item, "fixturenames", ()) and group_of(item.nodeid) != PROCESSES:
+            raise pytest.UsageError(
+                f"{item.nodeid}: uses proc_env (starts jax processes), so it must be in "
+                "tests.common.PROCESS_TESTS (its processes would share cores and ports)"
+            )
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: i for i, name in enumerate(SLOW_GROUPS)}
+    order = {item: (rank.get(group_of(item.nodeid), len(rank)), i) for i, item in enumerate(items)}
+    items.sort(key=order.__getitem__)
 
 
 @pytest.fixture(scope="session")
