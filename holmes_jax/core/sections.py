@@ -396,8 +396,9 @@ class TrainConfig:
     # JSON lines, one object per logged step; auto = <train.run_dir>/metrics.jsonl
     metrics_path: str | None = "auto"
     # jax's persistent compilation cache, so a restart skips the compile; auto =
-    # <train.run_dir>/compile_cache unless JAX_COMPILATION_CACHE_DIR is set (then that);
-    # null = none of ours (JAX_COMPILATION_CACHE_DIR still applies); a path wins over both.
+    # <train.run_dir>/compile_cache on GPUs and TPUs, none on CPU devices (XLA:CPU can
+    # abort on a cached program), and JAX_COMPILATION_CACHE_DIR wins over it; null = none
+    # of ours (JAX_COMPILATION_CACHE_DIR still applies); a path wins over both.
     compilation_cache: str | None = "auto"
 
     def validate(self) -> None:

@@ -4,8 +4,13 @@ The cache directory, in order of precedence:
 
 - ``train.compilation_cache: <path>``: that path;
 - ``JAX_COMPILATION_CACHE_DIR`` in the environment: jax's own setting, left as it is;
-- ``auto`` (the default): ``<train.run_dir>/compile_cache``, none without a run directory;
+- ``auto`` (the default): ``<train.run_dir>/compile_cache`` on GPUs and TPUs; none on
+  CPU devices or without a run directory;
 - ``null``: none.
+
+``auto`` leaves CPU runs out because XLA:CPU in jaxlib 0.10.2 aborts the process when it
+runs some executables read back from the cache (reproduced with test_diloco's resume test
+and a cache directory set). A path set explicitly is used on any platform.
 
 A run sets it in :func:`configure` before its first compile (never at import time). When
 this module sets the directory it also caches every program, however fast its compile
@@ -30,14 +35,15 @@ HIT_EVENT = "/jax/compilation_cache/cache_hits"
 REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 
 
-def cache_dir(cfg: Config, environ=None) -> str | None:
-    """The directory this module sets for ``cfg`` (outputs resolved), or None when it sets
-    none: the cache is off, or ``JAX_COMPILATION_CACHE_DIR`` decides."""
+def cache_dir(cfg: Config, platform: str, environ=None) -> str | None:
+    """The directory this module sets for ``cfg`` (outputs resolved) on devices of
+    ``platform`` (``cpu``, ``gpu``, ``tpu``), or None when it sets none: the cache is off,
+    or ``JAX_COMPILATION_CACHE_DIR`` decides."""
     environ = os.environ if environ is None else environ
     value = cfg.train.compilation_cache
     if value is None or value != AUTO:
         return value
-    if environ.get(ENV_DIR):
+    if environ.get(ENV_DIR) or platform == "cpu":
         return None
     run_dir = cfg.train.run_dir
     return os.path.join(run_dir, COMPILE_CACHE_NAME) if run_dir else None
@@ -53,7 +59,7 @@ def configure(cfg: Config) -> str | None:
     import jax
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    path = cache_dir(cfg)
+    path = cache_dir(cfg, jax.devices()[0].platform)
     if path is None:
         wanted = os.environ.get(ENV_DIR) or None  # jax's own setting
     else:

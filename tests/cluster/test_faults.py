@@ -187,14 +187,14 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
         return done.stdout
 
-    # The uninterrupted run fills the cache the chaos run finds in its run directory.
-    cache = f"train.compilation_cache={chaos}/compile_cache"  # where auto puts chaos's cache
+    # The uninterrupted run fills the cache the chaos run reads (a path: auto is off on CPU).
+    cache = f"train.compilation_cache={chaos}/compile_cache"
     out = launch(straight, ["--max-restarts", "0"], [cache])
     assert "compiled in " in out and "(compilation cache: miss)" in out, out[-3000:]
     reference = losses(straight / "metrics.jsonl")
     assert sorted(reference) == list(range(1, 7))
 
-    out = launch(chaos, ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"])
+    out = launch(chaos, ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"], [cache])
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
     resumed = [line for line in lines if line.startswith("launch: training resumed")]
     assert "launch: --fail-host roce-0@2:+2: SIGKILL to roce-0 at step 2, away for 2 s" in lines

@@ -128,19 +128,21 @@ def test_a_restart_continues_its_dir_even_without_a_checkpoint(tmp_path, monkeyp
 
 
 def test_the_compilation_cache_dir_and_its_precedence():
-    """A path wins; then JAX_COMPILATION_CACHE_DIR (auto sets nothing); auto is
-    <run_dir>/compile_cache; null and no run dir set nothing."""
+    """A path wins on any platform; then JAX_COMPILATION_CACHE_DIR (auto sets nothing);
+    auto is <run_dir>/compile_cache on accelerators and nothing on CPU devices; null and no
+    run dir set nothing."""
     from holmes_jax.runtime.compile_cache import cache_dir
 
     env, jax_env = {}, {"JAX_COMPILATION_CACHE_DIR": "/j"}
     auto = load_config(None, ["train.run_dir=r"])
-    assert cache_dir(auto, env) == os.path.join("r", "compile_cache")
-    assert cache_dir(auto, jax_env) is None
-    assert cache_dir(load_config(None), env) is None
+    assert cache_dir(auto, "gpu", env) == os.path.join("r", "compile_cache")
+    assert cache_dir(auto, "cpu", env) is None
+    assert cache_dir(auto, "gpu", jax_env) is None
+    assert cache_dir(load_config(None), "gpu", env) is None
     off = load_config(None, ["train.run_dir=r", "train.compilation_cache=null"])
-    assert cache_dir(off, env) is None
+    assert cache_dir(off, "gpu", env) is None
     path = load_config(None, ["train.run_dir=r", "train.compilation_cache=/c"])
-    assert cache_dir(path, jax_env) == "/c"
+    assert cache_dir(path, "cpu", jax_env) == "/c"
     with pytest.raises(Exception, match=r"train.compilation_cache='': must be auto, a path"):
         load_config(None, ["train.compilation_cache=''"])
 
@@ -239,8 +241,8 @@ def test_a_fresh_run_keeps_anothers_metrics_and_its_bar_leaves_the_compile_out(
     assert f"run dir {run_dir}-2: metrics.jsonl, tb/ (TensorBoard), config.yaml" in lines
 
     compiling = lines.index("compiling the train step ...")
-    # The run directory holds the compilation cache (or JAX_COMPILATION_CACHE_DIR does).
-    cached = r" \(compilation cache: (hit|miss|\d+ of \d+ hit)\)"
+    # The cache's verdict, where one is in use (JAX_COMPILATION_CACHE_DIR, or a path).
+    cached = r"( \(compilation cache: (hit|miss|\d+ of \d+ hit)\))?"
     assert re.fullmatch(
         rf"compiled in {history[0]['compile_s']:.1f} s{cached}", lines[compiling + 1]
     )
