@@ -68,7 +68,7 @@ def emulated_probe(
     the per-island layer fwd+bwd times (ms). ``config``: a YAML the overrides apply to."""
     import json
 
-    from holmes_jax.cluster.launcher import launch
+    from holmes_jax.cluster.supervisor import launch
     from holmes_jax.planner.profiles import load_profile
     from holmes_jax.planner.topology import load_topology
 
@@ -101,7 +101,7 @@ def emulated_run(
     """The metrics records of a training run through ``launch --emulate`` on ``mesh``."""
     import json
 
-    from holmes_jax.cluster.launcher import launch
+    from holmes_jax.cluster.supervisor import launch
 
     metrics = os.path.join(folder, f"{name}.jsonl")
     args = ["--config", config] if config else []  # else the built-in defaults

@@ -1,4 +1,5 @@
-"""Supervised restarts and fault injection for the local launcher.
+"""Supervised restarts and fault injection for the local launcher, and :func:`launch`, the
+work of ``python -m holmes_jax.launch``: one process per host of a topology, supervised.
 
 :class:`Supervisor` runs a job (:class:`~holmes_jax.cluster.launcher.Launch`) and, when a
 worker fails, runs it again, up to ``max_restarts`` times:
@@ -32,7 +33,10 @@ last line naming the host.
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,13 +45,17 @@ from typing import IO
 
 from holmes_jax.cluster.launcher import (
     DEFAULT_GRACE_S,
+    EMULATED_PORT,
     Launch,
     Worker,
     _Stop,
     describe,
     exit_code,
+    free_port,
+    plan_workers,
 )
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.topology import Topology, load_topology
 
 DEFAULT_MAX_RESTARTS = 3
 NOT_RETRIED_EXIT = 2  # a config or usage error: the same command fails the same way
@@ -282,3 +290,106 @@ class Supervisor:
         finally:
             if hidden and self.current is not None:
                 self.current.say(f"{hidden} lines of library output hidden (--verbose shows them)")
+
+
+def launch(
+    mesh_path: str,
+    train_args: Sequence[str],
+    *,
+    emulate: bool = False,
+    scale: float = 1.0,
+    grace_s: float = DEFAULT_GRACE_S,
+    out=None,
+    env: dict[str, str] | None = None,
+    program: str = "train",
+    verbose: bool = False,
+    max_restarts: int = 0,
+    fail_hosts: Sequence[str] = (),
+) -> int:
+    """Run one process per host of the topology on this machine (see the module doc).
+
+    Args:
+      mesh_path: topology file.
+      train_args: arguments for ``holmes_jax.train``.
+      emulate: run each host in its own shaped network namespace (root only).
+      scale: multiplies every emulated rate.
+      grace_s: time the others get after the first failure.
+      out: where the prefixed output goes (default stdout).
+      env: base environment of the processes (default ``os.environ``).
+      program: ``train`` (default) or ``probe`` (:data:`PROGRAMS`).
+      verbose: show library chatter (:func:`quiet`) too.
+      max_restarts: restarts after failures (:class:`~holmes_jax.cluster.supervisor.Supervisor`);
+        0 runs the job once.
+      fail_hosts: ``--fail-host`` specs (:func:`~holmes_jax.cluster.supervisor.parse_fault`).
+
+    Returns:
+      The exit code of the last attempt (see :meth:`Launch.run`); 130 when stopped before
+      anything started.
+
+    Raises:
+      ConfigError: bad topology, arguments, fault specs, or ``--emulate`` without root.
+    """
+    topology = load_topology(mesh_path)
+    hosts = [h for isl in topology.islands for h in isl.hosts]
+    faults = [parse_fault(spec, hosts) for spec in fail_hosts]
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts={max_restarts}: must be >= 0 (0 = no restarts)")
+    base = dict(os.environ if env is None else env)
+    plan_workers(topology, mesh_path, train_args, "127.0.0.1:1", base_env={}, program=program)
+    handlers = {}
+    supervisor: Supervisor | None = None
+
+    def on_signal(signum, frame):
+        if supervisor is None:
+            raise _Stop
+        supervisor.on_signal(signum, frame)
+
+    def supervise(coordinator: Callable[[], str], prefix=None) -> Supervisor:
+        def make_workers(extra: dict[str, str]) -> list[Worker]:
+            return plan_workers(
+                topology, mesh_path, train_args, coordinator(), base_env={**base, **extra},
+                program=program, prefix=prefix,
+            )  # fmt: skip
+
+        return Supervisor(
+            make_workers, max_restarts=max_restarts, faults=faults, grace_s=grace_s, out=out,
+            verbose=verbose,
+        )  # fmt: skip
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, on_signal)
+    try:
+        if not emulate:
+            supervisor = supervise(lambda: f"127.0.0.1:{free_port()}")
+            return supervisor.run()
+        from holmes_jax.cluster import netns
+
+        netns.check_privileges()
+        netns.remove_stale()
+        plan = netns.plan_network(topology, tag=str(os.getpid()), scale=scale)
+        with netns.EmulatedNetwork(plan) as network:
+            address = f"{plan.hosts[0].address}:{EMULATED_PORT}"
+            supervisor = supervise(lambda: address, network.exec_prefix)
+            print(f"launch: {_emulation_summary(topology, len(plan.hosts), scale)}",
+                  file=out or sys.stdout, flush=True)  # fmt: skip
+            return supervisor.run()
+    except _Stop:
+        return 130
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _emulation_summary(topology: Topology, namespaces: int, scale: float) -> str:
+    islands = topology.islands
+    rates = ", ".join(f"{i.name} {i.link.bandwidth_gbps * 1e3 * scale:g} Mbit/s" for i in islands)
+    inter = sorted(
+        {
+            topology.inter_island(a.name, b.name).bandwidth_gbps * 1e3 * scale
+            for n, a in enumerate(islands)
+            for b in islands[n + 1 :]
+        }
+    )
+    between = f", between islands {'/'.join(f'{r:g}' for r in inter)} Mbit/s" if inter else ""
+    return f"emulating '{topology.name}': {namespaces} namespaces, {rates}{between}"

@@ -382,7 +382,8 @@ def test_the_log_says_whether_diloco_runs_and_what_auto_became(average, hierarch
     one_replica = type("Program", (), {"diloco": False, "replicas": 1})()
     [line] = diloco_lines(cfg, one_replica, "auto", choice)
     assert "off: parallel.replica=1 (DiLoCo needs >= 2 replicas)" in line, line
-    assert "to run the planner's DiLoCo plan: --set parallel.replica=2 " in line, line
+    assert "to run the planner's DiLoCo plan: --set " in line, line
+    assert " --set parallel.replica=2 " in line, line
 
 
 # --------------------------------------------------------------------------- resume
