@@ -26,6 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.core.axes import BATCH_AXES, MESH_AXES
 from holmes_jax.core.spec import Degrees
+from holmes_jax.planner.plans import platform_blocks
 from holmes_jax.planner.topology import Topology
 
 
@@ -63,7 +64,7 @@ def collectives_block(devices: Sequence[jax.Device]) -> bool:
     """Whether collectives on these devices block them until done (the CPU runtimes, gloo
     across processes): the planner then prices them that way (``sync_collectives``) and
     ``parallel.grad_buckets: auto`` reduces once per step."""
-    return devices[0].platform == "cpu"
+    return platform_blocks(devices[0].platform)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
