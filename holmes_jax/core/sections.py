@@ -443,7 +443,7 @@ class LoggingConfig:
     log_every: int = 10  # steps between printed and recorded metrics
     progress: str = "auto"  # how progress prints; auto = a bar on a terminal, else plain
     tensorboard_dir: str | None = "auto"  # event files; auto = <train.run_dir>/tb; null = none
-    peak_tflops: float | None = None  # per device; MFU is reported when set
+    peak_tflops: float | None = None  # per device, for MFU; null = the device kind's datasheet peak
 
     def validate(self) -> None:
         _positive(self, "logging", ("log_every",))

@@ -58,6 +58,7 @@ from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime import compile_cache
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
+from holmes_jax.runtime.devices import peak_tflops
 from holmes_jax.runtime.diloco import in_warmup
 from holmes_jax.runtime.mesh import build_mesh, collectives_block
 from holmes_jax.runtime.metrics import MetricsLogger
@@ -139,7 +140,10 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     is_main = jax.process_index() == 0
     multi_process = jax.process_count() > 1
     flops = flops_per_token(cfg.model.spec, cfg.model.remat)
-    logger = MetricsLogger(cfg, flops=flops, num_devices=shape.num_devices, is_main=is_main)
+    peak = cfg.logging.peak_tflops or peak_tflops(devices[0].device_kind, cfg.train.precision)
+    logger = MetricsLogger(
+        cfg, flops=flops, num_devices=shape.num_devices, peak_tflops=peak, is_main=is_main
+    )
 
     # 2. program (nothing compiles yet)
     program = Program(cfg, mesh)

@@ -2,8 +2,9 @@
 
 For every logged step the record holds at least ``step``, ``loss``, ``step_time_s``,
 ``tokens_per_s``, ``tflops_per_device`` (model FLOPs: 6N + attention, no recompute),
-``hw_tflops_per_device`` (what runs, recompute included), ``mfu`` (when
-``logging.peak_tflops`` is set), and ``eval_loss`` on steps that were evaluated. The
+``hw_tflops_per_device`` (what runs, recompute included), ``mfu`` (against
+``logging.peak_tflops``, else the device kind's datasheet peak; left out for a kind
+without one), and ``eval_loss`` on steps that were evaluated. The
 first record of a run also holds ``compile_s``, the seconds the train step took to
 compile, which its ``step_time_s`` leaves out. Only the main process
 (``jax.process_index() == 0``) writes anything.
@@ -61,9 +62,11 @@ class MetricsLogger:
         *,
         flops: FlopsPerToken,
         num_devices: int,
+        peak_tflops: float | None = None,
         is_main: bool = True,
     ):
         self.cfg = cfg
+        self.peak_tflops = peak_tflops  # per device, for MFU; None: no MFU
         self.flops = flops
         self.num_devices = num_devices
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -107,7 +110,7 @@ class MetricsLogger:
             self.tokens_per_step,
             self.flops,
             self.num_devices,
-            self.cfg.logging.peak_tflops,
+            self.peak_tflops,
         )
         rec: dict[str, Any] = {"step": step, **{k: float(v) for k, v in values.items()}}
         rec.update(

@@ -29,6 +29,7 @@ in :mod:`holmes_jax.runtime.layers`; shape, parameter and FLOP counts in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -63,6 +64,7 @@ __all__ = [
     "attention_kernel",
     "block_apply",
     "cross_entropy",
+    "init_model",
     "remat_block",
     "remat_policy",
 ]
@@ -322,6 +324,12 @@ class GPT(nn.Module):
 
     def head_loss(self, x, targets):
         return self.head(x, self.embed, targets)
+
+
+def init_model(cfg: ModelConfig) -> GPT:
+    """The GPT to ``init`` parameters with. Init traces in fp32, where a forced cuDNN
+    kernel cannot run, and the parameters do not depend on the attention kernel."""
+    return GPT(dataclasses.replace(cfg, attention="xla"))
 
 
 def block_apply(cfg: ModelConfig, layer_params, x, *, deterministic=True, rng=None):

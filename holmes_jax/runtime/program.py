@@ -40,7 +40,7 @@ from holmes_jax.core.config import Config
 from holmes_jax.core.spec import resolve_grad_buckets
 from holmes_jax.runtime.diloco import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.runtime.mesh import batch_sharding, collectives_block, replicated
-from holmes_jax.runtime.model import GPT, LOGICAL_RULES
+from holmes_jax.runtime.model import GPT, LOGICAL_RULES, init_model
 from holmes_jax.runtime.optim import clip_by_global_norm, learning_rate_schedule, make_optimizer
 from holmes_jax.runtime.pipeline import PipelineEngine
 from holmes_jax.runtime.stages import layout_from_config, pipeline_shardings
@@ -92,6 +92,7 @@ class Program:
         self.diloco = cfg.diloco.enabled is True and self.replicas > 1
         self.model = GPT(m, deterministic=True)
         self.train_model = GPT(m, deterministic=m.dropout == 0.0)
+        self.init_model = init_model(m)
         self.tx = make_optimizer(cfg.optimizer, cfg.train.steps, clip=not self.pipelined)
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
         self.batch_sharding = batch_sharding(mesh)
@@ -368,7 +369,7 @@ class Program:
 
     def _init_boxed(self, key):
         tokens = jnp.zeros((1, self.cfg.model.seq_len), jnp.int32)
-        return self.model.init({"params": key}, tokens)["params"]
+        return self.init_model.init({"params": key}, tokens)["params"]
 
     def _init_state(self, key) -> TrainState:
         params = nn.unbox(self._init_boxed(key))

@@ -14,7 +14,9 @@ from holmes_jax.core.config import config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
 from holmes_jax.runtime.layers import Rope, inv_freq, rope
-from holmes_jax.runtime.model import GPT, attention, attention_kernel
+from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.model import GPT, attention, attention_kernel, init_model
+from holmes_jax.runtime.program import Program
 from tests.common import TINY_MODEL
 
 TINY = [*TINY_MODEL, "model.seq_len=16", "model.attention=xla"]
@@ -218,6 +220,20 @@ def test_attention_kernel_choice_on_cpu():
     assert load_config(None, []).model.attention == "auto"  # the default
     with pytest.raises(ConfigError, match="model.attention='flash'"):
         load_config(None, ["model.attention=flash"])
+
+
+def test_a_forced_cudnn_kernel_initialises_and_refuses_only_where_it_computes():
+    """Init traces in fp32, where cuDNN cannot run; the parameters do not depend on the
+    kernel, so only the step that computes with it refuses (here: no CUDA device)."""
+    cfg = load_config(None, [*TINY[:-1], "model.attention=cudnn", "train.precision=bf16"])
+    tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
+    forced = init_model(cfg.model).init(jax.random.key(0), tokens)["params"]
+    plain = GPT(load_config(None, TINY).model).init(jax.random.key(0), tokens)["params"]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), forced, plain))
+    with pytest.raises(ConfigError, match="model.attention=cudnn: needs a CUDA GPU"):
+        GPT(cfg.model).apply({"params": forced}, tokens, tokens)
+    program = Program(cfg, build_mesh(Degrees(1, 1, 1)))  # builds its state abstractly
+    assert program.abstract_state.params is not None
 
 
 # --------------------------------------------------------------------------- remat
