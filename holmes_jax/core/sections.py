@@ -204,6 +204,9 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per device (interleaved only, >= 2)
     replica: int = 1  # data-parallel copies across islands (hierarchical reduction)
     enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
+    # Hosts of parallel.mesh to run without (a failure's survivors): the trainer re-plans
+    # degrees, micro-batches, schedule, split and remat for the rest, same global batch.
+    exclude_hosts: tuple[str, ...] = ()
     # When gradients are reduced over data (and replica): "layer" each layer's as soon as
     # its last backward completes (overlaps the backward with asynchronous collectives),
     # "step" every leaf once, all layers at a time, after the backward (a few collectives
@@ -224,6 +227,11 @@ class ParallelConfig:
         )
 
     def validate(self, model: ModelConfig) -> None:
+        if self.exclude_hosts and not self.mesh:
+            raise ConfigError(
+                f"parallel.exclude_hosts={list(self.exclude_hosts)}: needs parallel.mesh "
+                "(the topology whose hosts it names)"
+            )
         if self.devices < 0:
             raise ConfigError(f"parallel.devices={self.devices}: must be >= 0 (0 = all)")
         if self.data < 0:

@@ -15,12 +15,18 @@ from holmes_jax.core.config import Config, check_devices
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.placement import stage_blocks
-from holmes_jax.planner.topology import Topology, load_topology
+from holmes_jax.planner.topology import Topology, load_topology, without_hosts
 
 
 def load_mesh_topology(cfg: Config) -> Topology | None:
-    """The topology named by ``parallel.mesh``, or None."""
-    return load_topology(cfg.parallel.mesh) if cfg.parallel.mesh else None
+    """The topology named by ``parallel.mesh`` without ``parallel.exclude_hosts`` (the
+    hosts this run has), or None."""
+    if not cfg.parallel.mesh:
+        return None
+    topology = load_topology(cfg.parallel.mesh)
+    if cfg.parallel.exclude_hosts:
+        topology = without_hosts(topology, cfg.parallel.exclude_hosts, "parallel.exclude_hosts")
+    return topology
 
 
 def resolve_shape(cfg: Config, available: int, topology: Topology | None) -> Degrees:

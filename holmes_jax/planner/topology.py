@@ -25,7 +25,9 @@ files". Plain Python: no jax import.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +178,44 @@ class Topology:
                     )
                 host_index += 1
         return places
+
+
+def without_hosts(topology: Topology, hosts: Sequence[str], key: str = "hosts") -> Topology:
+    """``topology`` with ``hosts`` left out: the survivors of a failure.
+
+    An island that loses every host is dropped with its links; the others keep theirs.
+    The name says who is missing (``paper-2x2 without b0``).
+
+    Raises:
+      ConfigError: a host not in the topology, a host named twice, or no host left
+        (``key`` names the setting in the message).
+    """
+    names = [h for isl in topology.islands for h in isl.hosts]
+    gone = list(hosts)
+    for h in gone:
+        if h not in names:
+            raise ConfigError(
+                f"{key}={list(gone)}: '{h}' is not a host of topology '{topology.name}' "
+                f"({', '.join(names)})"
+            )
+    if len(set(gone)) != len(gone):
+        raise ConfigError(f"{key}={list(gone)}: names a host twice")
+    islands = []
+    for isl in topology.islands:
+        kept = tuple(h for h in isl.hosts if h not in gone)
+        if kept:
+            islands.append(dataclasses.replace(isl, hosts=kept))
+    if not islands:
+        raise ConfigError(f"{key}={list(gone)}: leaves no host of topology '{topology.name}'")
+    kept_names = {isl.name for isl in islands}
+    overrides = tuple(o for o in topology.inter_island_overrides if {o[0], o[1]} <= kept_names)
+    return dataclasses.replace(
+        topology,
+        name=f"{topology.name} without {','.join(gone)}",
+        islands=tuple(islands),
+        inter_island_default=topology.inter_island_default if len(islands) > 1 else None,
+        inter_island_overrides=overrides,
+    )
 
 
 def single_host_topology(

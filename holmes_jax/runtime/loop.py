@@ -44,6 +44,7 @@ from holmes_jax.cluster.distributed import any_process
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, flops_per_token
+from holmes_jax.planner.failures import replan
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
 from holmes_jax.planner.plans import (
@@ -54,7 +55,7 @@ from holmes_jax.planner.plans import (
 )
 from holmes_jax.planner.report import format_preference, format_run_plan, format_step_check
 from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
-from holmes_jax.planner.topology import Topology
+from holmes_jax.planner.topology import Topology, load_topology
 from holmes_jax.runtime import compile_cache
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
@@ -127,7 +128,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
 
     # 1. mesh (and the layer split, when the planner is asked for it)
     devices = jax.devices()
-    topology = load_mesh_topology(cfg)
+    topology = load_mesh_topology(cfg)  # without parallel.exclude_hosts
+    replanned = None
+    if cfg.parallel.exclude_hosts:  # a failure's survivors: the planner's degrees for them
+        full = load_topology(cfg.parallel.mesh)
+        sync = collectives_block(devices)
+        replanned = replan(cfg, full, cfg.parallel.exclude_hosts, sync_collectives=sync)
+        cfg = replanned.cfg
     asked_diloco = cfg.diloco.enabled
     diloco, choice = resolve_diloco(cfg, topology)
     cfg = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled=diloco))
@@ -190,6 +197,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     )
     if outputs.continued:
         logger.message(f"restart: continuing the run in {cfg.train.run_dir}")
+    if replanned is not None:
+        logger.message(replanned.line())
     for line in (moved_line(outputs), outputs_line(cfg)):
         if line:
             logger.message(line)

@@ -1,0 +1,166 @@
+"""Plans for the survivors of a failure: the topology without some hosts, planned again.
+
+:func:`replan` is what the trainer runs when ``parallel.exclude_hosts`` names hosts (the
+launcher sets it when a host does not come back): the planner searches degrees,
+micro-batches, schedule, split and activation policy for the hosts that are left, with
+the config's global batch, so the optimisation is the same and only its speed changes.
+:func:`failure_plans` does the same ahead of time for the loss of one host of each island
+and of each whole island (``python -m holmes_jax.plan --failures``); hosts of one island
+are interchangeable, so one search covers them all. Pure Python; no jax import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from holmes_jax.core.config import Config
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.placement import Calibration
+from holmes_jax.planner.plans import (
+    make_plan,
+    plan_config,
+    plan_overrides,
+    predict_config,
+    topology_blocks,
+)
+from holmes_jax.planner.search import Plan
+from holmes_jax.planner.topology import Topology, without_hosts
+
+EXCLUDE_KEY = "parallel.exclude_hosts"
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The survivors' run: who is gone, their topology, the config set to their plan."""
+
+    excluded: tuple[str, ...]
+    topology: Topology  # the survivors
+    cfg: Config  # the config with the survivors' plan (parallel.exclude_hosts kept)
+    plan: Plan
+    step_s: float  # predicted, as the trainer runs it
+    full_step_s: float | None  # the config on the whole topology; None: not priceable
+
+    def line(self) -> str:
+        """One line: what was re-planned and the predicted step."""
+        lay = self.plan.layout
+        replica = f"replica={lay.replica} " if lay.replica > 1 else ""
+        schedule = f", {lay.schedule}" if lay.stages > 1 else ""
+        relative = ""
+        if self.full_step_s:
+            relative = f", {self.step_s / self.full_step_s:.2f}x the full topology's"
+        return (
+            f"re-planned for the survivors without {', '.join(self.excluded)} "
+            f"({self.topology.num_hosts} hosts, {self.topology.num_devices} devices): "
+            f"{replica}stage={lay.stages} data={lay.data} tensor={lay.tensor}, "
+            f"{lay.microbatches} micro-batches{schedule}, remat {self.plan.remat}; "
+            f"predicted step {self.step_s:.3g} s{relative}"
+        )
+
+
+def replan(
+    cfg: Config,
+    topology: Topology,
+    excluded: Sequence[str],
+    calibration: Calibration | None = None,
+    *,
+    sync_collectives: bool | None = None,
+) -> Replan:
+    """Plan ``cfg`` on ``topology`` without the hosts ``excluded``.
+
+    Args:
+      cfg: the run's config (its degrees are replaced; its global batch is kept).
+      topology: the whole cluster (``parallel.mesh``).
+      excluded: host names to leave out.
+      calibration: device speed (e.g. from a profile).
+      sync_collectives: collectives block the devices (CPU runtimes); None: as the
+        topology's device kind says (:func:`holmes_jax.planner.plans.topology_blocks`).
+
+    Raises:
+      ConfigError: an unknown host, no host left, or no plan of the survivors that fits
+        in memory and divides the global batch.
+    """
+    if sync_collectives is None:
+        sync_collectives = topology_blocks(topology)
+    excluded = tuple(excluded)
+    survivors = without_hosts(topology, excluded, key=EXCLUDE_KEY)
+    # Degrees that the planner chooses, not the ones written for the whole topology.
+    base = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, devices=0, exclude_hosts=excluded)
+    )
+    try:
+        plan = make_plan(base, survivors, calibration=calibration)
+    except ConfigError as e:
+        raise ConfigError(
+            f"{EXCLUDE_KEY}={list(excluded)}: no plan for the survivors ({e})"
+        ) from None
+    planned = plan_config(base, plan)
+    step = predict_config(planned, survivors, calibration, sync_collectives=sync_collectives)
+    try:
+        full = dataclasses.replace(
+            cfg, parallel=dataclasses.replace(cfg.parallel, exclude_hosts=())
+        )
+        full_s = predict_config(
+            full, topology, calibration, sync_collectives=sync_collectives
+        ).step_s
+    except ConfigError:
+        full_s = None
+    return Replan(excluded, survivors, planned, plan, step.step_s, full_s)
+
+
+@dataclass(frozen=True)
+class FailurePlan:
+    """The plan after one failure: ``what`` is ``host`` (any one host of ``island``) or
+    ``island`` (all of its hosts)."""
+
+    what: str
+    island: str
+    excluded: tuple[str, ...]
+    replan: Replan | None  # None: the survivors cannot run the job
+    why: str = ""
+
+    def to_dict(self) -> dict:
+        out = {"lost": self.what, "island": self.island, "excluded": list(self.excluded)}
+        if self.replan is None:
+            return {**out, "plan": None, "why": self.why}
+        r = self.replan
+        return {
+            **out,
+            "hosts": r.topology.num_hosts,
+            "devices": r.topology.num_devices,
+            "plan": r.plan.to_dict(),
+            "predicted_step_s": r.step_s,
+            "relative_step": r.step_s / r.full_step_s if r.full_step_s else None,
+            "overrides": survivor_overrides(r),
+        }
+
+
+def failure_plans(
+    cfg: Config,
+    topology: Topology,
+    calibration: Calibration | None = None,
+    *,
+    sync_collectives: bool | None = None,
+) -> list[FailurePlan]:
+    """The survivors' plan for the loss of one host of each island (its first: the
+    hosts of an island are alike) and of each whole island, in topology order."""
+    out = []
+    for isl in topology.islands:
+        cases = []
+        if isl.num_hosts > 1:  # else losing its host is losing the island
+            cases.append(("host", (isl.hosts[0],)))
+        if len(topology.islands) > 1:  # else nothing would be left
+            cases.append(("island", tuple(isl.hosts)))
+        for what, gone in cases:
+            try:
+                r = replan(cfg, topology, gone, calibration, sync_collectives=sync_collectives)
+                out.append(FailurePlan(what, isl.name, gone, r))
+            except ConfigError as e:
+                out.append(FailurePlan(what, isl.name, gone, None, str(e)))
+    return out
+
+
+def survivor_overrides(r: Replan) -> list[str]:
+    """The ``--set`` overrides that run the survivors' plan by hand."""
+    return [f"{EXCLUDE_KEY}=[{','.join(r.excluded)}]", *plan_overrides(r.plan)]
