@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from holmes_jax.cluster.launcher import DEFAULT_GRACE_S, PROGRAMS
-from holmes_jax.cluster.supervisor import DEFAULT_MAX_RESTARTS, launch
+from holmes_jax.cluster.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_REJOIN_S, launch
 from holmes_jax.cluster.transport import format_exports, host_environment
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import load_topology
@@ -72,6 +72,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         metavar="HOST@STEP[:permanent|:+SECONDS]",
         help="fault injection: SIGKILL HOST's worker when the job reaches STEP; permanent: "
         "it never comes back; +SECONDS: it comes back after that long (repeatable)",
+    )
+    parser.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        default=DEFAULT_REJOIN_S,
+        metavar="SECONDS",
+        help="before a restart, wait this long for a host that is away; then the others go "
+        f"on without it, re-planned for the survivors (default {DEFAULT_REJOIN_S:g})",
     )
     parser.add_argument(
         "--verbose",
@@ -131,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             verbose=args.verbose,
             max_restarts=args.max_restarts,
             fail_hosts=args.fail_host,
+            rejoin_timeout_s=args.rejoin_timeout,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -266,6 +266,7 @@ class Launch:
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
         self._signals = 0
+        self._stop_requested = False
         self._width = max(len(w.host) for w in workers)
         self._die_with_parent = _die_with_parent()
 
@@ -304,6 +305,12 @@ class Launch:
     def stopped(self) -> bool:
         """Whether a signal asked the launch to stop."""
         return self._signals > 0
+
+    def request_stop(self) -> None:
+        """SIGTERM to every worker: each finishes its step, checkpoints and exits 0. Neither
+        a failure nor a user's stop (the supervisor's, to change the job's hosts)."""
+        self._stop_requested = True
+        self._send(signal.SIGTERM)
 
     def _send(self, sig: int) -> None:
         for p in self.procs:
@@ -401,7 +408,7 @@ class Launch:
                         )
                         deadline = time.monotonic() + self.grace_s
                         break
-            if self._signals == 1 and deadline is None:
+            if (self._signals == 1 or self._stop_requested) and deadline is None:
                 deadline = time.monotonic() + STOP_GRACE_S
             if deadline is not None and time.monotonic() > deadline:
                 self._send(signal.SIGKILL)

@@ -23,11 +23,16 @@ seconds since the failure, the checkpoint step it resumed from and the steps los
 
 Fault injection (:class:`Fault`, ``--fail-host HOST@STEP[:permanent|:+SECONDS]``): once
 the job reports step STEP or later, the host's worker gets SIGKILL, once per fault. The
-host then stays away for SECONDS (``permanent``: for good): a restart in that time starts
-without it and starts it when it is back. The others wait for it to join up to
-``distributed.initialization_timeout_s`` and then fail, which uses up a restart; so a job
-with a host lost for good ends after its restarts, each bounded by that timeout, with a
-last line naming the host.
+host then stays away for SECONDS (``permanent``: for good).
+
+Hosts that stay away (``rejoin_timeout_s``, ``--rejoin-timeout``): before a restart the
+supervisor waits up to that long for every away host to come back. Those still away are
+left out: the others start with ``--set parallel.exclude_hosts=[...]``, and the trainer
+re-plans for the survivors (:mod:`holmes_jax.planner.failures`) and resumes from the
+newest checkpoint. A restart on the survivors is a restart like any other. When a left-out
+host is back, the supervisor asks the survivors to stop (SIGTERM: they checkpoint at
+their next log step and exit 0) and starts the whole topology again from that
+checkpoint; this re-expansion does not count as a restart.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ from holmes_jax.cluster.launcher import (
     plan_workers,
 )
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.topology import Topology, load_topology
+from holmes_jax.planner.topology import Topology, load_topology, without_hosts
 
 DEFAULT_MAX_RESTARTS = 3
+DEFAULT_REJOIN_S = 60.0  # how long a restart waits for an away host before leaving it out
 NOT_RETRIED_EXIT = 2  # a config or usage error: the same command fails the same way
 # holmes_jax.runtime.rundir.CONTINUE_VAR (not imported: the launcher's process runs no jax)
 CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
@@ -121,19 +127,22 @@ class Supervisor:
     """Runs a job, restarting it after failures and injecting faults (see the module doc).
 
     Args:
-      make_workers: extra environment -> the workers of one attempt (a fresh coordinator
-        each call).
+      make_workers: (extra environment, hosts left out) -> the workers of one attempt (a
+        fresh coordinator each call; the hosts left out get no worker and the others are
+        told to run without them).
       max_restarts: restarts allowed after failures; 0 runs the job once.
       faults: the ``--fail-host`` faults.
+      rejoin_timeout_s: how long a restart waits for an away host before leaving it out.
       grace_s, out, verbose: as :class:`~holmes_jax.cluster.launcher.Launch`'s.
     """
 
     def __init__(
         self,
-        make_workers: Callable[[dict[str, str]], list[Worker]],
+        make_workers: Callable[[dict[str, str], tuple[str, ...]], list[Worker]],
         *,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         faults: Sequence[Fault] = (),
+        rejoin_timeout_s: float = DEFAULT_REJOIN_S,
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
@@ -141,6 +150,9 @@ class Supervisor:
         self.make_workers = make_workers
         self.max_restarts = max_restarts
         self.faults = list(faults)
+        self.rejoin_timeout_s = rejoin_timeout_s
+        self.excluded: tuple[str, ...] = ()  # hosts the running attempt is without
+        self._reexpand = False  # the survivors were asked to stop: start every host again
         self.grace_s = grace_s
         self.out: IO[str] | None = out
         self.verbose = verbose
@@ -153,6 +165,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._signals = 0
         # per attempt
+        self._resumption = ""  # what the next "training resumed" line reports
         self._resumed_from = 0
         self._compiled: str | None = None
         self._failed_step = 0
@@ -195,9 +208,17 @@ class Supervisor:
             )
             compiled = f"; {self._compiled}" if self._compiled else ""
             launch.say(
-                f"training resumed: step {step} done {took:.1f} s after the failure (restart "
-                f"{self.restarts} {where}, {lost} step{'s' * (lost != 1)} lost{compiled})"
+                f"training resumed: step {step} done {took:.1f} s after the "
+                f"{self._resumption} {where}, {lost} step{'s' * (lost != 1)} lost{compiled})"
             )
+        back = [h for h in self.excluded if self._away_until.get(h, 0.0) <= time.monotonic()]
+        if back and not self._reexpand:
+            self._reexpand = True
+            launch.say(
+                f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: the survivors "
+                "stop at their next log step (with a checkpoint), then every host starts again"
+            )
+            launch.request_stop()
         for i, fault in enumerate(self.faults):
             if i in self._fired or step < fault.step:
                 continue
@@ -227,56 +248,75 @@ class Supervisor:
         if self.max_restarts == 0:
             return f"{head}; {stopping}"
         used = f"{self.max_restarts} restart{'s' * (self.max_restarts != 1)}"
-        return f"{head}; {stopping}; giving up after {used}{self._gone()}"
-
-    def _gone(self) -> str:
-        now = time.monotonic()
-        gone = [f for i, f in enumerate(self.faults) if i in self._fired and f.permanent] or [
-            f for f in self.faults if self._away_until.get(f.host, 0) > now
-        ]
-        if not gone:
-            return ""
-        hosts = ", ".join(sorted({f.host for f in gone}))
-        return (
-            f": {hosts} did not come back (--fail-host {gone[0].spec}) and the job needs "
-            "every host of its topology"
-        )
+        return f"{head}; {stopping}; giving up after {used}"
 
     # -- the attempts -----------------------------------------------------------
+
+    def _say(self, line: str) -> None:
+        print(f"launch: {line}", file=self.out or sys.stdout, flush=True)
+
+    def _away(self) -> list[str]:
+        now = time.monotonic()
+        return [h for h, t in self._away_until.items() if t > now]
+
+    def _wait_for_away_hosts(self) -> tuple[str, ...]:
+        """Wait up to ``rejoin_timeout_s`` for the away hosts; returns those still away."""
+        away = self._away()
+        if not away:
+            return ()
+        limit = self.rejoin_timeout_s
+        self._say(
+            f"{', '.join(away)} {'is' if len(away) == 1 else 'are'} away: waiting up to "
+            f"{limit:g} s for {'it' if len(away) == 1 else 'them'} to come back (--rejoin-timeout)"
+        )
+        deadline = time.monotonic() + limit
+        while away and time.monotonic() < deadline and not self._signals:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            away = self._away()
+        if away:
+            self._say(
+                f"{', '.join(away)} did not come back within {limit:g} s: the others go on "
+                "without it, re-planned for the survivors, from the newest checkpoint"
+            )
+        return tuple(away)
 
     def run(self) -> int:
         """Run the job, restarting it as the module doc says; returns the exit code of its
         last attempt."""
         hidden = 0
         env: dict[str, str] = {}
+        first = True
         try:
             while True:
                 if self._signals:  # a stop between two attempts
                     return 130
-                workers = self.make_workers(env)
-                now = time.monotonic()
-                start_at = {h: t for h, t in self._away_until.items() if t > now}
+                self.excluded = () if first else self._wait_for_away_hosts()
+                first = False
+                if self._signals:
+                    return 130
+                workers = self.make_workers(env, self.excluded)
                 launch = Launch(
                     workers,
                     grace_s=self.grace_s,
                     out=self.out,
                     verbose=self.verbose,
                     watch=self._watch,
-                    start_at=start_at,
                     failure_line=self._failure_line,
                     count_hidden=False,
                 )
-                for host, t in sorted(start_at.items()):
-                    when = "for good" if math.isinf(t) else f"for {t - now:.1f} s more"
-                    launch.say(
-                        f"{host} is away {when}: the others start without it and wait for it "
-                        "to join (distributed.initialization_timeout_s)"
-                    )
                 self.current = launch
                 try:
                     code = launch.run()
                 finally:
                     hidden += launch.hidden
+                if self._reexpand and code == 0 and not self._signals:
+                    self._reexpand = False
+                    self._failed_step, self._failed_at = self.step, time.monotonic()
+                    self._resumption = "re-expansion (every host"
+                    self._resumed_from, self._compiled, self._announced = 0, None, False
+                    if self.run_dir is not None:
+                        env = {CONTINUE_VAR: self.run_dir}
+                    continue
                 if code == 0 or launch.failure is None or launch.stopped or self._signals:
                     return code
                 worker, raw = launch.failure
@@ -284,6 +324,7 @@ class Supervisor:
                     return code
                 self.restarts += 1
                 self._failed_step, self._failed_at = self.step, launch.failed_at
+                self._resumption = f"failure (restart {self.restarts}"
                 self._resumed_from, self._compiled, self._announced = 0, None, False
                 if self.run_dir is not None:
                     env = {CONTINUE_VAR: self.run_dir}
@@ -305,6 +346,7 @@ def launch(
     verbose: bool = False,
     max_restarts: int = 0,
     fail_hosts: Sequence[str] = (),
+    rejoin_timeout_s: float = DEFAULT_REJOIN_S,
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -321,6 +363,8 @@ def launch(
       max_restarts: restarts after failures (:class:`~holmes_jax.cluster.supervisor.Supervisor`);
         0 runs the job once.
       fail_hosts: ``--fail-host`` specs (:func:`~holmes_jax.cluster.supervisor.parse_fault`).
+      rejoin_timeout_s: how long a restart waits for an away host before the others go on
+        without it (:class:`Supervisor`).
 
     Returns:
       The exit code of the last attempt (see :meth:`Launch.run`); 130 when stopped before
@@ -334,6 +378,10 @@ def launch(
     faults = [parse_fault(spec, hosts) for spec in fail_hosts]
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts={max_restarts}: must be >= 0 (0 = no restarts)")
+    if not rejoin_timeout_s >= 0 or math.isinf(rejoin_timeout_s):
+        raise ConfigError(
+            f"--rejoin-timeout={rejoin_timeout_s:g}: must be a number of seconds >= 0"
+        )
     base = dict(os.environ if env is None else env)
     plan_workers(topology, mesh_path, train_args, "127.0.0.1:1", base_env={}, program=program)
     handlers = {}
@@ -344,16 +392,20 @@ def launch(
             raise _Stop
         supervisor.on_signal(signum, frame)
 
-    def supervise(coordinator: Callable[[], str], prefix=None) -> Supervisor:
-        def make_workers(extra: dict[str, str]) -> list[Worker]:
+    def supervise(coordinator: Callable[[Topology], str], prefix=None) -> Supervisor:
+        def make_workers(extra: dict[str, str], excluded: tuple[str, ...]) -> list[Worker]:
+            hosts, args = topology, list(train_args)
+            if excluded:  # the survivors: the trainer re-plans for them
+                hosts = without_hosts(topology, excluded)
+                args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
             return plan_workers(
-                topology, mesh_path, train_args, coordinator(), base_env={**base, **extra},
+                hosts, mesh_path, args, coordinator(hosts), base_env={**base, **extra},
                 program=program, prefix=prefix,
             )  # fmt: skip
 
         return Supervisor(
             make_workers, max_restarts=max_restarts, faults=faults, grace_s=grace_s, out=out,
-            verbose=verbose,
+            verbose=verbose, rejoin_timeout_s=rejoin_timeout_s,
         )  # fmt: skip
 
     if threading.current_thread() is threading.main_thread():
@@ -361,7 +413,7 @@ def launch(
             handlers[sig] = signal.signal(sig, on_signal)
     try:
         if not emulate:
-            supervisor = supervise(lambda: f"127.0.0.1:{free_port()}")
+            supervisor = supervise(lambda hosts: f"127.0.0.1:{free_port()}")
             return supervisor.run()
         from holmes_jax.cluster import netns
 
@@ -369,8 +421,11 @@ def launch(
         netns.remove_stale()
         plan = netns.plan_network(topology, tag=str(os.getpid()), scale=scale)
         with netns.EmulatedNetwork(plan) as network:
-            address = f"{plan.hosts[0].address}:{EMULATED_PORT}"
-            supervisor = supervise(lambda: address, network.exec_prefix)
+
+            def coordinator(hosts: Topology) -> str:  # process 0's namespace
+                return f"{plan.host(hosts.islands[0].hosts[0]).address}:{EMULATED_PORT}"
+
+            supervisor = supervise(coordinator, network.exec_prefix)
             print(f"launch: {_emulation_summary(topology, len(plan.hosts), scale)}",
                   file=out or sys.stdout, flush=True)  # fmt: skip
             return supervisor.run()

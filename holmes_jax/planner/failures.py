@@ -52,11 +52,16 @@ class Replan:
             relative = f", {self.step_s / self.full_step_s:.2f}x the full topology's"
         return (
             f"re-planned for the survivors without {', '.join(self.excluded)} "
-            f"({self.topology.num_hosts} hosts, {self.topology.num_devices} devices): "
+            f"({_count(self.topology.num_hosts, 'host')}, "
+            f"{_count(self.topology.num_devices, 'device')}): "
             f"{replica}stage={lay.stages} data={lay.data} tensor={lay.tensor}, "
-            f"{lay.microbatches} micro-batches{schedule}, remat {self.plan.remat}; "
+            f"{_count(lay.microbatches, 'micro-batch', 'es')}{schedule}, remat {self.plan.remat}; "
             f"predicted step {self.step_s:.3g} s{relative}"
         )
+
+
+def _count(n: int, noun: str, plural: str = "s") -> str:
+    return f"{n} {noun}{plural * (n != 1)}"
 
 
 def replan(

@@ -215,3 +215,48 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     assert [r["step"] for r in records if "compile_s" in r] == [1, 1, 4]  # three attempts
     for r in records:  # bitwise: the same plan and data order on every attempt
         assert r["loss"] == reference[r["step"]], (r, reference)
+
+
+def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_path, proc_env):
+    """``launch`` on two hosts (one per island); roce-0 is killed at step 3 and never comes
+    back. After ``--rejoin-timeout`` the supervisor starts ib-0 alone with
+    ``parallel.exclude_hosts=[roce-0]``; the trainer re-plans for one island (no pipeline
+    across islands any more), resumes from the step-2 checkpoint and finishes. The global
+    batch is unchanged, so every step's loss equals the uninterrupted run's up to the
+    reduction order."""
+    mesh = two_host_mesh(tmp_path)
+    job = [o for o in TWO if not o.startswith("train.steps")]
+    job += ["train.steps=6", "checkpoint.every=2", "distributed.heartbeat_timeout_s=5"]
+    survivors, straight = tmp_path / "survivors", tmp_path / "straight"
+
+    def launch(run_dir, flags):
+        cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
+        cmd += [*flags, "--", *as_flags([*job, f"train.run_dir={run_dir}"])]
+        done = subprocess.run(
+            cmd, cwd=ROOT, env=proc_env, capture_output=True, text=True, timeout=480
+        )
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+        return done.stdout
+
+    launch(straight, ["--max-restarts", "0"])
+    reference = losses(straight / "metrics.jsonl")
+    out = launch(survivors, ["--fail-host", "roce-0@3:permanent", "--rejoin-timeout", "1"])
+    lines = [line for line in out.splitlines() if line.startswith("launch: ")]
+    assert (
+        "launch: roce-0 did not come back within 1 s: the others go on without it, "
+        "re-planned for the survivors, from the newest checkpoint" in lines
+    ), out[-4000:]
+    resumed = [line for line in lines if line.startswith("launch: training resumed")]
+    assert len(resumed) == 1 and "(restart 1 from checkpoint step 2, 1 step lost" in resumed[0]
+    replanned = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-planned for" in x]
+    assert len(replanned) == 1 and replanned[0].startswith("re-planned for the survivors "
+        "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip
+    records = [json.loads(x) for x in (survivors / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records} == set(range(1, 7))
+    for r in records:
+        assert abs(r["loss"] - reference[r["step"]]) < 1e-4, (r, reference)
+    final = [r for r in records if r["step"] == 6 and "eval_loss" in r][-1]
+    straight_eval = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()][
+        -1
+    ]["eval_loss"]
+    assert abs(final["eval_loss"] - straight_eval) < 0.02 * straight_eval

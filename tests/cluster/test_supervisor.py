@@ -22,7 +22,9 @@ from tests.common import ROOT
 
 # A job of FAKE_HOSTS processes in FAKE_DIR, attempt FAKE_ATTEMPT.
 FAKE = r"""
-import os, sys, time, pathlib
+import os, signal, sys, time, pathlib
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 d, pid = pathlib.Path(os.environ["FAKE_DIR"]), int(os.environ["FAKE_PID"])
 n, attempt = int(os.environ["FAKE_HOSTS"]), os.environ["FAKE_ATTEMPT"]
 steps, code = int(os.environ["FAKE_STEPS"]), int(os.environ.get("FAKE_EXIT", "0"))
@@ -57,8 +59,10 @@ for step in range(start + 1, steps + 1):
         sys.exit(3)
     if pid == 0:
         print(f"step {step} | loss 1.0", flush=True)
-        if step % 2 == 0:
+        if step % 2 == 0 or stop:
             (d / "ckpt").write_text(str(step))
+    if stop:  # as the trainer: checkpoint, then exit 0
+        break
 (d / f"fin-{attempt}-{pid}").write_text("")
 """
 
@@ -67,13 +71,14 @@ def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=3.0):
     """make_workers for the supervisor: the stand-in job, one attempt per call."""
     attempts = []
 
-    def make_workers(extra):
-        attempts.append(dict(extra))
+    def make_workers(extra, excluded):
+        attempts.append({**extra, **({"excluded": ",".join(excluded)} if excluded else {})})
         workers = []
-        for pid, host in enumerate(hosts):
+        kept = [h for h in hosts if h not in excluded]
+        for pid, host in enumerate(kept):
             env = dict(os.environ, **extra)
             env.update(
-                FAKE_DIR=str(tmp_path), FAKE_PID=str(pid), FAKE_HOSTS=str(len(hosts)),
+                FAKE_DIR=str(tmp_path), FAKE_PID=str(pid), FAKE_HOSTS=str(len(kept)),
                 FAKE_ATTEMPT=str(len(attempts)), FAKE_STEPS=str(steps),
                 FAKE_EXIT=str(exit_code), FAKE_JOIN_S=str(join_s),
             )  # fmt: skip
@@ -153,32 +158,57 @@ def test_restarts_run_out(tmp_path):
     )
 
 
-def test_a_host_away_for_seconds_comes_back_and_the_job_finishes(tmp_path):
-    code, out, attempts = supervise(tmp_path, ["b@3:+1.5"], max_restarts=1)
+def test_a_host_away_for_less_than_the_rejoin_timeout_is_waited_for(tmp_path):
+    code, out, attempts = supervise(tmp_path, ["b@3:+1.5"], max_restarts=1, rejoin_timeout_s=30)
     assert code == 0, out
     lines = launcher_lines(out)
     assert lines[0] == "launch: --fail-host b@3:+1.5: SIGKILL to b at step 3, away for 1.5 s"
-    assert lines[2].startswith("launch: b is away for ") and "start without it" in lines[2]
-    assert lines[3] == "launch: b is back: starting process 1"
-    assert lines[4].startswith("launch: training resumed: step 3 done ")
-    took = float(lines[4].split(" done ")[1].split(" s ")[0])
+    assert (
+        lines[2] == "launch: b is away: waiting up to 30 s for it to come back (--rejoin-timeout)"
+    )
+    assert lines[3].startswith("launch: training resumed: step 3 done ")
+    took = float(lines[3].split(" done ")[1].split(" s ")[0])
     assert took >= 1.5  # it waited for b
+    assert [a.get("excluded") for a in attempts] == [None, None]  # every host, both times
 
 
-def test_a_host_lost_for_good_ends_the_job_after_its_restarts(tmp_path):
-    """b never comes back: each restart's a fails to join (exit 1 after its join timeout)
-    and the last line names b."""
-    code, out, attempts = supervise(tmp_path, ["b@3:permanent"], max_restarts=2, join_s=0.5)
-    assert code == 1 and len(attempts) == 3
+def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish(tmp_path):
+    code, out, attempts = supervise(
+        tmp_path, ["b@3:permanent"], max_restarts=1, rejoin_timeout_s=0.5
+    )
+    assert code == 0, out
     lines = launcher_lines(out)
     assert lines[0] == "launch: --fail-host b@3:permanent: SIGKILL to b at step 3, for good"
-    assert sum("b is away for good" in line for line in lines) == 2
-    assert not (tmp_path / "pid-2-1").exists() and not (tmp_path / "pid-3-1").exists()
-    assert lines[-1] == (
-        "launch: a (process 0) exited with code 1 at step 3; stopping the others (in 0.5 s at "
-        "most); giving up after 2 restarts: b did not come back (--fail-host b@3:permanent) "
-        "and the job needs every host of its topology"
+    assert lines[3] == (
+        "launch: b did not come back within 0.5 s: the others go on without it, re-planned "
+        "for the survivors, from the newest checkpoint"
     )
+    assert lines[4].startswith("launch: training resumed: step 3 done ")
+    assert attempts[1]["excluded"] == "b"
+    assert not (tmp_path / "pid-2-1").exists()  # b never started again
+    steps = [line.split()[2] for line in out.splitlines() if line.startswith("[a] step ")]
+    assert steps[-1] == "6"
+
+
+def test_a_host_back_after_the_rejoin_timeout_rejoins_at_a_checkpoint(tmp_path):
+    """b is left out, comes back while the survivors train: they stop with a checkpoint
+    (SIGTERM, exit 0) and every host starts again from it, without using a restart."""
+    code, out, attempts = supervise(
+        tmp_path, ["b@3:+1.5"], max_restarts=1, rejoin_timeout_s=0.2, steps=40
+    )
+    assert code == 0, out
+    lines = launcher_lines(out)
+    assert any(line.startswith("launch: b did not come back within 0.2 s") for line in lines)
+    back = [n for n, line in enumerate(lines) if line.startswith("launch: b is back: ")]
+    assert len(back) == 1, out
+    resumed = lines[back[0] + 1]
+    assert resumed.startswith("launch: training resumed: step ")
+    assert "after the re-expansion (every host from checkpoint step " in resumed
+    assert ", 0 steps lost" in resumed, resumed
+    assert [a.get("excluded") for a in attempts] == [None, "b", None]
+    assert (tmp_path / "pid-3-1").exists()  # b runs again in the third attempt
+    steps = [line.split()[2] for line in out.splitlines() if line.startswith("[a] step ")]
+    assert steps[-1] == "40"
 
 
 @pytest.mark.parametrize(
@@ -193,6 +223,8 @@ def test_a_host_lost_for_good_ends_the_job_after_its_restarts(tmp_path):
         (["--fail-host", "ib-0@x"], "--fail-host=ib-0@x: must be HOST@STEP"),
         (["--fail-host", "ib-0@3:forever"], "--fail-host=ib-0@3:forever: must be HOST@STEP"),
         (["--max-restarts", "-1"], "--max-restarts=-1: must be >= 0 (0 = no restarts)"),
+        (["--rejoin-timeout", "-1"], "--rejoin-timeout=-1: must be a number of seconds >= 0"),
+        (["--rejoin-timeout", "inf"], "--rejoin-timeout=inf: must be a number of seconds >= 0"),
     ],
 )
 def test_bad_fault_and_restart_flags_are_one_line_errors(args, message, capsys, monkeypatch):
