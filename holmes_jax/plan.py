@@ -6,6 +6,7 @@ Examples::
     python -m holmes_jax.plan --config C --mesh M --partition holmes --json
     python -m holmes_jax.plan --config C --mesh M --keep-degrees --png plan.png
     python -m holmes_jax.plan --config C --mesh M --profile runs/probe/profile.json
+    python -m holmes_jax.plan --config C --mesh M --failures
 
 Prints the planner's plan (replica/stage/data/tensor degrees, stages per island, layers per
 stage, micro-batches), the predicted step time and its breakdown, TFLOP/s per device and
@@ -13,7 +14,10 @@ memory per stage, the ``--set`` overrides that train it, and the uniform, holmes
 optimal splits of that placement side by side. ``--keep-degrees`` plans the config's own
 degrees instead and prints the step the trainer prints for them. ``--json`` prints one
 machine-readable object; ``--png`` draws the pipeline schedule as a timeline per stage
-and the topology with its islands and links (needs matplotlib).
+and the topology with its islands and links (needs matplotlib). ``--failures`` plans ahead
+for the survivors of the loss of one host of each island and of each whole island, one row
+each, with the ``--set`` overrides that run them; the trainer computes the same plan itself
+when a restart names the lost hosts in ``parallel.exclude_hosts``.
 Errors in the config, topology or profile print one line to stderr and exit with code 2.
 The work is done by :mod:`holmes_jax.planner` (``plans``, ``report``, ``draw``); this
 module only parses and prints.
@@ -26,15 +30,20 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from holmes_jax.core.errors import ConfigError, one_line, run_cli
 from holmes_jax.planner.draw import draw_plan
+from holmes_jax.planner.failures import failure_plans, full_step
 from holmes_jax.planner.grid import describe_grid
 from holmes_jax.planner.plans import alternatives, as_trained, make_plan
-from holmes_jax.planner.report import format_plan, plan_json
+from holmes_jax.planner.report import failures_json, format_failures, format_plan, plan_json
 from holmes_jax.planner.search import METHODS
 from holmes_jax.planner.strategy import price_strategies
-from holmes_jax.planner.topology import load_topology
+from holmes_jax.planner.topology import Topology, load_topology
+
+if TYPE_CHECKING:
+    from holmes_jax.core.config import Config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,7 +67,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--partition",
         choices=METHODS,
-        default="optimal",
         help="how layers are split over stages (default: optimal)",
     )
     ap.add_argument("--profile", help="measured profile (JSON) overriding topology numbers")
@@ -74,12 +82,33 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the device grid with each device's host and island",
     )
+    ap.add_argument(
+        "--failures",
+        action="store_true",
+        help="the survivors' plan after losing one host of each island or a whole island, "
+        "computed ahead like Oobleck's templates (the trainer computes the same plan itself "
+        "when a restart sets parallel.exclude_hosts)",
+    )
     return ap
+
+
+# What --failures cannot be combined with, and why: its rows are what the trainer runs.
+_NOT_WITH_FAILURES = {
+    "keep_degrees": ("--keep-degrees", "the survivors' degrees are always planned again"),
+    "png": ("--png", "it draws one plan and --failures prints several"),
+    "show_mesh": ("--show-mesh", "it shows one mesh and --failures plans several"),
+    "partition": ("--partition", "the trainer splits the survivors' layers optimally"),
+    "profile": ("--profile", "the trainer plans the survivors from the topology file alone"),
+}
 
 
 def _run(args: argparse.Namespace) -> int:
     from holmes_jax.core.config import load_config
 
+    if args.failures:
+        for attr, (flag, why) in _NOT_WITH_FAILURES.items():
+            if getattr(args, attr):
+                raise ConfigError(f"--failures with {flag}: they do not combine ({why})")
     cfg = load_config(args.config, args.set)
     mesh = args.mesh or cfg.parallel.mesh
     if not mesh:
@@ -88,14 +117,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.show_mesh:
         print(describe_grid(cfg, topology))
         return 0
+    if args.failures:
+        return _failures(args, cfg, topology)
     calibration = None
     if args.profile:
         from holmes_jax.planner.profiles import load_profile
 
         topology, calibration = load_profile(args.profile, topology)
-    searched = make_plan(cfg, topology, args.partition, calibration, args.keep_degrees)
+    partition = args.partition or "optimal"
+    searched = make_plan(cfg, topology, partition, calibration, args.keep_degrees)
     alts = alternatives(cfg, topology, searched, calibration)
-    choice = price_strategies(cfg, topology, args.partition, calibration, searched)
+    choice = price_strategies(cfg, topology, partition, calibration, searched)
     plan = as_trained(cfg, topology, searched, calibration)
     kept = args.keep_degrees
     if args.png:
@@ -106,14 +138,34 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan_json(plan, topology, alts, cfg, choice, kept=kept)))
     else:
-        command = f"python -m holmes_jax.train --config {shlex.quote(args.config)}"
-        if args.mesh:
-            command += f" --mesh {shlex.quote(args.mesh)}"
-        command += "".join(f" --set {shlex.quote(o)}" for o in args.set)
+        command = _train_command(args)
         print(format_plan(plan, topology, alts, cfg, choice, kept=kept, command=command))
         if args.png:
             print(f"wrote {args.png}")
     return 0
+
+
+def _failures(args: argparse.Namespace, cfg: Config, topology: Topology) -> int:
+    """``--failures``: the survivors' plan of each failure, as text or JSON."""
+    plans = failure_plans(cfg, topology)
+    try:
+        full_s, why = full_step(cfg, topology), ""
+    except ConfigError as e:
+        full_s, why = None, str(e)
+    if args.json:
+        print(json.dumps(failures_json(plans, topology, full_s, why)))
+    else:
+        print(format_failures(plans, topology, full_s, why, command=_train_command(args)))
+    return 0
+
+
+def _train_command(args: argparse.Namespace) -> str:
+    """The train command of this config, mesh and overrides (the ``--set``s that run a plan
+    are added after it)."""
+    command = f"python -m holmes_jax.train --config {shlex.quote(args.config)}"
+    if args.mesh:
+        command += f" --mesh {shlex.quote(args.mesh)}"
+    return command + "".join(f" --set {shlex.quote(o)}" for o in args.set)
 
 
 if __name__ == "__main__":

@@ -383,3 +383,85 @@ def test_shipped_configs_run_the_planners_choice_and_fit(name, monkeypatch):
         assert differ and "planner prefers" in header
     else:
         assert differ == [], f"{name}: the planner would add {differ}"
+
+
+def test_failures_json_holds_the_plans_replan_gives(capsys, monkeypatch):
+    """``--failures --json`` on the quickstart: each case's plan is ``replan``'s for that
+    topology, and its ``--set`` overrides, run by hand, give the same plan again."""
+    from holmes_jax.core.config import load_config
+    from holmes_jax.planner.failures import full_step, replan
+    from holmes_jax.planner.topology import load_topology
+
+    monkeypatch.chdir(ROOT)  # parallel.mesh is read from the working directory
+    code, out, err = run(capsys, "--config", CONFIG, "--failures", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    cfg = load_config(CONFIG)
+    topology = load_topology(cfg.parallel.mesh)
+    assert d["topology"] == "cpu8-two-islands" and d["collectives_block"]
+    assert d["full_step_s"] == pytest.approx(full_step(cfg, topology), rel=1e-12)
+    assert [(f["lost"], f["excluded"]) for f in d["failures"]] == [
+        ("host", ["ib-0"]),
+        ("island", ["ib-0", "ib-1"]),
+        ("host", ["roce-0"]),
+        ("island", ["roce-0", "roce-1"]),
+    ]
+    degrees = ("replica", "stages", "data", "tensor", "microbatches", "schedule")
+    for f in d["failures"]:
+        for base in (cfg, load_config(CONFIG, f["overrides"])):  # as written; by hand
+            r = replan(base, topology, f["excluded"])
+            plan = r.plan.to_dict()
+            assert [f["plan"][k] for k in degrees] == [plan[k] for k in degrees]
+            assert f["plan"]["virtual_stages"] == plan["virtual_stages"]
+            assert f["plan"]["layers_per_stage"] == plan["layers_per_stage"]
+            assert f["plan"]["remat"] == plan["remat"]
+            assert f["predicted_step_s"] == pytest.approx(r.step_s, rel=1e-12)
+            assert f["plan"]["predicted_step_s"] == pytest.approx(r.step_s, rel=1e-12)
+        assert (f["hosts"], f["devices"]) == (r.topology.num_hosts, r.topology.num_devices)
+        assert f["relative_step"] == pytest.approx(r.step_s / d["full_step_s"], rel=1e-12)
+    # the text shows the same rows, and each runnable plan's command
+    code, out, err = run(capsys, "--config", CONFIG, "--failures")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("topology cpu8-two-islands: 4 hosts, 8 devices")
+    assert f"predicted step {d['full_step_s']:.3g} s" in lines[0]
+    for f, label in zip(
+        d["failures"],
+        [
+            "one host of ib (ib-0)",
+            "island ib (ib-0, ib-1)",
+            "one host of roce (roce-0)",
+            "island roce (roce-0, roce-1)",
+        ],
+        strict=True,
+    ):
+        (row,) = [line for line in lines if line.startswith(f"  {label} ")]
+        assert f"{f['predicted_step_s']:.3g}" in row and f"{f['relative_step']:.2f}x" in row
+        (by_hand,) = [line for line in lines if line.startswith(f"  {label}: python -m ")]
+        assert f"--set 'parallel.exclude_hosts=[{','.join(f['excluded'])}]'" in by_hand
+
+
+def test_failures_on_one_host_say_nothing_survives(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    one = os.path.join(ROOT, "configs", "gpt-1.3b-1node.yaml")
+    code, out, err = run(capsys, "--config", one, "--failures")
+    assert code == 0, err
+    assert out.splitlines()[1] == "no failure leaves survivors: the topology has one host"
+    code, out, err = run(capsys, "--config", one, "--failures", "--json")
+    assert code == 0 and json.loads(out)["failures"] == []
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--keep-degrees"], "--keep-degrees"),
+        (["--png", "plan.png"], "--png"),
+        (["--show-mesh"], "--show-mesh"),
+        (["--partition", "holmes"], "--partition"),
+        (["--profile", "profile.json"], "--profile"),
+    ],
+)
+def test_failures_with_a_flag_it_cannot_use_is_one_line(capsys, extra, flag):
+    code, out, err = run(capsys, "--config", CONFIG, "--mesh", TWO, "--failures", *extra)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"error: --failures with {flag}: ")

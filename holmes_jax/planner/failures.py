@@ -6,7 +6,9 @@ micro-batches, schedule, split and activation policy for the hosts that are left
 the config's global batch, so the optimisation is the same and only its speed changes.
 :func:`failure_plans` does the same ahead of time for the loss of one host of each island
 and of each whole island (``python -m holmes_jax.plan --failures``); hosts of one island
-are interchangeable, so one search covers them all. Pure Python; no jax import.
+are interchangeable, so one search covers them all. Both compare the survivors' step with
+:func:`full_step`, the config as written on the whole topology (what the job runs once
+every host is back). Pure Python; no jax import.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.plans import (
+    as_trained,
     make_plan,
     plan_config,
     plan_overrides,
@@ -95,23 +98,37 @@ def replan(
         cfg, parallel=dataclasses.replace(cfg.parallel, devices=0, exclude_hosts=excluded)
     )
     try:
-        plan = make_plan(base, survivors, calibration=calibration)
+        searched = make_plan(base, survivors, calibration=calibration)
     except ConfigError as e:
         raise ConfigError(
             f"{EXCLUDE_KEY}={list(excluded)}: no plan for the survivors ({e})"
         ) from None
-    planned = plan_config(base, plan)
-    step = predict_config(planned, survivors, calibration, sync_collectives=sync_collectives)
+    # The plan priced as the trainer runs it, so plan.predicted_step_s is step_s.
+    plan = as_trained(base, survivors, searched, calibration, sync_collectives=sync_collectives)
     try:
-        full = dataclasses.replace(
-            cfg, parallel=dataclasses.replace(cfg.parallel, exclude_hosts=())
-        )
-        full_s = predict_config(
-            full, topology, calibration, sync_collectives=sync_collectives
-        ).step_s
+        full_s = full_step(cfg, topology, calibration, sync_collectives=sync_collectives)
     except ConfigError:
         full_s = None
-    return Replan(excluded, survivors, planned, plan, step.step_s, full_s)
+    return Replan(excluded, survivors, plan_config(base, plan), plan, plan.predicted_step_s, full_s)
+
+
+def full_step(
+    cfg: Config,
+    topology: Topology,
+    calibration: Calibration | None = None,
+    *,
+    sync_collectives: bool | None = None,
+) -> float:
+    """The predicted step of ``cfg`` as written (its own degrees) on the whole ``topology``:
+    what the job runs once every host is back, the step the survivors' is compared with.
+
+    Raises:
+      ConfigError: the config's degrees do not run on ``topology`` or do not fit.
+    """
+    if sync_collectives is None:
+        sync_collectives = topology_blocks(topology)
+    full = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, exclude_hosts=()))
+    return predict_config(full, topology, calibration, sync_collectives=sync_collectives).step_s
 
 
 @dataclass(frozen=True)
@@ -122,18 +139,23 @@ class FailurePlan:
     what: str
     island: str
     excluded: tuple[str, ...]
+    survivors: Topology
     replan: Replan | None  # None: the survivors cannot run the job
     why: str = ""
 
     def to_dict(self) -> dict:
-        out = {"lost": self.what, "island": self.island, "excluded": list(self.excluded)}
+        out = {
+            "lost": self.what,
+            "island": self.island,
+            "excluded": list(self.excluded),
+            "hosts": self.survivors.num_hosts,
+            "devices": self.survivors.num_devices,
+        }
         if self.replan is None:
             return {**out, "plan": None, "why": self.why}
         r = self.replan
         return {
             **out,
-            "hosts": r.topology.num_hosts,
-            "devices": r.topology.num_devices,
             "plan": r.plan.to_dict(),
             "predicted_step_s": r.step_s,
             "relative_step": r.step_s / r.full_step_s if r.full_step_s else None,
@@ -158,11 +180,12 @@ def failure_plans(
         if len(topology.islands) > 1:  # else nothing would be left
             cases.append(("island", tuple(isl.hosts)))
         for what, gone in cases:
+            survivors = without_hosts(topology, gone, key=EXCLUDE_KEY)
             try:
                 r = replan(cfg, topology, gone, calibration, sync_collectives=sync_collectives)
-                out.append(FailurePlan(what, isl.name, gone, r))
+                out.append(FailurePlan(what, isl.name, gone, survivors, r))
             except ConfigError as e:
-                out.append(FailurePlan(what, isl.name, gone, None, str(e)))
+                out.append(FailurePlan(what, isl.name, gone, survivors, None, str(e)))
     return out
 
 

@@ -1,11 +1,12 @@
 """A plan as text and as JSON, with the alternative splits of its placement.
 
 What ``python -m holmes_jax.plan`` prints (:func:`format_plan`) and ``--json`` writes
-(:func:`plan_json`); what the trainer prints before training (:func:`format_run_plan`: the
-islands, the mesh, stages per island, layers per stage, schedule, micro-batches and the
-predicted step, with what the prediction assumes) and after it (:func:`format_step_check`:
-the predicted against the measured median step and their ratio). Pure Python; no jax
-import.
+(:func:`plan_json`); with ``--failures``, the survivors' plan of each failure
+(:func:`format_failures`, :func:`failures_json`); what the trainer prints before training
+(:func:`format_run_plan`: the islands, the mesh, stages per island, layers per stage,
+schedule, micro-batches and the predicted step, with what the prediction assumes) and
+after it (:func:`format_step_check`: the predicted against the measured median step and
+their ratio). Pure Python; no jax import.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, resolve_grad_buckets
 from holmes_jax.planner.cost import Prediction
+from holmes_jax.planner.failures import FailurePlan, survivor_overrides
 from holmes_jax.planner.placement import stage_blocks, stages_per_island
 from holmes_jax.planner.plans import (
     as_trained,
@@ -219,6 +221,85 @@ def format_run_plan(
         f"profile) and {collectives}; it leaves out host work (batches, logging)"
     )
     return lines
+
+
+def failures_json(
+    plans: Sequence[FailurePlan], topology: Topology, full_step_s: float | None, why: str = ""
+) -> dict:
+    """``--failures --json``: the whole topology's predicted step (``full_step_s``; None,
+    with ``full_why``, when the config's own degrees do not run there) and one
+    :meth:`FailurePlan.to_dict` per failure under ``failures``."""
+    out = {
+        "topology": topology.name,
+        "hosts": topology.num_hosts,
+        "devices": topology.num_devices,
+        "collectives_block": topology_blocks(topology),
+        "full_step_s": full_step_s,
+    }
+    if full_step_s is None:
+        out["full_why"] = why
+    out["failures"] = [p.to_dict() for p in plans]
+    return out
+
+
+def format_failures(
+    plans: Sequence[FailurePlan],
+    topology: Topology,
+    full_step_s: float | None,
+    why: str = "",
+    *,
+    command: str = "python -m holmes_jax.train --config CONFIG",
+) -> str:
+    """``--failures`` as text: the whole topology's step, one row per failure (what is
+    lost, the hosts and devices left, the survivors' degrees, micro-batches, schedule,
+    remat, predicted step and its ratio to the whole topology's, or why there is no plan),
+    then ``command`` with the ``--set`` overrides that run each plan by hand."""
+    hosts = f"{topology.num_hosts} host" + ("s" if topology.num_hosts > 1 else "")
+    head = f"topology {topology.name}: {hosts}, {topology.num_devices} devices"
+    if full_step_s is None:
+        lines = [f"{head}; the config as written does not run on it ({why})"]
+    else:
+        lines = [f"{head}; the config as written: predicted step {full_step_s:.3g} s"]
+    if not plans:
+        lines.append("no failure leaves survivors: the topology has one host")
+        return "\n".join(lines)
+    labels = [failure_label(p) for p in plans]
+    width = max(len("lost"), *(len(label) for label in labels))
+    lines.append(
+        "survivors' plans (a restart with the lost hosts in parallel.exclude_hosts plans the same):"
+    )
+    lines.append(
+        f"  {'lost':<{width}}  hosts  devices  replica  stage  data  tensor  micro-batches  "
+        "schedule        remat      step s  vs full"
+    )
+    for label, p in zip(labels, plans, strict=True):
+        left = f"  {label:<{width}}  {p.survivors.num_hosts:<5}  {p.survivors.num_devices:<7}"
+        if p.replan is None:
+            lines.append(f"{left}  no plan: {p.why}")
+            continue
+        r = p.replan
+        lay = r.plan.layout
+        schedule = _schedule_name(lay.schedule, lay.virtual_stages) if lay.stages > 1 else "-"
+        relative = f"{r.step_s / r.full_step_s:.2f}x" if r.full_step_s else "-"
+        lines.append(
+            f"{left}  {lay.replica:<7}  {lay.stages:<5}  {lay.data:<4}  {lay.tensor:<6}  "
+            f"{lay.microbatches:<13}  {schedule:<14}  {r.plan.remat:<9}  {r.step_s:<6.3g}  "
+            f"{relative}"
+        )
+    runnable = [(label, p.replan) for label, p in zip(labels, plans, strict=True) if p.replan]
+    if runnable:
+        lines.append("run one by hand:")
+        for label, r in runnable:
+            lines.append(f"  {label}: " + run_command(command, survivor_overrides(r)))
+    return "\n".join(lines)
+
+
+def failure_label(plan: FailurePlan) -> str:
+    """What a failure loses: ``one host of ib (ib-0)`` or ``island roce (roce-0, roce-1)``."""
+    hosts = ", ".join(plan.excluded)
+    if plan.what == "host":
+        return f"one host of {plan.island} ({hosts})"
+    return f"island {plan.island} ({hosts})"
 
 
 def run_command(command: str, overrides: Sequence[str]) -> str:
