@@ -21,7 +21,12 @@ import sys
 from collections.abc import Sequence
 
 from holmes_jax.cluster.launcher import DEFAULT_GRACE_S, PROGRAMS
-from holmes_jax.cluster.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_REJOIN_S, launch
+from holmes_jax.cluster.supervisor import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_REJOIN_S,
+    RESTART_GRACE_S,
+    launch,
+)
 from holmes_jax.cluster.transport import format_exports, host_environment
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import load_topology
@@ -56,7 +61,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "--grace",
         type=float,
         default=DEFAULT_GRACE_S,
-        help=f"seconds the others get after a failure (default {DEFAULT_GRACE_S:g})",
+        help=f"seconds the others get after a failure (default {DEFAULT_GRACE_S:g}; at most "
+        f"{RESTART_GRACE_S:g} when a restart follows)",
     )
     parser.add_argument(
         "--max-restarts",

@@ -22,8 +22,8 @@ import pytest
 
 from holmes_jax import plan as plan_cli
 from holmes_jax import train as train_cli
-from holmes_jax.core.config import check_devices, load_config
-from holmes_jax.planner.grid import load_mesh_topology
+from holmes_jax.core.config import load_config
+from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from tests.common import ROOT
 
 README = os.path.join(ROOT, "README.md")
@@ -109,8 +109,8 @@ def test_documented_train_command_loads(where, argv):
     args = train_cli.parse_args(argv)
     overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
     cfg = load_config(os.path.join(ROOT, args.config) if args.config else None, overrides)
-    topo = load_mesh_topology(cfg)
-    check_devices(cfg, topo.num_devices if topo is not None else args.cpu_devices)
+    topo = load_mesh_topology(cfg)  # the degrees must fit the topology's placement rules
+    resolve_shape(cfg, topo.num_devices if topo is not None else args.cpu_devices, topo)
 
 
 @pytest.mark.parametrize(

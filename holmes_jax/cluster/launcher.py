@@ -231,6 +231,8 @@ class Launch:
         others: a host that is away); ``inf``: never. Hosts not named start at once.
       failure_line: (worker, exit code) -> the line said on the first failure; default
         ``<host> (process <i>) exited with <code or signal>; stopping the others ...``.
+      grace_for: (worker, exit code) -> the others' time to exit after that failure
+        (default ``grace_s``).
       count_hidden: end with the line counting hidden chatter (off when a caller counts
         over several launches, from :attr:`hidden`).
 
@@ -248,6 +250,7 @@ class Launch:
         watch: Callable[[Worker, str], None] | None = None,
         start_at: dict[str, float] | None = None,
         failure_line: Callable[[Worker, int], str] | None = None,
+        grace_for: Callable[[Worker, int], float] | None = None,
         count_hidden: bool = True,
     ):
         self.workers = workers
@@ -257,6 +260,7 @@ class Launch:
         self.watch = watch
         self.start_at = dict(start_at or {})
         self.failure_line = failure_line
+        self.grace_for = grace_for
         self.count_hidden = count_hidden
         self.hidden = 0  # chatter lines dropped
         self.procs: list[subprocess.Popen | None] = [None] * len(workers)
@@ -406,7 +410,8 @@ class Launch:
                             or f"{w.host} (process {w.process_id}) exited with {describe(c)}; "
                             f"stopping the others (in {self.grace_s:g} s at most)"
                         )
-                        deadline = time.monotonic() + self.grace_s
+                        grace = self.grace_for(w, c) if self.grace_for else self.grace_s
+                        deadline = time.monotonic() + grace
                         break
             if (self._signals == 1 or self._stop_requested) and deadline is None:
                 deadline = time.monotonic() + STOP_GRACE_S

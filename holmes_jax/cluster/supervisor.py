@@ -63,6 +63,7 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import Topology, load_topology, without_hosts
 
 DEFAULT_MAX_RESTARTS = 3
+RESTART_GRACE_S = 1.0  # the others' time to exit when a restart follows a failure
 DEFAULT_REJOIN_S = 60.0  # how long a restart waits for an away host before leaving it out
 NOT_RETRIED_EXIT = 2  # a config or usage error: the same command fails the same way
 # holmes_jax.runtime.rundir.CONTINUE_VAR (not imported: the launcher's process runs no jax)
@@ -234,10 +235,21 @@ class Supervisor:
 
     # -- the failure line -------------------------------------------------------
 
+    def _restarts_after(self, code: int) -> bool:
+        """Whether a failure with exit ``code`` now is followed by a restart."""
+        stopped = self.current is not None and self.current.stopped
+        retried = exit_code(code) != NOT_RETRIED_EXIT and not stopped
+        return retried and self.restarts < self.max_restarts
+
+    def _grace_for(self, worker: Worker, code: int) -> float:
+        """The others' time to exit after a failure: short when a restart follows (they
+        cannot go on without the failed process, and every second delays the restart)."""
+        return min(self.grace_s, RESTART_GRACE_S) if self._restarts_after(code) else self.grace_s
+
     def _failure_line(self, worker: Worker, code: int) -> str:
         at = f"at step {self.step}" if self.step else "before its first step"
         head = f"{worker.host} (process {worker.process_id}) exited with {describe(code)} {at}"
-        stopping = f"stopping the others (in {self.grace_s:g} s at most)"
+        stopping = f"stopping the others (in {self._grace_for(worker, code):g} s at most)"
         if exit_code(code) == NOT_RETRIED_EXIT:
             return f"{head}; {stopping}; not restarting: exit code 2 is a config or usage error"
         if self.current is not None and self.current.stopped:
@@ -302,6 +314,7 @@ class Supervisor:
                     verbose=self.verbose,
                     watch=self._watch,
                     failure_line=self._failure_line,
+                    grace_for=self._grace_for,
                     count_hidden=False,
                 )
                 self.current = launch
