@@ -26,8 +26,13 @@ import pytest
 
 from tests.common import PROCESSES, SLOW_GROUPS, TINY_RUN, group_of
 
+# The suite compiles a few hundred tiny programs on two cores: compiling, not running,
+# is its cost, so XLA:CPU's backend (LLVM) optimisation is off. Tiny models barely run
+# slower; every program still compiles through the same HLO passes. The processes the
+# tests start inherit the flag.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -288,7 +288,8 @@ class Supervisor:
         if away:
             self._say(
                 f"{', '.join(away)} did not come back within {limit:g} s: the others go on "
-                "without it, re-planned for the survivors, from the newest checkpoint"
+                f"without {'it' if len(away) == 1 else 'them'}, re-planned for the survivors, "
+                "from the newest checkpoint"
             )
         return tuple(away)
 
