@@ -24,7 +24,7 @@ from tests.common import ROOT
 
 PACKAGE = "holmes_jax"
 LAYERS = ("core", "planner", "cluster", "runtime")  # left to right: who may import whom
-ENTRY_POINTS = ("train", "plan", "probe", "launch", "hf", "data")
+ENTRY_POINTS = ("train", "plan", "probe", "launch", "hf", "data", "sample")
 ACCELERATOR_LIBS = ("jax", "jaxlib", "flax", "optax", "orbax", "chex")
 
 

@@ -330,7 +330,7 @@ def export_hf(ckpt: str, hf_dir: str, *, dtype: str = "float32", progress: bool 
     del params
     os.makedirs(hf_dir, exist_ok=True)
     save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-    origin = _origin(meta)
+    origin = import_origin(meta)
     config = hf_config(m, dtype)
     base = origin.get("hf_config") or {}
     copied = []
@@ -363,7 +363,7 @@ _NOT_KEPT = ("torch_dtype", "transformers_version", "_name_or_path", "n_ctx")
 _ORIGIN_HOPS = 16  # init_from links followed back to an import
 
 
-def _origin(meta: dict[str, Any]) -> dict[str, Any]:
+def import_origin(meta: dict[str, Any]) -> dict[str, Any]:
     """The import's ``meta`` a checkpoint descends from (itself, or through the runs'
     ``checkpoint.init_from``), or {} when there is none or it is gone."""
     for _ in range(_ORIGIN_HOPS):

@@ -83,7 +83,7 @@ def prepare(
     dtype_name = token_dtype_for(vocab)
     dtype = np.dtype(dtype_name)
     root, files = _inputs(source)
-    prefix, suffix = _wrap(tok)
+    prefix, suffix = wrap_ids(tok)
     if eos is not None:
         eos_id = tok.token_to_id(eos)
         if eos_id is None:
@@ -160,7 +160,7 @@ def _inputs(source: str) -> tuple[Path, list[str]]:
     return p, files
 
 
-def _wrap(tok) -> tuple[list[int], list[int]]:
+def wrap_ids(tok) -> tuple[list[int], list[int]]:
     """The ids the post-processor puts before and after one sequence."""
     core = tok.encode("a", add_special_tokens=False).ids
     full = tok.encode("a", add_special_tokens=True).ids
