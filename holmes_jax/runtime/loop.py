@@ -360,7 +360,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     save(step, state)
                     last_saved = step
-                profiler.after_step(step, state)  # starts or stops the trace
+                # Starts or stops the trace; writing it takes seconds no step took.
+                window_start += profiler.after_step(step, state)
                 if log_step or stopping:  # the next window starts after eval and saving
                     window_start, window_steps = time.perf_counter(), 0
                 if stopping:

@@ -102,14 +102,20 @@ class StepProfiler:
         self.directory = os.path.join(cfg.logging.profile_dir, name)
         self.several = jax.process_count() > 1
 
-    def after_step(self, step: int, state: Any) -> None:
+    def after_step(self, step: int, state: Any) -> float:
         """Start the trace after step START, stop it after step START+N (``step``: the
-        steps done so far)."""
+        steps done so far).
+
+        Returns:
+          The seconds spent starting or stopping the profiler (writing the trace takes
+          seconds), which the loop leaves out of its step times; 0 on other steps.
+        """
         if self.window is None:
-            return
+            return 0.0
         start, count = self.window
         if step == start and not self.tracing:
             jax.block_until_ready(state)  # the steps before the window stay out of it
+            began = time.perf_counter()
             os.makedirs(self.directory, exist_ok=True)
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.tracing, self._began = True, time.perf_counter()
@@ -118,8 +124,10 @@ class StepProfiler:
                 f"profile: tracing {steps_text(start + 1, start + count)} into "
                 f"{self.directory}/{each}"
             )
-        elif step == start + count and self.tracing:
-            self._stop(step, state)
+            return self._began - began
+        if step == start + count and self.tracing:
+            return self._stop(step, state)
+        return 0.0
 
     def close(self, step: int, state: Any) -> None:
         """Write the trace of a run that stops inside the window (``step``: steps done)."""
@@ -131,10 +139,13 @@ class StepProfiler:
             self.tracing = False
             self.say(f"profile: the trace could not be written ({type(e).__name__}: {e})")
 
-    def _stop(self, step: int, state: Any) -> None:
+    def _stop(self, step: int, state: Any) -> float:
+        """Stop and write the trace; returns the seconds that took."""
         jax.block_until_ready(state)  # the last traced step's device work is in
-        seconds = time.perf_counter() - self._began
+        ended = time.perf_counter()
+        seconds = ended - self._began
         jax.profiler.stop_trace()
+        wrote = time.perf_counter() - ended
         start, count = self.window
         first, early = start + 1, step < start + count
         self.tracing, self.window = False, None
@@ -148,5 +159,6 @@ class StepProfiler:
         self.say(
             f"profile: {steps_text(first, step)} traced in {seconds:.2f} s"
             + (" (the run stopped inside the window)" if early else "")
-            + f", written to {where}/ (.xplane.pb: TensorBoard/xprof{perfetto})"
+            + f", written in {wrote:.1f} s to {where}/ (.xplane.pb: TensorBoard/xprof{perfetto})"
         )
+        return time.perf_counter() - ended

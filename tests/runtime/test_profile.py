@@ -83,7 +83,7 @@ def test_profile_2_2_traces_steps_3_and_4_and_print_config_is_config_yaml(tmp_pa
     assert {"eval", "diloco_outer_sync", "metrics"} <= names
     assert f"profile: tracing steps 3-4 into {trace_dir}/" in out
     (done,) = [line for line in out if line.startswith("profile: steps 3-4 traced in ")]
-    assert f"written to {trace_dir}/plugins/profile/" in done and "perfetto_trace" in done
+    assert f" s to {trace_dir}/plugins/profile/" in done and "perfetto_trace" in done
     assert any(line.startswith("run dir ") and "profile/" in line for line in out)
     # XLA:CPU reports no memory stats: the records leave peak_memory_gb out.
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
