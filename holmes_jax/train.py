@@ -3,6 +3,8 @@
     python -m holmes_jax.train --config configs/quickstart.yaml \\
         [--mesh meshes/cpu8-two-islands.yaml] [--set train.steps=100 --set parallel.tensor=2]
     python -m holmes_jax.train ... --coordinator host0:1234 --num-processes 4 --process-id 2
+    python -m holmes_jax.train ... --profile 2:2     # a profiler trace of steps 3 and 4
+    python -m holmes_jax.train ... --print-config    # the resolved config as YAML; no training
 
 On a CPU-only machine the entry point asks XLA for ``--cpu-devices`` simulated devices
 (default 8) before jax is imported; on GPU hosts the flag only adds unused CPU devices.
@@ -15,11 +17,17 @@ One of several processes (explicit flags, or SLURM / Open MPI / Kubernetes detec
 topology (:mod:`holmes_jax.cluster.transport`; variables already set win), joins the job, and
 runs. A lost peer ends the process with one line naming it (exit code 3); a step that
 raised for another reason exits with 1.
+
+``--print-config`` resolves the config on the visible devices as a run would (the run
+directory's outputs, DiLoCo, the planner's schedule, split and remat:
+:func:`holmes_jax.runtime.loop.resolve`), prints it as the YAML the run writes to
+``<run_dir>/config.yaml`` and exits 0; it compiles nothing and writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -51,6 +59,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="override a config value, e.g. --set train.steps=100 (repeatable)",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="START:N",
+        help="write a jax.profiler trace of N steps after step START (START >= 1) to "
+        "<run_dir>/profile/; sets logging.profile_steps",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (every auto decided on the visible devices) as "
+        "YAML and exit without training",
+    )
     detect.add_flags(parser)
     parser.add_argument(
         "--cpu-devices",
@@ -61,11 +81,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides the command line stands for: its ``--set`` items, then
+    ``--mesh`` and ``--profile`` (a JSON string, so the value stays text)."""
     overrides = list(args.set)
     if args.mesh:
         overrides.append(f"parallel.mesh={args.mesh}")
+    if args.profile is not None:
+        overrides.append(f"logging.profile_steps={json.dumps(args.profile)}")
+    return overrides
+
+
+def print_config(cfg: Config) -> int:
+    """``--print-config``: the resolved config on process 0's stdout."""
+    import jax
+
+    from holmes_jax.runtime.loop import resolve
+    from holmes_jax.runtime.rundir import config_yaml
+
+    resolved = resolve(cfg)
+    if jax.process_index() == 0:
+        devices = resolved.devices
+        print(
+            f"# The resolved config ({len(devices)} {devices[0].platform} devices); "
+            "a run writes the same to <train.run_dir>/config.yaml.\n" + config_yaml(resolved.cfg),
+            end="",
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = overrides_of(args)
     try:
         cfg = detect.apply_flags(load_config(args.config, overrides), args)
         load_mesh_topology(cfg)  # a bad topology file fails here, not after jax starts
@@ -79,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     xla_flags.apply_gpu_flags()  # async collectives on GPUs, validated (no-op on CPU)
 
     def body() -> int:
+        if args.print_config:
+            return print_config(cfg)
         run(cfg)
         return 0
 

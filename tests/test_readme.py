@@ -107,7 +107,7 @@ def test_the_docs_show_train_and_plan_commands():
 def test_documented_train_command_loads(where, argv):
     """What ``holmes_jax.train.main`` checks before it starts jax, for this command line."""
     args = train_cli.parse_args(argv)
-    overrides = list(args.set) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
+    overrides = train_cli.overrides_of(args)  # --set, --mesh and --profile
     cfg = load_config(os.path.join(ROOT, args.config) if args.config else None, overrides)
     topo = load_mesh_topology(cfg)  # the degrees must fit the topology's placement rules
     resolve_shape(cfg, topo.num_devices if topo is not None else args.cpu_devices, topo)

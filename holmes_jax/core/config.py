@@ -93,7 +93,7 @@ class Config:
         self.diloco.validate(self.model, self.parallel)
         self.train.validate()
         self.checkpoint.validate()
-        self.logging.validate()
+        self.logging.validate(self.train)
         self.distributed.validate()
         if self.data.source != "tokens" and self.model.vocab_size < 256:
             raise ConfigError(

@@ -16,6 +16,7 @@ bounds and the choices first.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -446,17 +447,63 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Terminal output, TensorBoard, and the peak used for MFU."""
+    """Terminal output, TensorBoard, Weights & Biases, the peak used for MFU, and profiler
+    traces (``profile_steps``: ``START:N`` traces steps START+1 .. START+N on every process;
+    START >= 1 keeps the compiling first step out)."""
 
     log_every: int = 10  # steps between printed and recorded metrics
     progress: str = "auto"  # how progress prints; auto = a bar on a terminal, else plain
     tensorboard_dir: str | None = "auto"  # event files; auto = <train.run_dir>/tb; null = none
     peak_tflops: float | None = None  # per device, for MFU; null = the device kind's datasheet peak
+    # A jax.profiler trace of N steps after step START, as "START:N" (e.g. 2:2: steps 3 and
+    # 4); train --profile START:N sets it; null = none.
+    profile_steps: str | None = None
+    # Profiler traces, one directory per process; auto = <train.run_dir>/profile; null = none.
+    profile_dir: str | None = "auto"
+    # Weights & Biases project the metrics also go to (WANDB_MODE=offline works; needs the
+    # wandb package); null = off.
+    wandb: str | None = None
 
-    def validate(self) -> None:
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """``profile_steps`` as (START, N), or None; call after :meth:`validate`."""
+        if self.profile_steps is None:
+            return None
+        start, count = self.profile_steps.split(":")
+        return int(start), int(count)
+
+    def validate(self, train: TrainConfig) -> None:
         _positive(self, "logging", ("log_every",))
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops}: must be > 0")
+        for name in ("profile_dir", "wandb"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ConfigError(f"logging.{name}='': must be a non-empty string, or null")
+        if self.profile_steps is not None:
+            self._check_profile(train)
+
+    def _check_profile(self, train: TrainConfig) -> None:
+        key = f"logging.profile_steps='{self.profile_steps}'"
+        parts = re.fullmatch(r"([0-9]{1,10}):([0-9]{1,10})", self.profile_steps)
+        if parts is None:
+            raise ConfigError(f"{key}: must be START:N (trace N steps after step START, e.g. 2:2)")
+        start, count = int(parts[1]), int(parts[2])
+        if start < 1:
+            raise ConfigError(f"{key}: START must be >= 1 (step 1 compiles: it is never traced)")
+        if count < 1:
+            raise ConfigError(f"{key}: N must be >= 1 (the number of steps traced)")
+        if start + count > train.steps:
+            raise ConfigError(
+                f"{key}: START+N={start + count} must be <= train.steps={train.steps}"
+            )
+        if self.profile_dir is None:
+            raise ConfigError(f"{key}: needs logging.profile_dir (null: nowhere to write)")
+        if self.profile_dir == "auto" and train.run_dir is None:
+            raise ConfigError(
+                f"{key}: needs train.run_dir (logging.profile_dir=auto is "
+                "<train.run_dir>/profile) or a logging.profile_dir path"
+            )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ and the rule:
 
 - :func:`read_yaml`: a file that must exist, be readable, be at most
   :data:`~holmes_jax.core.spec.FILE_BYTES` long and parse as YAML (any failure of the
-  parser, deep nesting and impossible dates included, is a one-line error);
+  parser, deep nesting and impossible dates included, is a one-line error); YAML 1.1's
+  base-60 numbers are read as text (``2:2`` is the string, as in YAML 1.2, not 122);
 - :class:`StrictReader`: node by node checks (mapping with required and optional keys,
   non-empty one-line string, finite number, integer with a minimum, and bounds:
   :class:`~holmes_jax.core.spec.Bound`);
@@ -30,6 +31,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import reprlib
 import types
 import typing
@@ -61,11 +63,23 @@ def key_name(key: Any) -> str:
     return short(key)
 
 
+# YAML 1.1's base-60 numbers (2:30 is 150, 1:30.5 is 90.5): YAML 1.2 dropped them, and in a
+# config a plain 2:2 means the text (``logging.profile_steps``).
+_BASE_60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+_STR_TAG = "tag:yaml.org,2002:str"
+
+
 class _Loader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses nesting deeper than :data:`DEPTH` at once (the
-    plain one recurses per level and fails seconds later with a RecursionError)."""
+    plain one recurses per level and fails seconds later with a RecursionError) and reads
+    YAML 1.1's base-60 numbers as strings."""
 
     _depth = 0
+
+    def resolve(self, kind, value, implicit):
+        if kind is yaml.ScalarNode and implicit[0] and _BASE_60.match(value):
+            return _STR_TAG
+        return super().resolve(kind, value, implicit)
 
     def compose_node(self, parent, index):
         self._depth += 1

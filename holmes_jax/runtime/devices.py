@@ -1,4 +1,5 @@
-"""Datasheet peaks of accelerators, for MFU when ``logging.peak_tflops`` is not given.
+"""What the metrics know of the devices: datasheet peaks, for MFU when
+``logging.peak_tflops`` is not given, and the peak memory the runtime reports.
 
 Dense (no structured sparsity) matrix-unit TFLOP/s per device, by ``device_kind``: bf16
 for bf16 compute, and what XLA runs an fp32 matmul at by default (TF32 on NVIDIA
@@ -37,3 +38,23 @@ def peak_tflops(device_kind: str, precision: str) -> float | None:
         if key in kind:
             return bf16 if precision == "bf16" else fp32
     return None
+
+
+def peak_memory_gb(devices) -> float | None:
+    """The most memory any of ``devices`` has held at once since the process started, in
+    GB (1e9 bytes): the largest ``memory_stats()["peak_bytes_in_use"]``. None when a
+    device does not report it (XLA:CPU returns no stats), so a record leaves it out.
+
+    Args:
+      devices: this process's devices (``jax.local_devices()``); others cannot be asked.
+    """
+    peaks = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 (a runtime that refuses has no number to give)
+            return None
+        if not stats or "peak_bytes_in_use" not in stats:
+            return None
+        peaks.append(stats["peak_bytes_in_use"])
+    return max(peaks) / 1e9 if peaks else None

@@ -19,6 +19,12 @@ Read top to bottom, :func:`run` does:
    out of the progress bar and the step times;
 6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
 
+Steps 0 and 1 are :func:`resolve`, which ``train --print-config`` runs alone: the config
+it returns is the one the run trains and writes to ``config.yaml``. With
+``logging.profile_steps`` a window of steps is traced
+(:class:`holmes_jax.runtime.profiling.StepProfiler`); the step, evaluation, checkpoint
+saves, DiLoCo outer syncs and metric fetches are annotated for the trace viewer either way.
+
 Printed through the metrics logger (process 0 only): before training, where the outputs
 go and, on a topology, the plan (:func:`holmes_jax.planner.report.format_run_plan`); after
 training, the predicted against the measured median step
@@ -59,14 +65,16 @@ from holmes_jax.planner.topology import Topology, load_topology
 from holmes_jax.runtime import compile_cache
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
-from holmes_jax.runtime.devices import peak_tflops
+from holmes_jax.runtime.devices import peak_memory_gb, peak_tflops
 from holmes_jax.runtime.diloco import in_warmup
 from holmes_jax.runtime.mesh import build_mesh, collectives_block
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
+from holmes_jax.runtime.profiling import StepProfiler
 from holmes_jax.runtime.program import Program, compute_dtype
 from holmes_jax.runtime.rundir import (
     CHECKPOINTS_NAME,
+    RunDir,
     choose_run_dir,
     first_free,
     moved_line,
@@ -110,6 +118,60 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum else ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A config resolved against the visible devices (:func:`resolve`).
+
+    Attributes:
+      cfg: what the run trains: outputs in the run directory, DiLoCo decided, and the
+        planner's ``auto`` (schedule, split, remat) resolved for ``shape``.
+      outputs: the run directory chosen (:func:`~holmes_jax.runtime.rundir.choose_run_dir`).
+      devices: the devices the run sees (``jax.devices()``).
+      topology: the cluster (``parallel.mesh``, without ``parallel.exclude_hosts``), or None.
+      shape: the mesh degrees.
+      replanned: the survivors' plan (:func:`~holmes_jax.planner.failures.replan`) when
+        ``parallel.exclude_hosts`` names hosts, else None.
+      asked: the config as given, outputs resolved (before the planner's choices).
+      diloco_choice: :func:`~holmes_jax.planner.strategy.resolve_diloco`'s choice, or None.
+    """
+
+    cfg: Config
+    outputs: RunDir
+    devices: list
+    topology: Topology | None
+    shape: Degrees
+    replanned: Any
+    asked: Config
+    diloco_choice: Any
+
+
+def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
+    """Steps 0 and 1 of :func:`run`: choose the run directory (unless ``outputs`` is given),
+    then resolve the degrees and what the config leaves to the planner, on the visible
+    devices, and check the plan fits in memory. Compiles nothing and writes nothing.
+
+    Raises:
+      ConfigError: settings that are impossible on the visible devices.
+    """
+    outputs = outputs or choose_run_dir(cfg)
+    cfg = outputs.cfg
+    devices = jax.devices()
+    topology = load_mesh_topology(cfg)  # without parallel.exclude_hosts
+    replanned = None
+    if cfg.parallel.exclude_hosts:  # a failure's survivors: the planner's degrees for them
+        full = load_topology(cfg.parallel.mesh)
+        sync = collectives_block(devices)
+        replanned = replan(cfg, full, cfg.parallel.exclude_hosts, sync_collectives=sync)
+        cfg = replanned.cfg
+    asked = cfg
+    diloco, choice = resolve_diloco(cfg, topology)
+    cfg = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled=diloco))
+    shape = resolve_shape(cfg, len(devices), topology)
+    cfg = resolve_auto(cfg, shape, topology)
+    check_memory(cfg, shape, topology, devices)
+    return Resolved(cfg, outputs, devices, topology, shape, replanned, asked, choice)
+
+
 def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]:
     """Train according to ``cfg``; returns one record per logged step.
 
@@ -123,26 +185,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     """
     # 0. outputs: the run directory, decided before anything is written
     outputs = choose_run_dir(cfg)
-    cfg = outputs.cfg
-    cache = compile_cache.configure(cfg)  # before the first compile
+    cache = compile_cache.configure(outputs.cfg)  # before the first compile
 
     # 1. mesh (and the layer split, when the planner is asked for it)
-    devices = jax.devices()
-    topology = load_mesh_topology(cfg)  # without parallel.exclude_hosts
-    replanned = None
-    if cfg.parallel.exclude_hosts:  # a failure's survivors: the planner's degrees for them
-        full = load_topology(cfg.parallel.mesh)
-        sync = collectives_block(devices)
-        replanned = replan(cfg, full, cfg.parallel.exclude_hosts, sync_collectives=sync)
-        cfg = replanned.cfg
-    asked_diloco = cfg.diloco.enabled
-    diloco, choice = resolve_diloco(cfg, topology)
-    cfg = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled=diloco))
-    shape = resolve_shape(cfg, len(devices), topology)
-    asked_remat, asked_split = cfg.model.remat, cfg.parallel.layers_per_stage
-    cfg = resolve_auto(cfg, shape, topology)
+    r = resolve(cfg, outputs)
+    cfg, devices, topology, shape, asked = r.cfg, r.devices, r.topology, r.shape, r.asked
     mesh = build_mesh(shape, devices)
-    check_memory(cfg, shape, topology, devices)
+    asked_split = asked.parallel.layers_per_stage
     plan_lines, predicted_s = describe_plan(cfg, shape, topology, devices, asked_split)
     is_main = jax.process_index() == 0
     multi_process = jax.process_count() > 1
@@ -197,8 +246,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     )
     if outputs.continued:
         logger.message(f"restart: continuing the run in {cfg.train.run_dir}")
-    if replanned is not None:
-        logger.message(replanned.line())
+    if r.replanned is not None:
+        logger.message(r.replanned.line())
     for line in (moved_line(outputs), outputs_line(cfg)):
         if line:
             logger.message(line)
@@ -209,7 +258,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
             f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
         )
-    for line in diloco_lines(cfg, program, asked_diloco, choice):
+    for line in diloco_lines(cfg, program, asked.diloco.enabled, r.diloco_choice):
         logger.message(line)
     if program.diloco:
         began = time.perf_counter()
@@ -218,7 +267,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             f"diloco: {cfg.diloco.fragments} outer-sync program(s) compiled before "
             f"training ({time.perf_counter() - began:.1f} s)"
         )
-    if asked_remat == "auto":
+    if asked.model.remat == "auto":
         logger.message(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
     if resumed:
         logger.message(f"resumed from {cfg.checkpoint.dir} at step {start}")
@@ -231,7 +280,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         logger.message(f"initialised from {started_from} (fresh optimizer, step 0)")
 
     def save(step: int, state) -> None:
-        ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+        with jax.profiler.TraceAnnotation("checkpoint_save", step=step):
+            ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
         logger.message(f"checkpoint step {step}: {os.path.join(cfg.checkpoint.dir, str(step))}")
 
     # 5. loop
@@ -244,6 +294,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     # Simulated CPU devices: wait for each step before dispatching the next. XLA:CPU's
     # in-process collectives can miss a rendezvous when two steps overlap. GPUs overlap.
     one_step_at_a_time = devices[0].platform == "cpu" and jax.local_device_count() > 1
+    local_devices = jax.local_devices()  # peak memory: only this process's can be asked
+    profiler = StepProfiler(cfg, start, logger.message, topology)
     try:
         with StopRequest() as stop:
             while step < total:
@@ -252,7 +304,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     logger.message("compiling the train step ...")
                     began, hits = time.perf_counter(), compile_cache.CacheHits()
                 # The first call traces and compiles before it dispatches the step.
-                state, metrics = program.train_step(state, batch)
+                with jax.profiler.StepTraceAnnotation("train_step", step_num=step + 1):
+                    state, metrics = program.train_step(state, batch)
                 if first:
                     compile_s = time.perf_counter() - began
                     how = hits.describe() if cache else ""
@@ -264,12 +317,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 step += 1
                 window_steps += 1
                 for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
-                    state = program.outer_step(state, fragment, step)
-                    # Wait for it: an inner step dispatched during the outer step's
-                    # all-gather can miss a collective rendezvous on simulated CPU
-                    # devices. One host sync per outer step is cheap next to the sync
-                    # itself, and the next inner step needs the new parameters anyway.
-                    jax.block_until_ready(state)
+                    with jax.profiler.TraceAnnotation("diloco_outer_sync", fragment=fragment):
+                        state = program.outer_step(state, fragment, step)
+                        # Wait for it: an inner step dispatched during the outer step's
+                        # all-gather can miss a collective rendezvous on simulated CPU
+                        # devices. One host sync per outer step is cheap next to the sync
+                        # itself, and the next inner step needs the new parameters anyway.
+                        jax.block_until_ready(state)
                     warm = in_warmup(step, cfg.diloco.warmup_steps)
                     kind = "averaging (warm-up)" if warm else "outer"
                     logger.message(
@@ -286,13 +340,19 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     requested = log_step and any_process(requested)
                 stopping = requested or (stop_at_step is not None and step >= stop_at_step)
                 if log_step or stopping:
-                    values = fetch_metrics(metrics)  # waits for this step
+                    with jax.profiler.TraceAnnotation("metrics"):
+                        values = fetch_metrics(metrics)  # waits for this step
                     elapsed = (time.perf_counter() - window_start) / window_steps
                     rec = logger.record(step, values, elapsed)
                     if first:
                         rec["compile_s"] = compile_s
+                    memory = peak_memory_gb(local_devices)
+                    if memory is not None:
+                        rec["peak_memory_gb"] = memory
                     if evaluate:
-                        rec["eval_loss"] = _evaluate(program, program.eval_params(state), eval_set)
+                        with jax.profiler.TraceAnnotation("eval", step=step):
+                            params = program.eval_params(state)
+                            rec["eval_loss"] = _evaluate(program, params, eval_set)
                     history.append(rec)
                     logger.write(rec, advance=step - logged_at)
                     logged_at, first = step, False
@@ -300,6 +360,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     save(step, state)
                     last_saved = step
+                # Starts or stops the trace; writing it takes seconds no step took.
+                window_start += profiler.after_step(step, state)
                 if log_step or stopping:  # the next window starts after eval and saving
                     window_start, window_steps = time.perf_counter(), 0
                 if stopping:
@@ -317,6 +379,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         if ckpt is not None and last_saved != step:
             save(step, state)
     finally:
+        profiler.close(step, state)  # a run stopped inside the profiled window
         if ckpt is not None:
             ckpt.close()
         logger.close()

@@ -1,13 +1,19 @@
-"""Per-step metrics: terminal progress, JSON lines and TensorBoard.
+"""Per-step metrics: terminal progress, JSON lines, TensorBoard and Weights & Biases.
 
 For every logged step the record holds at least ``step``, ``loss``, ``step_time_s``,
 ``tokens_per_s``, ``tflops_per_device`` (model FLOPs: 6N + attention, no recompute),
 ``hw_tflops_per_device`` (what runs, recompute included), ``mfu`` (against
 ``logging.peak_tflops``, else the device kind's datasheet peak; left out for a kind
-without one), and ``eval_loss`` on steps that were evaluated. The
-first record of a run also holds ``compile_s``, the seconds the train step took to
-compile, which its ``step_time_s`` leaves out. Only the main process
-(``jax.process_index() == 0``) writes anything.
+without one), ``peak_memory_gb`` (the most memory one of process 0's devices has held
+since the run started, where the runtime reports it: GPUs and TPUs, not XLA:CPU) and
+``eval_loss`` on steps that were evaluated. The first record of a run also holds
+``compile_s``, the seconds the train step took to compile, which its ``step_time_s``
+leaves out. Only the main process (``jax.process_index() == 0``) writes anything.
+
+TensorBoard and Weights & Biases (``logging.wandb``: a project name) take the same scalars
+under :func:`tag`: ``eval/loss`` for ``eval_loss``, ``train/<key>`` for the rest. wandb is
+imported only when asked for (a missing package is a one-line ConfigError); it reads
+``WANDB_MODE`` itself, so ``WANDB_MODE=offline`` writes under ``<run_dir>/wandb/``.
 
 Terminal output: a tqdm bar with loss and tokens/s when stderr is a terminal (or
 ``logging.progress: bar``), plain log lines otherwise (``plain``), nothing for ``none``.
@@ -22,7 +28,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from holmes_jax.core.config import Config
+from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import FlopsPerToken
+
+EVAL_PREFIX = "eval_"  # record keys of evaluation (eval_loss): tagged eval/...
+
+
+def tag(key: str) -> str:
+    """The TensorBoard / wandb name of a record key: ``eval_loss`` -> ``eval/loss``,
+    ``loss`` -> ``train/loss``."""
+    if key.startswith(EVAL_PREFIX):
+        return "eval/" + key[len(EVAL_PREFIX) :]
+    return f"train/{key}"
+
+
+def import_wandb(project: str):
+    """The ``wandb`` module, imported now (it is optional and slow to import).
+
+    Raises:
+      ConfigError: the package is not installed.
+    """
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            f"logging.wandb={project}: needs the wandb package (pip install wandb)"
+        ) from None
+    return wandb
 
 
 @dataclass(frozen=True)
@@ -73,7 +105,10 @@ class MetricsLogger:
         self.is_main = is_main
         self._jsonl = None
         self._tb = None
+        self._wandb_run = None
         self._bar = None
+        # Every process checks, so a missing package stops the job the same way everywhere.
+        self._wandb = import_wandb(cfg.logging.wandb) if cfg.logging.wandb else None
         mode = cfg.logging.progress
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "plain"
@@ -81,8 +116,9 @@ class MetricsLogger:
 
     def open(self, start_step: int, append: bool = False) -> None:
         """Open the metrics file (appended to when ``start_step`` > 0, a resumed run, or
-        ``append``, a restart; else created or truncated) and the TensorBoard writer.
-        ``cfg``'s outputs are resolved paths (:func:`holmes_jax.runtime.rundir.resolve_outputs`)."""
+        ``append``, a restart; else created or truncated), the TensorBoard writer and the
+        wandb run (a new one each time a run starts or resumes). ``cfg``'s outputs are
+        resolved paths (:func:`holmes_jax.runtime.rundir.resolve_outputs`)."""
         if not self.is_main:
             return
         path = self.cfg.train.metrics_path
@@ -93,6 +129,16 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(self.cfg.logging.tensorboard_dir)
+        if self._wandb is not None:
+            run_dir = self.cfg.train.run_dir
+            if run_dir:
+                os.makedirs(run_dir, exist_ok=True)
+            self._wandb_run = self._wandb.init(
+                project=self.cfg.logging.wandb,
+                name=os.path.basename(os.path.normpath(run_dir)) if run_dir else None,
+                dir=run_dir,
+                config=self.cfg.to_dict(),
+            )
 
     def start_progress(self, step: int) -> None:
         """Start the progress bar at ``step`` (bar mode): its clock starts now."""
@@ -130,10 +176,16 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(rec) + "\n")
             self._jsonl.flush()
+        scalars = {
+            tag(key): value
+            for key, value in rec.items()
+            if key != "step" and isinstance(value, int | float)
+        }
         if self._tb is not None:
-            for key, value in rec.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(f"train/{key}", value, rec["step"])
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, rec["step"])
+        if self._wandb_run is not None:
+            self._wandb_run.log(scalars, step=rec["step"])
         if self._bar is not None:
             self._bar.update(advance)
             post = {"loss": f"{rec['loss']:.4f}"} if "loss" in rec else {}
@@ -161,6 +213,9 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
 
 
 def format_record(rec: dict[str, Any]) -> str:
@@ -176,4 +231,6 @@ def format_record(rec: dict[str, Any]) -> str:
         parts.append(f"{rec['tflops_per_device'] * 1e3:.2f} GFLOP/s/dev")
     if "mfu" in rec:
         parts.append(f"MFU {rec['mfu'] * 100:.1f}%")
+    if "peak_memory_gb" in rec:
+        parts.append(f"peak {rec['peak_memory_gb']:.2f} GB")
     return " | ".join(parts)

@@ -7,6 +7,7 @@ goes inside it:
 - ``checkpoint.dir``: ``<run_dir>/checkpoints``
 - ``train.metrics_path``: ``<run_dir>/metrics.jsonl``
 - ``logging.tensorboard_dir``: ``<run_dir>/tb``
+- ``logging.profile_dir``: ``<run_dir>/profile`` (written only with ``logging.profile_steps``)
 - the resolved config, always: ``<run_dir>/config.yaml`` (``load_config`` reads it back)
 
 An explicit path overrides ``auto``, and null turns that output off. With ``run_dir: null``
@@ -46,6 +47,7 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 CHECKPOINTS_NAME = "checkpoints"
 TENSORBOARD_NAME = "tb"
+PROFILE_NAME = "profile"
 COMPILE_CACHE_NAME = "compile_cache"
 # A restart of the run in this directory: write there, resume or start over, append.
 CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
@@ -75,7 +77,9 @@ def resolve_outputs(cfg: Config) -> Config:
             cfg.checkpoint, dir=inside(cfg.checkpoint.dir, CHECKPOINTS_NAME)
         ),
         logging=dataclasses.replace(
-            cfg.logging, tensorboard_dir=inside(cfg.logging.tensorboard_dir, TENSORBOARD_NAME)
+            cfg.logging,
+            tensorboard_dir=inside(cfg.logging.tensorboard_dir, TENSORBOARD_NAME),
+            profile_dir=inside(cfg.logging.profile_dir, PROFILE_NAME),
         ),
     )
 
@@ -198,6 +202,7 @@ def outputs_line(cfg: Config) -> str:
         ("checkpoints", cfg.checkpoint.dir, "/"),
         ("metrics", cfg.train.metrics_path, ""),
         ("TensorBoard", cfg.logging.tensorboard_dir, "/"),
+        ("profiler traces", cfg.logging.profile_steps and cfg.logging.profile_dir, "/"),
     ]
     inside, elsewhere = [], []
     for what, path, slash in outputs:
@@ -216,16 +221,22 @@ def outputs_line(cfg: Config) -> str:
     return "outputs: none written (train.run_dir is null)"
 
 
-def write_config(cfg: Config) -> str | None:
-    """Write ``cfg`` (resolved) as ``<run_dir>/config.yaml``; returns its path, or None
-    without a run directory. Call on one process.
+def config_yaml(cfg: Config) -> str:
+    """``cfg`` (resolved) as the YAML that ``load_config`` reads back: what ``config.yaml``
+    holds below its header, and what ``train --print-config`` prints.
 
     The ``distributed`` section is written as its defaults (auto-detection): the launch
     decides how processes join, and one file serves every process of the job.
     """
+    cfg = cfg.replace(distributed=DistributedConfig())
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def write_config(cfg: Config) -> str | None:
+    """Write ``cfg`` (resolved) as ``<run_dir>/config.yaml`` (:func:`config_yaml`); returns
+    its path, or None without a run directory. Call on one process."""
     if cfg.train.run_dir is None:
         return None
-    cfg = cfg.replace(distributed=DistributedConfig())
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     path = os.path.join(cfg.train.run_dir, CONFIG_NAME)
     header = (
@@ -233,5 +244,5 @@ def write_config(cfg: Config) -> str | None:
         f"#   python -m holmes_jax.train --config {path}\n"
     )
     with open(path, "w") as f:
-        f.write(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        f.write(header + config_yaml(cfg))
     return path

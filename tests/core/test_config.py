@@ -43,6 +43,18 @@ def test_overrides_are_typed():
     assert cfg.train.metrics_path == "m.jsonl"
 
 
+def test_base_60_numbers_are_text(tmp_path):
+    """YAML 1.1 reads 2:2 as 122 and 1:30.5 as 90.5; the configs mean the text (YAML 1.2)."""
+    from holmes_jax.core.yamlio import safe_load
+
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 10\n  run_dir: r\nlogging:\n  profile_steps: 2:2\n")
+    assert load_config(path).logging.profile_steps == "2:2"
+    assert safe_load("[2:2, 1:30.5, -3:10, 12, 1_000, 0x10, 1.5, host0:1234]") == [
+        "2:2", "1:30.5", "-3:10", 12, 1000, 16, 1.5, "host0:1234"
+    ]  # fmt: skip
+
+
 def test_round_trip_through_dict():
     cfg = load_config(None, ["parallel.stages=2", "parallel.layers_per_stage=[2,2]"])
     assert config_from_dict(cfg.to_dict()) == cfg
