@@ -228,7 +228,10 @@ def format_record(rec: dict[str, Any]) -> str:
     if "step_time_s" in rec:
         parts.append(f"{rec['step_time_s'] * 1e3:.0f} ms/step")
         parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
-        parts.append(f"{rec['tflops_per_device'] * 1e3:.2f} GFLOP/s/dev")
+        tflops = rec["tflops_per_device"]  # GFLOP/s below 1 TFLOP/s (CPUs), else TFLOP/s
+        parts.append(
+            f"{tflops:.1f} TFLOP/s/dev" if tflops >= 1 else f"{tflops * 1e3:.2f} GFLOP/s/dev"
+        )
     if "mfu" in rec:
         parts.append(f"MFU {rec['mfu'] * 100:.1f}%")
     if "peak_memory_gb" in rec:

@@ -1,4 +1,5 @@
-"""The datasheet peaks MFU falls back on when ``logging.peak_tflops`` is not given."""
+"""The datasheet peaks MFU falls back on when ``logging.peak_tflops`` is not given, and the
+units the progress line gives achieved FLOP/s in."""
 
 import pytest
 
@@ -23,3 +24,12 @@ from holmes_jax.runtime.devices import peak_tflops
 )
 def test_peak_by_device_kind(kind, precision, want):
     assert peak_tflops(kind, precision) == want
+
+
+def test_the_progress_line_gives_gflops_on_cpus_and_tflops_on_accelerators():
+    from holmes_jax.runtime.metrics import format_record
+
+    rec = {"step": 3, "loss": 2.0, "step_time_s": 0.5, "tokens_per_s": 1000.0}
+    assert "| 8.79 GFLOP/s/dev" in format_record({**rec, "tflops_per_device": 0.00879})
+    gpu = format_record({**rec, "tflops_per_device": 198.49, "mfu": 0.2})
+    assert "| 198.5 TFLOP/s/dev | MFU 20.0%" in gpu and "GFLOP" not in gpu
