@@ -228,6 +228,7 @@ def main(argv=None) -> int:
     for name in names:
         run = run_one(name, args, folder, cache)
         row = summarize(name, run, ref, args)
+        row["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # others sharing the cores
         if name == "reference":
             ref = row
             row = {k: v for k, v in row.items() if k != "losses"}
