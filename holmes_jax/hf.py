@@ -1,14 +1,17 @@
 """``python -m holmes_jax.hf``: Hugging Face models in and out.
 
     python -m holmes_jax.hf import HF_DIR OUT_DIR [--set model.seq_len=1024 ...]
-    python -m holmes_jax.hf export CKPT_DIR HF_DIR [--dtype bfloat16]
+    python -m holmes_jax.hf export CKPT_DIR HF_DIR [--dtype bfloat16] [--max-shard-size 5GB]
 
 ``import`` reads a model directory (``config.json`` + ``model.safetensors`` or a sharded
 index; ``GPT2LMHeadModel`` or ``LlamaForCausalLM``) and writes ``OUT_DIR/checkpoint`` (the
 parameters, logical layout) and ``OUT_DIR/config.yaml`` (the matching run config, with
 ``checkpoint.init_from`` pointing at the checkpoint; ``--set`` overrides go into it).
-``export`` writes ``config.json`` + ``model.safetensors`` that ``transformers`` loads, from
-an import, a run's ``checkpoint.dir`` (its newest step) or one step directory.
+``export`` writes ``config.json`` + safetensors that ``transformers`` loads, from an
+import, a run's ``checkpoint.dir`` (its newest step, local or ``gs://``) or one step
+directory: ``model.safetensors`` when the weights fit in one ``--max-shard-size`` shard,
+else ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``, as
+``save_pretrained`` writes them.
 
 Both run on the host alone (no accelerator is touched: ``JAX_PLATFORMS=cpu`` unless set).
 An unsupported architecture, a missing tensor or one of another shape prints one line and
@@ -53,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="tensor dtype"
     )
+    exp.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file: bytes or e.g. 500MB, 5GB, 2GiB (default 5GB); a "
+        "tensor larger than SIZE goes alone in its own file",
+    )
     for p in (imp, exp):
         p.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
@@ -65,7 +75,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "import":
         print(import_hf(args.hf_dir, args.out_dir, args.set, progress=not args.quiet))
     else:
-        print(export_hf(args.ckpt, args.hf_dir, dtype=args.dtype, progress=not args.quiet))
+        said = export_hf(
+            args.ckpt,
+            args.hf_dir,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            progress=not args.quiet,
+        )
+        print(said)
     return 0
 
 

@@ -3,7 +3,8 @@
 These need no torch: the model directories are written here with numpy and
 ``safetensors`` the way ``transformers`` writes them (its names, layouts and config.json
 fields), so an import followed by an export must give back every tensor bit for bit.
-The comparison with ``transformers`` itself is ``tests/runtime/test_hf.py``.
+A sharded export is checked against huggingface_hub's own shard rule. The comparison with
+``transformers`` itself is ``tests/runtime/test_hf.py``.
 """
 
 import json
@@ -120,6 +121,17 @@ def write_hf(directory, config, tensors, shards=1):
 def read_all(path):
     with safe_open(path, "np") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+def read_sharded(directory):
+    """{name: tensor} of a sharded export (through its index), and the index."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        part = read_all(directory / file)
+        assert all(index["weight_map"][name] == file for name in part), file
+        tensors |= part
+    return tensors, index
 
 
 def run_ok(capsys, *argv):
@@ -263,3 +275,84 @@ def test_exported_config_names_the_shape():
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
     assert config["intermediate_size"] == 48 and config["tie_word_embeddings"] is False
+
+
+def test_sharded_export_follows_huggingface_hubs_rule_and_imports_back(tmp_path, capsys):
+    """2000-byte shards of a model whose embedding (2560 bytes) is larger: the embedding
+    goes alone, the rest are packed in order, exactly as huggingface_hub would cut them."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    from holmes_jax.core.config import config_from_dict
+    from holmes_jax.runtime.checkpoint import find_step, read_params
+    from holmes_jax.runtime.hf_files import export_tensors
+
+    config, tensors = llama_files(layers=3, dtype=np.float32)
+    hf = write_hf(tmp_path / "hf", config, tensors)
+    run_ok(capsys, "import", str(hf), str(tmp_path / "imp"))
+    said = run_ok(capsys, "export", str(tmp_path / "imp"), str(tmp_path / "out"),
+                  "--max-shard-size", "2000")  # fmt: skip
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    back, index = read_sharded(tmp_path / "out")
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert f"{n} shards of at most 2000" in said and n > 3
+    assert files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(back) == sorted(tensors)
+    for name, x in tensors.items():
+        np.testing.assert_array_equal(back[name], x, err_msg=name)
+    assert index["metadata"]["total_size"] == sum(x.nbytes for x in tensors.values())
+    assert index["metadata"]["total_parameters"] == sum(x.size for x in tensors.values())
+
+    # The same cut as huggingface_hub's, over the tensors in the order we write them.
+    step_dir, meta = find_step(str(tmp_path / "imp"), "imp")
+    model = config_from_dict(meta["config"]).model
+    order = [t.name for t in export_tensors(read_params(step_dir, key="imp"), model, np.float32)]
+    assert order[:2] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"]
+    theirs = split_state_dict_into_shards_factory(
+        {name: tensors[name] for name in order},
+        get_storage_size=lambda x: x.nbytes,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=2000,
+    )
+    assert index["weight_map"] == theirs.tensor_to_filename
+    sizes = {
+        f: sum(back[t].nbytes for t in names) for f, names in theirs.filename_to_tensors.items()
+    }
+    alone = [f for f, names in theirs.filename_to_tensors.items() if len(names) == 1]
+    assert all(sizes[f] <= 2000 for f in files if f not in alone)
+    assert any(sizes[f] > 2000 for f in alone)  # the embedding, over the limit, alone
+
+    # The sharded export imports back, bit for bit.
+    run_ok(capsys, "import", str(tmp_path / "out"), str(tmp_path / "imp2"))
+    run_ok(capsys, "export", str(tmp_path / "imp2"), str(tmp_path / "out2"))
+    again = read_all(tmp_path / "out2" / "model.safetensors")  # 5GB default: one file
+    assert not (tmp_path / "out2" / "model.safetensors.index.json").exists()
+    for name, x in tensors.items():
+        np.testing.assert_array_equal(again[name], x, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "size, rule",
+    [
+        ("5XB", "must be a number of bytes, or a number with KB"),
+        ("GB", "must be a number of bytes, or a number with KB"),
+        ("-1MB", "must be a number of bytes, or a number with KB"),
+        ("0", "must be at least 1 byte"),
+        ("0.1B", "must be at least 1 byte"),
+    ],
+)
+def test_bad_shard_sizes_are_one_line(tmp_path, capsys, size, rule):
+    hf = write_hf(tmp_path / "hf", *gpt2_files())
+    run_ok(capsys, "import", str(hf), str(tmp_path / "imp"))
+    flag = f"--max-shard-size={size}"  # one word: argparse reads a bare -1MB as an option
+    err = one_line_error(capsys, "export", str(tmp_path / "imp"), str(tmp_path / "out"), flag)
+    assert f"--max-shard-size={size}: {rule}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_shard_sizes_parse_like_transformers():
+    from holmes_jax.runtime.hf_files import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("1mib") == 2**20
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("123") == 123

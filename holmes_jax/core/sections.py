@@ -427,14 +427,16 @@ class CheckpointConfig:
     """Orbax checkpoints; a run resumes from the newest one in ``dir``, or else starts from
     the parameters in ``init_from`` (fine-tuning: a fresh optimizer at step 0)."""
 
-    dir: str | None = "auto"  # auto = <train.run_dir>/checkpoints; null = no checkpoints
+    # a local path or gs://bucket/path; auto = <train.run_dir>/checkpoints; null = none
+    dir: str | None = "auto"
     every: int = 0  # steps between saves; 0 = at the end (and on SIGTERM)
     keep: int = 3  # how many of the newest checkpoints are kept
     async_save: bool = True  # write in the background while training goes on
     resume: bool = True  # start from the newest checkpoint in dir when there is one
-    # Parameters to start from: `python -m holmes_jax.hf import`'s output, or another run's
-    # checkpoint directory (its newest step) or step. A run whose dir already holds
-    # checkpoints resumes from them instead. Read when the run starts.
+    # Parameters to start from: `python -m holmes_jax.hf import`'s output, a Hugging Face
+    # model directory (imported on the fly; its config.json must match the model section),
+    # or another run's checkpoint directory (its newest step) or step, local or gs://. A run
+    # whose dir already holds checkpoints resumes from them instead. Read when it starts.
     init_from: str | None = None
 
     def validate(self) -> None:

@@ -20,6 +20,10 @@ With several processes a step is used only if every process read it.
 ``python -m holmes_jax.hf import`` does. It cannot be resumed; ``checkpoint.init_from``
 starts a run from it. :func:`read_params` reads the parameters alone from either kind.
 
+The directory may be local or ``gs://``: every path goes through ``etils.epath``
+(:mod:`holmes_jax.runtime.storage`). ``checkpoint.init_from`` may also name a Hugging Face
+model directory, read on the fly (:func:`init_state_from`).
+
 Why restore never falls back to a fresh run, and how processes agree on a step:
 docs/design.md, "Checkpoints".
 """
@@ -43,7 +47,9 @@ from etils import epath
 from holmes_jax.core.config import CheckpointConfig, Config, ModelConfig
 from holmes_jax.core.errors import ConfigError, one_line
 from holmes_jax.core.yamlio import plain
+from holmes_jax.runtime.hf_files import is_hf_dir, read_hf_for_run
 from holmes_jax.runtime.program import Program, TrainState
+from holmes_jax.runtime.storage import committed_steps, storage_path
 
 _OK, _UNUSABLE, _WRONG_MODEL = 0, 1, 2  # outcome of reading one step on one process
 # The model keys that decide parameter shapes (and the architecture); a checkpoint must
@@ -61,14 +67,15 @@ class Checkpointer:
         if not cfg.dir or cfg.dir == "auto":
             raise ValueError(f"Checkpointer needs a resolved checkpoint.dir, got {cfg.dir!r}")
         self.cfg = cfg
-        self.directory = os.path.abspath(cfg.dir)
+        self.path = storage_path(cfg.dir, "checkpoint.dir")
+        self.directory = str(self.path)  # as messages name it
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             create=True,
             enable_async_checkpointing=cfg.async_save,
         )
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
+            self.path, options=options, item_names=("state", "meta")
         )
         # The handlers the manager uses for these items, called directly by restore.
         self._state_handler = ocp.StandardCheckpointHandler()
@@ -166,7 +173,7 @@ class Checkpointer:
     def _read(self, step: int, abstract_state: Any, config: Config) -> tuple[int, Any]:
         """Read one step on this process: ``(_OK, (state, meta))``, ``(_UNUSABLE, reason)``
         or ``(_WRONG_MODEL, ConfigError)``. Never raises for a damaged checkpoint."""
-        path = epath.Path(self.directory) / str(step)
+        path = self.path / str(step)
         item = "meta/metadata"
         try:
             meta = self._meta_handler.restore(path / "meta", args=ocp.args.JsonRestore())
@@ -203,14 +210,14 @@ class Checkpointer:
     def _set_aside(self, unusable: list, resumed: int, warn: Callable[[str], None]) -> None:
         """Rename the unusable steps (process 0), wait for it, reload, and say so."""
         me = jax.process_index()
-        for name in _unfinished_saves(self.directory, resumed) if me == 0 else ():
+        for name in _unfinished_saves(self.path, resumed) if me == 0 else ():
             warn(
                 f"warning: an unfinished save in {self.directory} is ignored "
                 f"({name}, left by an interrupted save); resuming from step {resumed}"
             )
         if not unusable:
             return
-        kept = {k: _rename_aside(self.directory, k) for k, _, _ in unusable} if me == 0 else {}
+        kept = {k: _rename_aside(self.path, k) for k, _, _ in unusable} if me == 0 else {}
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -276,35 +283,38 @@ def find_step(path: str, key: str) -> tuple[str, dict[str, Any]]:
 
     Args:
       path: an import's output directory (its ``checkpoint``), a checkpoint directory (its
-        newest step) or one step directory (holding ``state`` and ``meta``).
+        newest committed step) or one step directory (holding ``state`` and ``meta``);
+        local or ``gs://``.
       key: what the path is called in messages (``checkpoint.init_from``, ``CKPT_DIR``).
+
+    Returns:
+      (the step directory, local ones absolute; its ``meta``).
 
     Raises:
       ConfigError: no such directory, no step in it, or an unreadable ``meta``.
     """
-    p = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isdir(p):
+    p = storage_path(path, key)
+    if not p.is_dir():
         raise ConfigError(f"{key}={path}: no such directory")
-    if not _is_step(p) and os.path.isdir(os.path.join(p, "checkpoint")):
-        p = os.path.join(p, "checkpoint")
+    if not _is_step(p) and (p / "checkpoint").is_dir():
+        p = p / "checkpoint"
     if not _is_step(p):
-        steps = [int(n) for n in os.listdir(p) if n.isdigit() and _is_step(os.path.join(p, n))]
+        steps = [k for k in committed_steps(p) if _is_step(p / str(k))]
         if not steps:
             raise ConfigError(
                 f"{key}={path}: holds no checkpoint (a step directory with state and meta)"
             )
-        p = os.path.join(p, str(max(steps)))
+        p = p / str(max(steps))
     try:
-        with open(os.path.join(p, "meta", "metadata")) as f:
-            meta = json.load(f)
+        meta = json.loads((p / "meta" / "metadata").read_text())
         _ = meta["config"]["model"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{key}={path}: {p}/meta cannot be read ({_reason(e, p)})") from None
-    return p, meta
+        raise ConfigError(f"{key}={path}: {p}/meta cannot be read ({_reason(e, str(p))})") from None
+    return str(p), meta
 
 
-def _is_step(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, "state")) and os.path.isdir(os.path.join(path, "meta"))
+def _is_step(path: epath.Path) -> bool:
+    return (path / "state").is_dir() and (path / "meta").is_dir()
 
 
 def read_params(
@@ -401,39 +411,61 @@ def _by_name(tree: Any) -> dict[str, Any]:
 
 
 def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
-    """A fresh train state (step 0, fresh optimizer) with the parameters of a checkpoint,
-    in the program's layout and shardings (``checkpoint.init_from``).
+    """A fresh train state (step 0, fresh optimizer) with the parameters of a checkpoint or
+    of a Hugging Face model directory, in the program's layout and shardings
+    (``checkpoint.init_from``).
 
-    The parameters are restored straight into the logical parameters' shardings in fp32,
-    then one jitted function builds the logical state (compute-dtype copies, optimizer
-    moments, fp32 master for bf16) with its shardings, and the program converts it to its
-    own layout (the pipeline's ``[stage, slot, ...]`` when it has one). Under DiLoCo every
-    replica starts from these parameters, and so does the global model
-    (:meth:`Program.fresh_state`).
+    A checkpoint's parameters are restored straight into the logical parameters' shardings
+    in fp32. A Hugging Face directory (``config.json`` + safetensors, sharded or not) is
+    imported on the fly as ``python -m holmes_jax.hf import`` does
+    (:func:`~holmes_jax.runtime.hf_files.read_hf_for_run`, the whole model once in host
+    memory), after its ``config.json`` is checked against the run's model section, and put
+    into the same shardings. Then one jitted function builds the logical state
+    (compute-dtype copies, optimizer moments, fp32 master for bf16) with its shardings, and
+    the program converts it to its own layout (the pipeline's ``[stage, slot, ...]`` when
+    it has one). Under DiLoCo every replica starts from these parameters, and so does the
+    global model (:meth:`Program.fresh_state`).
 
     Returns:
-      (state, the step directory read).
+      (state, the step directory or Hugging Face directory read).
 
     Raises:
-      ConfigError: see :func:`find_step` and :func:`read_params`.
+      ConfigError: see :func:`find_step`, :func:`read_params` and
+        :func:`~holmes_jax.runtime.hf_files.read_hf_for_run`.
     """
-    step_dir, meta = find_step(path, "checkpoint.init_from")
+    key = "checkpoint.init_from"
     logical = program.abstract_logical_state
     # DiLoCo: the parameters without the per-replica axis (as the global model holds them)
     one = logical.outer["global"] if program.diloco else logical.params
     target = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding), one
     )
-    params = read_params(
-        step_dir,
-        target,
-        key="checkpoint.init_from",
-        saved_model=meta["config"]["model"],
-        running_model=program.cfg.to_dict()["model"],
-    )
+    if is_hf_dir(path):
+        source = os.path.abspath(os.path.expanduser(path))
+        host = read_hf_for_run(source, program.cfg.model, key)  # numpy, logical layout
+        _check_params(host, target, f"{key}={path}", None, None)
+        params = jax.tree.map(_to_global, host, target)
+        del host
+    else:
+        source, meta = find_step(path, key)
+        params = read_params(
+            source,
+            target,
+            key=key,
+            saved_model=meta["config"]["model"],
+            running_model=program.cfg.to_dict()["model"],
+        )
     with program.context():
         state = jax.jit(program.fresh_state, out_shardings=program.logical_state_sharding)(params)
-    return program.from_logical(state), step_dir
+    return program.from_logical(state), source
+
+
+def _to_global(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """A host array (the same on every process) as a global array of ``target``'s dtype
+    and sharding; each process puts only its own shards on its devices."""
+    return jax.make_array_from_callback(
+        target.shape, target.sharding, lambda index: np.asarray(host[index], target.dtype)
+    )
 
 
 def _gather(value: int) -> list[int]:
@@ -491,25 +523,33 @@ def _why(reason: str, failed: list[int]) -> str:
     return f"unreadable on process(es) {', '.join(map(str, failed))}; their stderr says why"
 
 
-def _rename_aside(directory: str, step: int) -> str:
+def _rename_aside(directory: epath.Path, step: int) -> str:
     """``<dir>/<step>`` -> ``<dir>/<step>.corrupt`` (``-2``, ``-3``, ... if taken); returns
     the new path, or "" when the step directory is not there (another process's listing)."""
-    source = os.path.join(directory, str(step))
-    if not os.path.isdir(source):
+    source = directory / str(step)
+    if not source.is_dir():
         return ""
-    target, n = f"{source}.corrupt", 1
-    while os.path.exists(target):
+    target, n = directory / f"{step}.corrupt", 1
+    while target.exists():
         n += 1
-        target = f"{source}.corrupt-{n}"
-    os.rename(source, target)
-    return target
+        target = directory / f"{step}.corrupt-{n}"
+    source.rename(target)
+    return str(target)
 
 
-def _unfinished_saves(directory: str, resumed: int) -> list[str]:
-    """orbax's leftovers of interrupted saves of steps after ``resumed``, by name."""
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    stems = {n: n.split(_UNFINISHED)[0] for n in names if _UNFINISHED in n}
-    return sorted(n for n, s in stems.items() if s.isdigit() and int(s) > resumed)
+def _unfinished_saves(directory: epath.Path, resumed: int) -> list[str]:
+    """The leftovers of interrupted saves of steps after ``resumed``, by name: orbax's
+    ``<k>.orbax-checkpoint-tmp-*`` on a local disk, a step without its commit file on GCS."""
+    if not directory.is_dir():
+        return []
+    names = [p.name for p in directory.iterdir()]
+    committed = set(committed_steps(directory))
+    stems = {n: n.split(_UNFINISHED)[0] for n in names}
+    return sorted(
+        n
+        for n, s in stems.items()
+        if s.isdigit() and int(s) > resumed and (n != s or int(s) not in committed)
+    )
 
 
 def _to_stderr(line: str) -> None:

@@ -1,7 +1,7 @@
 """Hugging Face models in and out: ``config.json`` + safetensors <-> a holmes_jax checkpoint.
 
     python -m holmes_jax.hf import HF_DIR OUT_DIR     # OUT_DIR/config.yaml + OUT_DIR/checkpoint
-    python -m holmes_jax.hf export CKPT_DIR HF_DIR    # HF_DIR/config.json + model.safetensors
+    python -m holmes_jax.hf export CKPT_DIR HF_DIR    # HF_DIR/config.json + safetensors
 
 Two families: GPT-2 (``GPT2LMHeadModel`` -> ``model.arch: gpt2``) and Llama
 (``LlamaForCausalLM`` -> ``model.arch: llama``). :func:`import_hf` reads ``config.json``
@@ -9,230 +9,54 @@ and ``model.safetensors`` (or the shards named by ``model.safetensors.index.json
 tensor at a time, maps names and layouts to the logical parameter tree (blocks stacked
 ``[L, ...]``), and writes a parameters-only checkpoint (:func:`~holmes_jax.runtime.
 checkpoint.save_params`) with the matching run config; a run starts from it with
-``checkpoint.init_from``. :func:`export_hf` reads the parameters of such a checkpoint or of
-any run's checkpoint and writes what ``transformers`` loads with ``from_pretrained``.
+``checkpoint.init_from`` (or from the HF directory itself, read the same way).
+:func:`export_hf` reads the parameters of such a checkpoint or of any run's checkpoint
+(local or ``gs://``) and writes what ``transformers`` loads with ``from_pretrained``:
+``model.safetensors``, or shards of at most ``max_shard_size`` and their index.
 
 The mapping (which HF tensor becomes which leaf, in which layout; config.json fields) is
-:mod:`holmes_jax.runtime.hf_mapping`. Before any tensor is read, the import checks them
+:mod:`holmes_jax.runtime.hf_mapping`; the files are read and written by
+:mod:`holmes_jax.runtime.hf_files`. Before any tensor is read, the import checks them
 all: a missing tensor, one of another shape and one nothing maps (buffers such as GPT-2's
 causal mask and ``inv_freq`` are skipped) are one-line :class:`ConfigError` s naming it.
 Tensors keep their dtype (float32 or bfloat16; float16 and float64 become float32);
 bfloat16 comes in and out of numpy through ``ml_dtypes``. Memory: the import holds the
-whole model once in host memory (stacked per leaf), the export twice.
+whole model once in host memory (stacked per leaf); the export holds it once plus one
+shard of converted tensors.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes  # bfloat16 for numpy (safetensors.numpy reads and writes it by name)
 import numpy as np
 import yaml
-from safetensors import safe_open
-from safetensors.numpy import save_file
-from tqdm import tqdm
 
-from holmes_jax.core.config import Config, ModelConfig, config_from_dict
-from holmes_jax.core.errors import ConfigError, one_line
+from holmes_jax.core.config import Config, config_from_dict
+from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.yamlio import apply_override, plain
 from holmes_jax.runtime.checkpoint import find_step, read_params, save_params
 from holmes_jax.runtime.data import token_dtype_for
-from holmes_jax.runtime.hf_mapping import (
-    HF_NAMES,
-    PREFIX,
-    Rule,
-    hf_config,
-    hf_name,
-    model_from_hf,
-    rules,
+from holmes_jax.runtime.hf_files import (
+    existing_weights,
+    export_tensors,
+    is_hf_dir,
+    parse_size,
+    read_hf_params,
+    read_json,
+    write_safetensors,
 )
+from holmes_jax.runtime.hf_mapping import HF_NAMES, hf_config, model_from_hf
 
-# Buffers some checkpoints carry that are not parameters (GPT-2's causal mask, rotary
-# frequencies): skipped on import.
-_BUFFERS = re.compile(r"(^|\.)attn\.(masked_)?bias$|rotary_emb\.inv_freq$")
-_KEEP_DTYPES = ("float32", "bfloat16")
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+MAX_SHARD_SIZE = "5GB"  # export's default, as huggingface_hub's
 CHECKPOINT_SUBDIR = "checkpoint"  # OUT_DIR/checkpoint/0: the imported parameters
 CONFIG_NAME = "config.yaml"
-
-
-# --------------------------------------------------------------------------- safetensors
-
-
-class SafetensorsDir:
-    """The tensors of an HF model directory, opened lazily, read one at a time."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        index = os.path.join(directory, "model.safetensors.index.json")
-        single = os.path.join(directory, "model.safetensors")
-        if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-                files = {str(name): str(file) for name, file in weight_map.items()}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ConfigError(f"{index}: not a safetensors index ({one_line(e)})") from None
-        elif os.path.isfile(single):
-            files = None
-        else:
-            others = [
-                n
-                for n in ("pytorch_model.bin", "model.bin")
-                if os.path.exists(os.path.join(directory, n))
-            ]
-            hint = f" (found {others[0]}: only safetensors are read)" if others else ""
-            raise ConfigError(
-                f"{directory}: holds neither model.safetensors nor "
-                f"model.safetensors.index.json{hint}"
-            )
-        self._stack = ExitStack()
-        self._open: dict[str, Any] = {}
-        if files is None:
-            handle = self._handle("model.safetensors")
-            files = {name: "model.safetensors" for name in handle.keys()}  # noqa: SIM118
-        self.files = files
-
-    def _handle(self, file: str):
-        if file not in self._open:
-            path = os.path.join(self.directory, file)
-            try:
-                self._open[file] = self._stack.enter_context(safe_open(path, framework="np"))
-            except Exception as e:  # noqa: BLE001 (missing, truncated or not safetensors)
-                raise ConfigError(
-                    f"{path}: cannot be read as safetensors ({one_line(e)})"
-                ) from None
-        return self._open[file]
-
-    def names(self) -> list[str]:
-        return sorted(self.files)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
-
-    def get(self, name: str) -> np.ndarray:
-        try:
-            return self._handle(self.files[name]).get_tensor(name)
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 (a short or damaged file)
-            raise ConfigError(
-                f"{self.directory}: tensor {name} cannot be read ({one_line(e)})"
-            ) from None
-
-    def close(self) -> None:
-        self._stack.close()
-
-
-def _leaf_dtype(x: np.ndarray) -> np.dtype:
-    """float32 and bfloat16 are kept; every other float becomes float32."""
-    return x.dtype if x.dtype.name in _KEEP_DTYPES else np.dtype(np.float32)
-
-
-def read_hf_params(directory: str, m: ModelConfig, *, progress: bool = True) -> dict[str, Any]:
-    """The logical parameter tree (numpy, blocks stacked ``[L, ...]``) of an HF model.
-
-    Raises:
-      ConfigError: a missing tensor, one of another shape, or one nothing maps.
-    """
-    tensors = SafetensorsDir(directory)
-    try:
-        params: dict[str, Any] = {}
-        plan = _read_plan(tensors, m)
-        bar = tqdm(
-            total=len(plan),
-            desc="reading tensors",
-            unit="tensor",
-            disable=not progress,
-            leave=False,
-        )
-        with bar:
-            for rule, layer, name in plan:
-                x = tensors.get(name)
-                if rule.leaf == ("embed", "wpe"):
-                    x = x[: m.seq_len]  # a shorter model.seq_len drops the later positions
-                ours = rule.to_ours(x)
-                node = params
-                for key in rule.leaf[:-1]:
-                    node = node.setdefault(key, {})
-                last = rule.leaf[-1]
-                if layer is None:
-                    node[last] = np.ascontiguousarray(ours, dtype=_leaf_dtype(ours))
-                else:
-                    if last not in node:
-                        node[last] = np.empty((m.num_layers, *ours.shape), _leaf_dtype(ours))
-                    node[last][layer] = ours
-                bar.update()
-        return params
-    finally:
-        tensors.close()
-
-
-def _read_plan(tensors: SafetensorsDir, m: ModelConfig) -> list[tuple[Rule, int | None, str]]:
-    """(rule, layer, name in the files) for every tensor to read, all checked first: no
-    tensor is missing or of another shape, and every tensor present has a use."""
-    present = set(tensors.names())
-    plan, used = [], set()
-    for rule in rules(m):
-        for layer in range(m.num_layers) if rule.per_layer else [None]:
-            name = _find(rule, m.arch, layer, present)
-            if name is None:
-                raise ConfigError(
-                    f"{tensors.directory}: tensor {hf_name(rule, m.arch, layer)} is missing "
-                    f"(a {HF_NAMES[m.arch]} of this config.json has it)"
-                )
-            shape = tensors.shape(name)
-            want = rule.shape
-            if rule.leaf == ("embed", "wpe") and len(shape) == 2 and shape[0] >= m.seq_len:
-                want = (shape[0], *rule.shape[1:])  # more positions than model.seq_len: cut
-            if shape != want:
-                raise ConfigError(
-                    f"{tensors.directory}: tensor {name} has shape {list(shape)}, expected "
-                    f"{list(want)} from config.json"
-                )
-            plan.append((rule, layer, name))
-            used.add(name)
-    if m.tied_embeddings:  # some tied checkpoints store the head anyway: the same matrix
-        used |= {"lm_head.weight"}
-    unused = sorted(n for n in present - used if not _BUFFERS.search(n))
-    if unused:
-        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-        raise ConfigError(
-            f"{tensors.directory}: tensor {unused[0]}{more} has no place in a "
-            f"{HF_NAMES[m.arch]} of this config.json"
-        )
-    return plan
-
-
-def _find(rule: Rule, arch: str, layer: int | None, present: set[str]) -> str | None:
-    """The name ``rule`` has in these files: with the family prefix, or bare (old GPT-2)."""
-    name = hf_name(rule, arch, layer)
-    if name in present:
-        return name
-    bare = name.removeprefix(PREFIX[arch])
-    return bare if bare in present else None
-
-
-def hf_tensors(
-    params: dict[str, Any], m: ModelConfig, dtype: str
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, contiguous tensor in ``dtype``) for every tensor of the HF model."""
-    for rule in rules(m):
-        leaf = params
-        for key in rule.leaf:
-            leaf = leaf[key]
-        for layer in range(m.num_layers) if rule.per_layer else [None]:
-            x = leaf if layer is None else leaf[layer]
-            yield (
-                hf_name(rule, m.arch, layer),
-                np.ascontiguousarray(rule.to_hf(x), dtype=EXPORT_DTYPES[dtype]),
-            )
 
 
 # --------------------------------------------------------------------------- import / export
@@ -258,7 +82,7 @@ def import_hf(
         already holds an import.
     """
     where = os.path.join(hf_dir, "config.json")
-    hf = _read_json(where)
+    hf = read_json(where)
     out_dir = os.path.abspath(out_dir)
     ckpt_dir = os.path.join(out_dir, CHECKPOINT_SUBDIR)
     if os.path.exists(ckpt_dir) or os.path.exists(os.path.join(out_dir, CONFIG_NAME)):
@@ -291,45 +115,56 @@ def import_hf(
     )
 
 
-def export_hf(ckpt: str, hf_dir: str, *, dtype: str = "float32", progress: bool = True) -> str:
-    """Write ``hf_dir/config.json`` + ``hf_dir/model.safetensors`` from a checkpoint.
+def export_hf(
+    ckpt: str,
+    hf_dir: str,
+    *,
+    dtype: str = "float32",
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    progress: bool = True,
+) -> str:
+    """Write ``hf_dir/config.json`` and the weights of a checkpoint as safetensors.
 
-    When the checkpoint descends from an import (itself, or a run started from it through
-    ``checkpoint.init_from`` links) whose files are still there, ``config.json`` keeps the
-    original's fields that the model does not set (token ids, ...) and the tokenizer and
-    generation files (:data:`TOKENIZER_FILES`) are copied, so the directory is complete.
+    The weights are ``model.safetensors`` when they fit in one shard of
+    ``max_shard_size``; else ``model-00001-of-0000N.safetensors`` ... and
+    ``model.safetensors.index.json``, as ``save_pretrained`` writes them
+    (:func:`~holmes_jax.runtime.hf_files.write_safetensors`, one shard in memory at a time).
+    When the checkpoint descends from an import or an HF directory (itself, or a run
+    started from it through ``checkpoint.init_from`` links) whose files are still there,
+    ``config.json`` keeps the original's fields that the model does not set (token ids,
+    ...) and the tokenizer and generation files (:data:`TOKENIZER_FILES`) are copied, so
+    the directory is complete.
 
     Args:
       ckpt: an import's directory or its ``checkpoint``, a run's ``checkpoint.dir`` (its
-        newest step) or one step directory.
-      hf_dir: new or empty directory (no ``config.json`` or ``model.safetensors`` yet).
+        newest step) or one step directory; local or ``gs://``.
+      hf_dir: new or empty local directory (no ``config.json`` or weights yet).
       dtype: ``float32`` or ``bfloat16``. The fp32 master weights of a bf16 run are read.
+      max_shard_size: bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``
+        (:func:`~holmes_jax.runtime.hf_files.parse_size`).
 
     Returns:
       One line saying what was written.
     """
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype={dtype}: must be one of {', '.join(EXPORT_DTYPES)}")
-    for name in ("config.json", "model.safetensors"):
-        if os.path.exists(os.path.join(hf_dir, name)):
-            raise ConfigError(
-                f"{hf_dir}: already holds {name}; export into a new or empty directory"
-            )
+    max_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    if max_bytes < 1:
+        raise ConfigError(f"--max-shard-size={max_shard_size}: must be at least 1 byte")
+    there = [n for n in ("config.json",) if os.path.exists(os.path.join(hf_dir, n))]
+    there += existing_weights(hf_dir)
+    if there:
+        raise ConfigError(
+            f"{hf_dir}: already holds {there[0]}; export into a new or empty directory"
+        )
     step_dir, meta = find_step(ckpt, "CKPT_DIR")
     cfg = config_from_dict(meta["config"], f"{step_dir}/meta")
     params = read_params(step_dir, None, key="CKPT_DIR")
     m = cfg.model
-    tensors = {}
-    total = len([1 for r in rules(m) for _ in range(m.num_layers if r.per_layer else 1)])
-    with tqdm(
-        total=total, desc="mapping tensors", unit="tensor", disable=not progress, leave=False
-    ) as bar:
-        for name, x in hf_tensors(params, m, dtype):
-            tensors[name] = x
-            bar.update()
-    del params
     os.makedirs(hf_dir, exist_ok=True)
-    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    tensors = export_tensors(params, m, EXPORT_DTYPES[dtype])
+    files = write_safetensors(hf_dir, tensors, max_bytes, progress=progress)
+    del params
     origin = import_origin(meta)
     config = hf_config(m, dtype)
     base = origin.get("hf_config") or {}
@@ -341,10 +176,12 @@ def export_hf(ckpt: str, hf_dir: str, *, dtype: str = "float32", progress: bool 
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+    shards = len(files) - 1
+    weights = f"{shards} shards of at most {max_shard_size}" if shards else files[0]
     also = f"; copied {', '.join(copied)} from {origin['source']}" if copied else ""
     return (
         f"exported {HF_NAMES[m.arch]} ({m.spec.num_params / 1e6:.2f}M params, step "
-        f"{meta.get('step', 0)}, {dtype}) from {step_dir} to {hf_dir}{also}"
+        f"{meta.get('step', 0)}, {dtype}, {weights}) from {step_dir} to {hf_dir}{also}"
     )
 
 
@@ -364,14 +201,21 @@ _ORIGIN_HOPS = 16  # init_from links followed back to an import
 
 
 def import_origin(meta: dict[str, Any]) -> dict[str, Any]:
-    """The import's ``meta`` a checkpoint descends from (itself, or through the runs'
-    ``checkpoint.init_from``), or {} when there is none or it is gone."""
+    """Where a checkpoint's weights came from: the import's ``meta`` (itself, or reached
+    through the runs' ``checkpoint.init_from``), or ``source`` and ``hf_config`` of the HF
+    directory a run started from; {} when there is none or it is gone."""
     for _ in range(_ORIGIN_HOPS):
         if meta.get("params_only"):
             return meta
         start = (meta["config"].get("checkpoint") or {}).get("init_from")
         if not start:
             return {}
+        if is_hf_dir(start):
+            source = os.path.abspath(os.path.expanduser(start))
+            try:
+                return {"source": source, "hf_config": read_json(f"{source}/config.json")}
+            except ConfigError:
+                return {}
         try:
             _, meta = find_step(start, "checkpoint.init_from")
         except ConfigError:
@@ -396,19 +240,6 @@ def _copy_tokenizer(source: str | None, hf_dir: str) -> list[str]:
             shutil.copyfile(path, os.path.join(hf_dir, name))
             copied.append(name)
     return copied
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found (an HF model directory holds config.json)") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot be read as JSON ({one_line(e)})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: must hold a JSON object")
-    return value
 
 
 def _config_yaml(cfg: Config, raw: dict[str, Any], hf_dir: str, out_dir: str) -> str:

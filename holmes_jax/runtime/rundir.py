@@ -13,6 +13,9 @@ goes inside it:
 An explicit path overrides ``auto``, and null turns that output off. With ``run_dir: null``
 the ``auto`` outputs are off and no config is written.
 
+The run directory is local; ``checkpoint.dir`` may be a ``gs://`` bucket
+(:mod:`holmes_jax.runtime.storage`), listed through ``etils.epath`` like a local one.
+
 A run never writes over another run's records. A run that will not resume (checkpoints
 off, ``checkpoint.resume: false``, or no step in its checkpoint directory) and whose run
 directory holds records (``metrics.jsonl``, TensorBoard events or checkpoints) moves to
@@ -41,6 +44,7 @@ import numpy as np
 import yaml
 
 from holmes_jax.core.config import Config, DistributedConfig
+from holmes_jax.runtime.storage import committed_steps, storage_path
 
 AUTO = "auto"  # the value of an output that goes into the run directory
 CONFIG_NAME = "config.yaml"
@@ -85,11 +89,12 @@ def resolve_outputs(cfg: Config) -> Config:
 
 
 def newest_step(directory: str | None) -> int | None:
-    """The highest step number among a checkpoint directory's entries, None when it holds
-    none (or is missing). Orbax names a committed step by its number alone."""
-    if not directory or not os.path.isdir(directory):
+    """The newest step orbax has committed in a checkpoint directory (local or ``gs://``,
+    :func:`~holmes_jax.runtime.storage.committed_steps`), None when it holds none (or is
+    missing)."""
+    if not directory:
         return None
-    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+    steps = committed_steps(storage_path(directory, "checkpoint.dir"))
     return max(steps) if steps else None
 
 
@@ -165,6 +170,9 @@ def choose_run_dir(cfg: Config) -> RunDir:
     continued = continued_run_dir()
     if continued is not None:
         cfg = cfg.replace(train=dataclasses.replace(cfg.train, run_dir=continued))
+    checkpoints = resolve_outputs(cfg).checkpoint.dir
+    if checkpoints:  # on every process: a path orbax cannot write fails all alike
+        storage_path(checkpoints, "checkpoint.dir")
     suffix = free_suffix(cfg, continued is not None) if jax.process_index() == 0 else 0
     if jax.process_count() > 1 and cfg.train.run_dir is not None:
         # The checkpoint directory is shared and written by every process, so all must

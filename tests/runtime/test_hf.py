@@ -9,6 +9,10 @@ with tensor 2 and data 2, checks that first loss against ``transformers``' loss 
 same batch, exports the run's checkpoint, and compares ``transformers``' logits of the
 export with ours of the trained parameters.
 
+A wider Llama is exported in 1 MB shards by the command line and loaded by
+``transformers`` from the shards; a run starts straight from a sharded ``save_pretrained``
+directory (``checkpoint.init_from``) with ``transformers``' loss on its first batch.
+
 Skipped only where torch is absent (the ``dev`` extra installs ``torch==2.13.0``, the CPU
 build, and ``transformers``).
 """
@@ -171,6 +175,127 @@ def test_an_import_cannot_be_resumed_only_started_from(tmp_path):
     ckpt.close()
 
 
+def hf_loss(model, batch: np.ndarray) -> float:
+    """``transformers``' mean next-token loss of ``model`` on ``batch`` [B, T + 1]."""
+    with torch.no_grad():
+        out = model(torch.tensor(batch[:, :-1], dtype=torch.long))
+        logp = torch.log_softmax(out.logits, -1)
+        picked = torch.gather(logp, -1, torch.tensor(batch[:, 1:, None], dtype=torch.long))
+        return float(-picked.mean())
+
+
+def test_export_in_1mb_shards_loads_in_transformers(tmp_path, capsys):
+    """A 3.6 MB Llama exported with ``--max-shard-size 1MB``: several shards and the index
+    ``from_pretrained`` reads; its logits are the original's bit for bit (the same
+    weights) and ours within TOL."""
+    from holmes_jax.hf import main
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=1024, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imp"), progress=False)
+    argv = ["export", str(tmp_path / "imp"), str(tmp_path / "out"), "--max-shard-size", "1MB"]
+    assert main([*argv, "--quiet"]) == 0
+    print(capsys.readouterr().out.strip())
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    sizes = [(tmp_path / "out" / f).stat().st_size for f in files]
+    print(f"shards: {files}, bytes: {sizes}")
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert max(sizes) < 1_000_000 + 10_000  # each tensor < 1 MB; the header is small
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = random_tokens()
+    want = hf_logits(model, tokens)
+    np.testing.assert_array_equal(hf_logits(again, tokens), want)
+    diff = np.abs(our_logits(str(tmp_path / "imp"), tokens) - want).max()
+    print(f"sharded export: ours vs transformers max abs diff {diff:.2e}")
+    assert diff <= TOL
+
+
+def _hf_run_overrides(tmp_path) -> list[str]:
+    """A run of ``hf_model("llama")``'s shape from its directory: two steps on one device
+    (the fewest programs to compile)."""
+    tokens = np.random.default_rng(2).integers(0, VOCAB, 4096).astype(np.uint16)
+    tokens.tofile(tmp_path / "train.tokens")
+    return [
+        "model.arch=llama", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
+        "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.hidden_size=32", "model.mlp_size=48", "model.rope_base=5000.0",
+        "model.norm_eps=1e-5", "model.tied_embeddings=false",
+        "data.source=tokens", f"data.path={tmp_path / 'train.tokens'}",
+        "train.global_batch_size=8", "train.steps=2", "train.eval_batches=1",
+        "optimizer.warmup_steps=0", "logging.progress=plain", "parallel.devices=1",
+        f"checkpoint.dir={tmp_path / 'run'}", f"checkpoint.init_from={tmp_path / 'hf'}",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_sharded_hf_directory(tmp_path, capsys):
+    """checkpoint.init_from=<a save_pretrained directory in 3 shards>: imported on the fly,
+    and the first step's loss is transformers' on that batch."""
+    from holmes_jax.runtime.loop import run
+
+    model = hf_model("llama")
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    shards = list((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) >= 3 and (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    cfg = load_config(None, _hf_run_overrides(tmp_path))
+    history = run(cfg)
+    assert (
+        f"initialised from {tmp_path / 'hf'} (fresh optimizer, step 0)" in capsys.readouterr().out
+    )
+    assert [r["step"] for r in history][-1] == 2
+
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    batch = BatchSampler(corpus.train, SEQ, 8, cfg.train.seed).global_batch(0)
+    want = hf_loss(model, batch)
+    print(f"first step loss {history[0]['loss']:.6f}, transformers {want:.6f}")
+    assert abs(history[0]["loss"] - want) <= TOL
+
+    # Its export is a complete model directory again (config.json fields kept from the HF dir)
+    said = export_hf(str(tmp_path / "run"), str(tmp_path / "out"), progress=False)
+    assert said.endswith(f"copied generation_config.json from {tmp_path / 'hf'}")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.norm_eps=1e-6", "model.norm_eps=1e-06: checkpoint.init_from={hf} is a "
+         "LlamaForCausalLM with model.norm_eps=1e-05 (its config.json); set the run's model"),
+        ("model.num_layers=3", "model.num_layers=3: checkpoint.init_from={hf} is a "
+         "LlamaForCausalLM with model.num_layers=2"),
+        ("model.rope_scaling_factor=8.0", "model.rope_scaling_factor=8.0: "),
+        ("model.tied_embeddings=true", "model.tied_embeddings=True: "),
+    ],
+)  # fmt: skip
+def test_init_from_an_hf_directory_of_another_model_is_one_line(
+    tmp_path, make_program, override, message
+):
+    hf_model("llama").save_pretrained(tmp_path / "hf")
+    cfg = load_config(None, [*_hf_run_overrides(tmp_path), override])
+    program = make_program(cfg, Degrees(1, 1, 1))
+    with pytest.raises(ConfigError) as e:
+        init_state_from(program, str(tmp_path / "hf"))
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(message.format(hf=tmp_path / "hf")), str(e.value)
+
+
+def test_init_from_a_gpt2_directory_takes_at_most_its_positions(tmp_path, make_program):
+    hf_model("gpt2").save_pretrained(tmp_path / "hf")
+    gpt2 = ["model.arch=gpt2", f"model.vocab_size={VOCAB}", "model.num_layers=2",
+            "model.num_heads=4", "model.hidden_size=32", "train.global_batch_size=2",
+            "data.source=tokens", "data.path=unused.tokens"]  # fmt: skip
+    program = make_program(load_config(None, [*gpt2, f"model.seq_len={SEQ * 2}"]), Degrees(1, 1, 1))
+    with pytest.raises(ConfigError, match=f"model.seq_len={SEQ * 2}: .* has {SEQ} learned"):
+        init_state_from(program, str(tmp_path / "hf"))
+
+
 @pytest.mark.slow
 def test_round_trip_through_a_pipelined_tensor_parallel_step(tmp_path, capsys):
     """import -> one step under stages [1, 3] x data 2 x tensor 2 -> export -> transformers."""
@@ -200,11 +325,7 @@ def test_round_trip_through_a_pipelined_tensor_parallel_step(tmp_path, capsys):
     # The first step's loss is the imported model's: transformers' loss on that batch.
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     batch = BatchSampler(corpus.train, SEQ, 4, cfg.train.seed).global_batch(0)
-    with torch.no_grad():
-        out = model(torch.tensor(batch[:, :-1], dtype=torch.long))
-        logp = torch.log_softmax(out.logits, -1)
-        picked = torch.gather(logp, -1, torch.tensor(batch[:, 1:, None], dtype=torch.long))
-        want_loss = float(-picked.mean())
+    want_loss = hf_loss(model, batch)
     print(f"first step loss {history[0]['loss']:.6f}, transformers {want_loss:.6f}")
     assert abs(history[0]["loss"] - want_loss) <= TOL
 
