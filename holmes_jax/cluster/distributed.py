@@ -376,6 +376,24 @@ def backstop_timeout(timeout_s: int) -> int:
     return 3 * timeout_s + 10
 
 
+def preemption_service() -> bool:
+    """Whether jax's preemption sync manager runs in this job (several processes joined
+    through ``jax.distributed`` and ``jax_enable_preemption_service`` on, jax's default).
+    It installs its own SIGTERM handler: a SIGTERM to any process becomes a step every
+    process agrees on (:func:`reached_preemption_sync_point`)."""
+    import jax
+
+    return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+
+
+def reached_preemption_sync_point(step: int) -> bool:
+    """True on every process at the same step once any process got SIGTERM; every process
+    must call it at every step, with the same step numbers."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
 def any_process(flag: bool) -> bool:
     """True on every process when ``flag`` is true on any; every process must call it."""
     import jax

@@ -31,7 +31,7 @@ left out: the others start with ``--set parallel.exclude_hosts=[...]``, and the 
 re-plans for the survivors (:mod:`holmes_jax.planner.failures`) and resumes from the
 newest checkpoint. A restart on the survivors is a restart like any other. When a left-out
 host is back, the supervisor asks the survivors to stop (SIGTERM: they checkpoint at
-their next log step and exit 0) and starts the whole topology again from that
+the step they agree on and exit 0) and starts the whole topology again from that
 checkpoint; this re-expansion does not count as a restart.
 """
 
@@ -217,7 +217,7 @@ class Supervisor:
             self._reexpand = True
             launch.say(
                 f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: the survivors "
-                "stop at their next log step (with a checkpoint), then every host starts again"
+                "stop at a step they agree on (with a checkpoint), then every host starts again"
             )
             launch.request_stop()
         for i, fault in enumerate(self.faults):

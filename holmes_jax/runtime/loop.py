@@ -17,7 +17,9 @@ Read top to bottom, :func:`run` does:
    the device), evaluate, checkpoint. The first step compiles: the compile is announced,
    timed (``compile_s``; the line says whether the compilation cache served it) and left
    out of the progress bar and the step times;
-6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save.
+6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save. With
+   several processes all stop after the same step: SIGTERM through jax's preemption sync
+   point (asked every step), SIGINT by agreeing on log steps.
 
 Steps 0 and 1 are :func:`resolve`, which ``train --print-config`` runs alone: the config
 it returns is the one the run trains and writes to ``config.yaml``. With
@@ -46,7 +48,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from holmes_jax.cluster.distributed import any_process
+from holmes_jax.cluster.distributed import (
+    any_process,
+    preemption_service,
+    reached_preemption_sync_point,
+)
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, flops_per_token
@@ -94,13 +100,14 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, signals: tuple[int, ...] = SIGNALS):
         self.signum: int | None = None
+        self.signals = signals
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -297,7 +304,10 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     local_devices = jax.local_devices()  # peak memory: only this process's can be asked
     profiler = StepProfiler(cfg, start, logger.message, topology)
     try:
-        with StopRequest() as stop:
+        # Several processes: jax's preemption sync point (when its service runs) owns
+        # SIGTERM and makes every process stop after the same step, checked every step.
+        preemption = multi_process and preemption_service()
+        with StopRequest((signal.SIGINT,) if preemption else StopRequest.SIGNALS) as stop:
             while step < total:
                 batch = make_batch(sampler, step, program.batch_sharding)
                 if first:
@@ -336,8 +346,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 )
                 log_step = first or evaluate or step % cfg.logging.log_every == 0
                 requested = stop.signum is not None
+                preempted = preemption and reached_preemption_sync_point(step)
                 if multi_process:  # all must stop after the same step: agree on log steps
-                    requested = log_step and any_process(requested)
+                    requested = preempted or (log_step and any_process(requested))
                 stopping = requested or (stop_at_step is not None and step >= stop_at_step)
                 if log_step or stopping:
                     with jax.profiler.TraceAnnotation("metrics"):
@@ -368,6 +379,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     why = f"received {stop.name}" if stop.signum else f"stop_at_step={stop_at_step}"
                     if requested and not stop.signum:
                         why = "another process received a stop signal"
+                    if preempted:
+                        why = "a process got SIGTERM; every process agreed on this step"
                     if ckpt is not None and last_saved != step:
                         save(step, state)
                         last_saved = step

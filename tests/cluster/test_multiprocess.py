@@ -101,7 +101,8 @@ def test_two_processes_stop_lose_a_peer_and_resume(tmp_path, two_reference, env)
         wait(procs, timeout=1)
     log0 = (tmp_path / "term-0.log").read_text()
     assert codes == [0, 0], log0[-3000:]
-    assert "another process received a stop signal" in log0
+    # jax's preemption sync point owns SIGTERM in a multi-process job: both stop together.
+    assert "(a process got SIGTERM; every process agreed on this step)" in log0
     first = losses(metrics)
     stopped = max(first)
     assert 2 <= stopped < 8 and sorted(first) == list(range(1, stopped + 1))
