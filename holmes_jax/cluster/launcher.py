@@ -227,8 +227,6 @@ class Launch:
       out: where prefixed lines go (default stdout).
       verbose: pass library chatter through (default: :func:`quiet` drops it).
       watch: called with each shown output line (worker, line), outside the output lock.
-      start_at: host -> ``time.monotonic()`` at which its worker starts (later than the
-        others: a host that is away); ``inf``: never. Hosts not named start at once.
       failure_line: (worker, exit code) -> the line said on the first failure; default
         ``<host> (process <i>) exited with <code or signal>; stopping the others ...``.
       grace_for: (worker, exit code) -> the others' time to exit after that failure
@@ -248,7 +246,6 @@ class Launch:
         out=None,
         verbose: bool = False,
         watch: Callable[[Worker, str], None] | None = None,
-        start_at: dict[str, float] | None = None,
         failure_line: Callable[[Worker, int], str] | None = None,
         grace_for: Callable[[Worker, int], float] | None = None,
         count_hidden: bool = True,
@@ -258,7 +255,6 @@ class Launch:
         self.out: IO[str] = out or sys.stdout
         self.verbose = verbose
         self.watch = watch
-        self.start_at = dict(start_at or {})
         self.failure_line = failure_line
         self.grace_for = grace_for
         self.count_hidden = count_hidden
@@ -354,14 +350,6 @@ class Launch:
         t.start()
         self._readers.append(t)
 
-    def _start_due(self, announce: bool) -> None:
-        now = time.monotonic()
-        for i, w in enumerate(self.workers):
-            if self.procs[i] is None and self.start_at.get(w.host, 0.0) <= now:
-                if announce:
-                    self.say(f"{w.host} is back: starting process {w.process_id}")
-                self._start(i)
-
     def run(self) -> int:
         """Start every worker and wait; returns the launch's exit code.
 
@@ -369,7 +357,8 @@ class Launch:
         process killed by a signal).
         """
         try:
-            self._start_due(announce=False)
+            for i in range(len(self.workers)):
+                self._start(i)
             return self._wait()
         finally:
             self._send(signal.SIGKILL)
@@ -387,17 +376,11 @@ class Launch:
     def _wait(self) -> int:
         deadline = None
         while True:
-            if self.failure is None and not self._signals:
-                self._start_due(announce=True)
             codes = [p.poll() if p is not None else None for p in self.procs]
             running = any(
                 p is not None and c is None for p, c in zip(self.procs, codes, strict=True)
             )
-            waiting = any(  # a worker that has yet to start, at a known time
-                p is None and self.start_at.get(w.host, 0.0) < float("inf")
-                for w, p in zip(self.workers, self.procs, strict=True)
-            )
-            if not running and (self.failure is not None or self._signals or not waiting):
+            if not running:
                 break
             if self.failure is None:
                 for w, p, c in zip(self.workers, self.procs, codes, strict=True):

@@ -254,7 +254,7 @@ class Supervisor:
             return f"{head}; {stopping}; not restarting: exit code 2 is a config or usage error"
         if self.current is not None and self.current.stopped:
             return f"{head}; {stopping}"
-        if self.restarts < self.max_restarts:
+        if self._restarts_after(code):
             n = self.restarts + 1
             return f"{head}; {stopping}, then restart {n} of {self.max_restarts}"
         if self.max_restarts == 0:
@@ -334,7 +334,7 @@ class Supervisor:
                 if code == 0 or launch.failure is None or launch.stopped or self._signals:
                     return code
                 worker, raw = launch.failure
-                if exit_code(raw) == NOT_RETRIED_EXIT or self.restarts >= self.max_restarts:
+                if not self._restarts_after(raw):
                     return code
                 self.restarts += 1
                 self._failed_step, self._failed_at = self.step, launch.failed_at
