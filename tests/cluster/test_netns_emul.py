@@ -15,6 +15,10 @@ from holmes_jax import launch
 from holmes_jax.cluster import cgroups, delay, netns
 from holmes_jax.cluster.supervisor import _emulation_summary
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import ModelSpec
+from holmes_jax.planner.cost import RunSpec
+from holmes_jax.planner.profiles import profile_from_dict
+from holmes_jax.planner.search import split_layers
 from holmes_jax.planner.topology import load_topology
 from tests.common import ROOT
 
@@ -176,6 +180,31 @@ def test_launch_flags_and_summary(capsys):
     line = _emulation_summary(SLOW, 5, 1.0, plan.delays, quotas)
     assert "between islands 100 Mbit/s, round trip 0.2 ms" in line
     assert line.endswith("CPU quota (cores): ib-0 0.5, ib-1 0.5, roce-0 0.25, roce-1 0.25")
+
+
+# Layer times the probe measured under `launch --emulate --program probe` on the slow-compute
+# mesh with its default quotas (2026-11-26, 2 cores): roce's 2.03x ib's forward time.
+MEASURED = {
+    "version": 1,
+    "measured_with": {"hidden_size": 128, "seq_len": 128, "num_heads": 4, "mlp_ratio": 4,
+                      "microbatch_size": 2, "tensor": 1, "act_bytes": 4},
+    "compute": {"ib": {"layer_fwd_s": 0.00229, "layer_bwd_s": 0.00813},
+                "roce": {"layer_fwd_s": 0.00465, "layer_bwd_s": 0.01787}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_the_slow_island_gets_fewer_layers(measured):
+    topology, calibration = SLOW, None
+    if measured:
+        topology, calibration = profile_from_dict(MEASURED, SLOW)
+    model = ModelSpec(num_layers=8, hidden_size=128, num_heads=4, seq_len=128, vocab_size=256)
+    run = RunSpec(32, act_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    split = split_layers(topology, model, run, 2, 2, 1, 4, "1f1b", "optimal",
+                         calibration=calibration)  # fmt: skip
+    assert sum(split) == 8 and split[1] < split[0]  # stage 1 is island roce's
+    even = split_layers(EVEN, model, run, 2, 2, 1, 4, "1f1b", "optimal")
+    assert even[0] == even[1]
 
 
 # --------------------------------------------------------------------------- root checks
