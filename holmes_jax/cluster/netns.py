@@ -17,7 +17,8 @@ topology's times ``scale``. The veths use a 64 KiB MTU (per-packet cost, not byt
 what a small machine pays for). Latencies between islands are the topology's ``latency_us``
 (one-way), added by a delaying wire in the router namespace (:mod:`holmes_jax.cluster.delay`:
 a TUN device served by a small process, since this kernel has no ``netem``); links inside an
-island are not delayed beyond the tens of µs the veths and bridge add.
+island are delayed the same way when their latency is at least 200 µs (below that, the
+veths and bridge already cost about as much).
 
 Nothing outside the namespaces is touched, except ``/etc/netns/<namespace>/hosts``:
 ``ip netns exec`` mounts it over ``/etc/hosts``, mapping this machine's hostname to the
@@ -37,7 +38,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from holmes_jax.cluster import delay
 from holmes_jax.cluster.delay import Delays
@@ -59,11 +60,12 @@ class HostNet:
     host: str
     island: int
     namespace: str
-    address: str  # on eth0, /24
+    address: str  # on eth0, /prefix
     gateway: str  # the island bridge's address in the router namespace
     router_port: str  # the veth end in the router namespace
     intra_mbit: float  # default class: the island's NIC rate
     inter_mbit: tuple[tuple[str, float], ...]  # (destination /24, rate) per other island
+    prefix: int = 24  # 32: the island's own traffic is routed through the delaying wire
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,12 @@ class NetworkPlan:
                 ["ip", "-n", r, "link", "set", port, "master", bridge],
                 ["ip", "-n", r, "link", "set", port, "up"],
                 ["ip", "-n", ns, "link", "set", "lo", "up"],
-                ["ip", "-n", ns, "addr", "add", f"{h.address}/24", "dev", "eth0"],
+                ["ip", "-n", ns, "addr", "add", f"{h.address}/{h.prefix}", "dev", "eth0"],
                 ["ip", "-n", ns, "link", "set", "eth0", "up"],
-                ["ip", "-n", ns, "route", "add", "default", "via", h.gateway],
             ]
+            if h.prefix == 32:  # a delayed island: even its own hosts are reached via the router
+                cmds.append(["ip", "-n", ns, "route", "add", h.gateway, "dev", "eth0"])
+            cmds.append(["ip", "-n", ns, "route", "add", "default", "via", h.gateway])
             cmds += shaping_commands(h)
         if self.delays:
             bridges = [b for b, _ in self.bridges]
@@ -198,6 +202,7 @@ def plan_network(
             )
             index += 1
     delays = delay.plan_delays(topology) if latency else {}
+    hosts = [replace(h, prefix=32) if (h.island, h.island) in delays else h for h in hosts]
     return NetworkPlan(tag=tag, router=router, bridges=bridges, hosts=tuple(hosts), delays=delays)
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from holmes_jax import launch
 from holmes_jax.cluster import cgroups, delay, netns
@@ -19,7 +20,7 @@ from holmes_jax.core.spec import ModelSpec
 from holmes_jax.planner.cost import RunSpec
 from holmes_jax.planner.profiles import profile_from_dict
 from holmes_jax.planner.search import split_layers
-from holmes_jax.planner.topology import load_topology
+from holmes_jax.planner.topology import load_topology, topology_from_dict
 from tests.common import ROOT
 
 MESHES = os.path.join(ROOT, "meshes")
@@ -228,23 +229,42 @@ while (d := c.recv(1)):
 """
 
 
-@root_only
-def test_round_trip_between_islands_is_twice_the_latency():
-    import dataclasses
+def _slow_links(intra_us: float, inter_us: float):
+    raw = yaml.safe_load(open(os.path.join(MESHES, "emu-4host-2island.yaml")))
+    raw["inter_island"]["default"]["latency_us"] = inter_us
+    for island in raw["islands"]:
+        island["link"]["latency_us"] = intra_us
+    return topology_from_dict(raw)
 
+
+def test_island_links_from_the_floor_up_are_delayed_through_the_router():
+    plan = netns.plan_network(_slow_links(1000, 2500), tag="6")
+    assert plan.delays == {(0, 0): 1e-3, (0, 1): 2.5e-3, (1, 0): 2.5e-3, (1, 1): 1e-3}
+    cmds = [" ".join(c) for c in plan.setup_commands()]
+    assert "ip -n hj6-0 addr add 10.77.0.2/32 dev eth0" in cmds  # no on-link /24
+    assert "ip -n hj6-0 route add 10.77.0.1 dev eth0" in cmds
+    below = netns.plan_network(_slow_links(delay.INTRA_FLOOR_US - 1, 2500), tag="6")
+    assert set(below.delays) == {(0, 1), (1, 0)} and {h.prefix for h in below.hosts} == {24}
+
+
+@root_only
+def test_round_trips_are_twice_the_latency():
     netns.remove_stale()
-    plan = netns.plan_network(EVEN, tag=str(os.getpid()))
-    plan = dataclasses.replace(plan, delays={pair: 0.005 for pair in plan.delays})  # 5 ms
+    plan = netns.plan_network(_slow_links(1000, 2500), tag=str(os.getpid()))
+    rtts = {}
     with netns.EmulatedNetwork(plan) as net:
-        a, b = plan.host("ib-0"), plan.host("roce-0")
-        server = subprocess.Popen(net.exec_prefix(b.host) + [sys.executable, "-c", ECHO, b.address],
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
-        assert server.stdout.readline().strip() == "up"
-        out = subprocess.run(net.exec_prefix(a.host) + [sys.executable, "-c", PINGPONG, b.address],
-                             capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
-        server.wait(timeout=10)
-        rtt = float(out.stdout)
-    assert 0.010 <= rtt < 0.011 + 0.0005, rtt  # 2 x 5 ms, within 10% + the veths
+        a = plan.host("ib-0")
+        for b in (plan.host("ib-1"), plan.host("roce-0")):
+            echo = net.exec_prefix(b.host) + [sys.executable, "-c", ECHO, b.address]
+            server = subprocess.Popen(echo, stdout=subprocess.PIPE, text=True)
+            assert server.stdout.readline().strip() == "up"
+            ping = net.exec_prefix(a.host) + [sys.executable, "-c", PINGPONG, b.address]
+            out = subprocess.run(ping, capture_output=True, text=True, check=True, timeout=30)
+            server.wait(timeout=10)
+            rtts[b.host] = float(out.stdout)
+    # 2 x one-way, within 10% plus the veths' and the wire's tens of µs
+    assert 0.002 <= rtts["ib-1"] < 0.0022 + 0.0003, rtts
+    assert 0.005 <= rtts["roce-0"] < 0.0055 + 0.0003, rtts
     assert not any(ns.startswith(f"hj{os.getpid()}-") for ns in netns.list_namespaces())
 
 
