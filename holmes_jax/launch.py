@@ -5,7 +5,8 @@ The entry point: it parses the command line and calls
 
     python -m holmes_jax.launch --mesh meshes/cpu8-two-islands.yaml -- \\
         --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20
-    python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate [--scale 1] -- ...
+    python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate [--scale 1] \\
+        [--cpu-quota auto|on|off] [--no-latency] -- ...
     python -m holmes_jax.launch --verbose --mesh ...   # with gloo's and jax's own chatter
     python -m holmes_jax.launch --max-restarts 3 --fail-host roce-0@20:+30 --mesh ... -- ...
     sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
@@ -50,6 +51,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     )
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiply every emulated link rate (default 1)"
+    )
+    parser.add_argument(
+        "--cpu-quota",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="with --emulate: a CPU quota per host in proportion to its island's peak_tflops "
+        "(auto: when the islands differ and cgroup v1 cpu exists; default auto)",
+    )
+    parser.add_argument(
+        "--no-latency",
+        action="store_true",
+        help="with --emulate: do not delay packets between islands by the topology's latency",
     )
     parser.add_argument(
         "--program",
@@ -110,9 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from holmes_jax.cluster import netns
 
             netns.check_privileges("--cleanup")
-            removed = netns.remove_stale()
+            from holmes_jax.cluster import cgroups
+
+            removed = netns.remove_stale() + cgroups.remove_stale()
             print(
-                f"removed {len(removed)} namespaces" + (f": {' '.join(removed)}" if removed else "")
+                f"removed {len(removed)} namespaces and cpu groups"
+                + (f": {' '.join(removed)}" if removed else "")
             )
             return 0
         if not args.mesh:
@@ -127,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--host={args.host}: only used with --print-env")
         if args.scale != 1.0 and not args.emulate:
             raise ConfigError(f"--scale={args.scale}: only used with --emulate")
+        if not args.emulate and (args.cpu_quota != "auto" or args.no_latency):
+            flag = "--no-latency" if args.no_latency else f"--cpu-quota={args.cpu_quota}"
+            raise ConfigError(f"{flag}: only used with --emulate")
         if args.grace < 0:
             raise ConfigError(f"--grace={args.grace}: must be >= 0")
         if not train_args:
@@ -146,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_restarts=args.max_restarts,
             fail_hosts=args.fail_host,
             rejoin_timeout_s=args.rejoin_timeout,
+            cpu_quota=args.cpu_quota,
+            latency=not args.no_latency,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,8 +20,11 @@ command line and calls :func:`holmes_jax.cluster.supervisor.launch`)::
 - Ctrl-C or SIGTERM is forwarded as SIGTERM (stop, checkpoint, exit 0). A second Ctrl-C
   kills.
 - ``--emulate`` (root) runs every host in its own network namespace, shaped with ``tc htb``
-  at its island's rates times ``--scale`` (:mod:`holmes_jax.cluster.netns`). Everything it
-  made is removed on exit; ``--cleanup`` removes what a killed launcher left behind.
+  at its island's rates times ``--scale`` (:mod:`holmes_jax.cluster.netns`), with the
+  topology's latency between islands added by a delaying wire (:mod:`holmes_jax.cluster.delay`)
+  and, where the islands' ``peak_tflops`` differ, a CPU quota per host in proportion to it
+  (:mod:`holmes_jax.cluster.cgroups`). Everything it made is removed on exit; ``--cleanup``
+  removes what a killed launcher left behind.
 
 Bad input: one line, exit 2. More: docs/multihost.md, "The local launcher".
 """

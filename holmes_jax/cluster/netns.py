@@ -14,8 +14,11 @@ bandwidth): each host's ``eth0`` gets an ``htb`` qdisc with one class at its isl
 ``link`` rate (the default class) and one class per other island at the ``inter_island``
 rate of that pair, selected by destination subnet (``u32`` filters). Rates are the
 topology's times ``scale``. The veths use a 64 KiB MTU (per-packet cost, not bytes, is
-what a small machine pays for). Latencies are not emulated, since ``tc netem`` is not
-available everywhere. The veths add tens of µs.
+what a small machine pays for). Latencies between islands are the topology's ``latency_us``
+(one-way), added by a delaying wire in the router namespace (:mod:`holmes_jax.cluster.delay`:
+a TUN device served by a small process, since this kernel has no ``netem``); links inside an
+island are delayed the same way when their latency is at least 200 µs (below that, the
+veths and bridge already cost about as much).
 
 Nothing outside the namespaces is touched, except ``/etc/netns/<namespace>/hosts``:
 ``ip netns exec`` mounts it over ``/etc/hosts``, mapping this machine's hostname to the
@@ -29,13 +32,16 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import signal
 import socket
 import subprocess
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from holmes_jax.cluster import delay
+from holmes_jax.cluster.delay import Delays
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import Topology
 
@@ -54,11 +60,12 @@ class HostNet:
     host: str
     island: int
     namespace: str
-    address: str  # on eth0, /24
+    address: str  # on eth0, /prefix
     gateway: str  # the island bridge's address in the router namespace
     router_port: str  # the veth end in the router namespace
     intra_mbit: float  # default class: the island's NIC rate
     inter_mbit: tuple[tuple[str, float], ...]  # (destination /24, rate) per other island
+    prefix: int = 24  # 32: the island's own traffic is routed through the delaying wire
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class NetworkPlan:
     router: str
     bridges: tuple[tuple[str, str], ...]  # (bridge name, gateway address) per island
     hosts: tuple[HostNet, ...]
+    delays: Delays = field(default_factory=dict)  # (src, dst island) -> one-way s; {}: none
 
     @property
     def namespaces(self) -> list[str]:
@@ -93,11 +101,16 @@ class NetworkPlan:
                 ["ip", "-n", r, "link", "set", port, "master", bridge],
                 ["ip", "-n", r, "link", "set", port, "up"],
                 ["ip", "-n", ns, "link", "set", "lo", "up"],
-                ["ip", "-n", ns, "addr", "add", f"{h.address}/24", "dev", "eth0"],
+                ["ip", "-n", ns, "addr", "add", f"{h.address}/{h.prefix}", "dev", "eth0"],
                 ["ip", "-n", ns, "link", "set", "eth0", "up"],
-                ["ip", "-n", ns, "route", "add", "default", "via", h.gateway],
             ]
+            if h.prefix == 32:  # a delayed island: even its own hosts are reached via the router
+                cmds.append(["ip", "-n", ns, "route", "add", h.gateway, "dev", "eth0"])
+            cmds.append(["ip", "-n", ns, "route", "add", "default", "via", h.gateway])
             cmds += shaping_commands(h)
+        if self.delays:
+            bridges = [b for b, _ in self.bridges]
+            cmds += delay.routing_commands(r, bridges, SUBNET, MTU)
         return cmds
 
     def teardown_commands(self) -> list[list[str]]:
@@ -138,13 +151,17 @@ def _htb_class(classid: str, mbit: float) -> list[str]:
     ]
 
 
-def plan_network(topology: Topology, tag: str, scale: float = 1.0) -> NetworkPlan:
+def plan_network(
+    topology: Topology, tag: str, scale: float = 1.0, latency: bool = True
+) -> NetworkPlan:
     """Addresses, namespaces and rates for ``topology`` (pure: nothing is created).
 
     Args:
       topology: the cluster to emulate (at most 250 islands and 250 hosts per island).
       tag: makes the names unique on this machine (the launcher's pid).
-      scale: multiplies every rate (e.g. 1e-3 to run a GPU cluster's topology on CPUs).
+      scale: multiplies every rate (e.g. 1e-3 to run a GPU cluster's topology on CPUs);
+        latencies are not scaled.
+      latency: delay packets between islands by the topology's ``latency_us``.
 
     Returns:
       :class:`NetworkPlan`.
@@ -184,7 +201,9 @@ def plan_network(topology: Topology, tag: str, scale: float = 1.0) -> NetworkPla
                 )
             )
             index += 1
-    return NetworkPlan(tag=tag, router=router, bridges=bridges, hosts=tuple(hosts))
+    delays = delay.plan_delays(topology) if latency else {}
+    hosts = [replace(h, prefix=32) if (h.island, h.island) in delays else h for h in hosts]
+    return NetworkPlan(tag=tag, router=router, bridges=bridges, hosts=tuple(hosts), delays=delays)
 
 
 def hosts_file(address: str, hostname: str | None = None) -> str:
@@ -220,11 +239,19 @@ class EmulatedNetwork:
     fails half-way. ``run`` executes one command (injected for tests).
     """
 
-    def __init__(self, plan: NetworkPlan, run: Runner = _run, etc: str = NETNS_ETC):
+    def __init__(
+        self,
+        plan: NetworkPlan,
+        run: Runner = _run,
+        etc: str = NETNS_ETC,
+        spawn: Callable[[list[str]], subprocess.Popen] | None = None,
+    ):
         self.plan = plan
         self._run = run
         self._etc = etc
+        self._spawn = spawn or start_delayer
         self._created = False
+        self.delayer: subprocess.Popen | None = None  # the delaying wire, when plan.delays
 
     def __enter__(self) -> EmulatedNetwork:
         self.create()
@@ -248,6 +275,10 @@ class EmulatedNetwork:
                 os.makedirs(folder, exist_ok=True)
                 with open(os.path.join(folder, "hosts"), "w") as f:
                     f.write(hosts_file(h.address))
+            if self.plan.delays:
+                self.delayer = self._spawn(
+                    delay.delayer_command(self.plan.router, self.plan.delays)
+                )
         except BaseException:
             self.destroy()
             raise
@@ -257,6 +288,10 @@ class EmulatedNetwork:
         if not self._created:
             return
         self._created = False
+        if self.delayer is not None:  # by pid, before its namespace goes
+            self.delayer.kill()
+            self.delayer.wait()
+            self.delayer = None
         existing = set(list_namespaces())
         for cmd, ns in zip(self.plan.teardown_commands(), self.plan.namespaces, strict=True):
             if ns in existing:
@@ -269,6 +304,31 @@ class EmulatedNetwork:
     def exec_prefix(self, host: str) -> list[str]:
         """Prepend to a command to run it inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.plan.host(host).namespace]
+
+
+def start_delayer(command: list[str], timeout_s: float = 30.0) -> subprocess.Popen:
+    """Start the delaying wire and wait for its ``ready`` line; it dies with this process.
+
+    Raises:
+      RuntimeError: it exited or stayed silent for ``timeout_s``.
+    """
+    from holmes_jax.cluster.launcher import _die_with_parent
+
+    p = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent(),
+    )
+    ready = select.select([p.stdout], [], [], timeout_s)[0]
+    line = p.stdout.readline().strip() if ready else ""
+    if line != "ready":
+        p.kill()
+        p.wait()
+        raise RuntimeError(f"'{' '.join(command)}' did not start (exit {p.returncode})")
+    return p
 
 
 def list_namespaces() -> list[str]:

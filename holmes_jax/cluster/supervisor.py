@@ -361,6 +361,8 @@ def launch(
     max_restarts: int = 0,
     fail_hosts: Sequence[str] = (),
     rejoin_timeout_s: float = DEFAULT_REJOIN_S,
+    cpu_quota: str = "auto",
+    latency: bool = True,
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -379,6 +381,9 @@ def launch(
       fail_hosts: ``--fail-host`` specs (:func:`~holmes_jax.cluster.supervisor.parse_fault`).
       rejoin_timeout_s: how long a restart waits for an away host before the others go on
         without it (:class:`Supervisor`).
+      cpu_quota: with ``emulate``, a CPU quota per host from its island's ``peak_tflops``:
+        ``auto``, ``on`` or ``off`` (:mod:`holmes_jax.cluster.cgroups`).
+      latency: with ``emulate``, delay packets between islands by the topology's latency.
 
     Returns:
       The exit code of the last attempt (see :meth:`Launch.run`); 130 when stopped before
@@ -429,19 +434,24 @@ def launch(
         if not emulate:
             supervisor = supervise(lambda hosts: f"127.0.0.1:{free_port()}")
             return supervisor.run()
-        from holmes_jax.cluster import netns
+        from holmes_jax.cluster import cgroups, netns
 
         netns.check_privileges()
         netns.remove_stale()
-        plan = netns.plan_network(topology, tag=str(os.getpid()), scale=scale)
-        with netns.EmulatedNetwork(plan) as network:
+        cgroups.remove_stale()
+        tag = str(os.getpid())
+        plan = netns.plan_network(topology, tag=tag, scale=scale, latency=latency)
+        mode = cgroups.resolve(cpu_quota, warn=lambda line: print(line, file=out or sys.stdout))
+        cores = len(os.sched_getaffinity(0))
+        quotas = cgroups.plan_quotas(topology, tag, mode, cores)
+        with netns.EmulatedNetwork(plan) as network, cgroups.CpuGroups(quotas) as groups:
 
             def coordinator(hosts: Topology) -> str:  # process 0's namespace
                 return f"{plan.host(hosts.islands[0].hosts[0]).address}:{EMULATED_PORT}"
 
-            supervisor = supervise(coordinator, network.exec_prefix)
-            print(f"launch: {_emulation_summary(topology, len(plan.hosts), scale)}",
-                  file=out or sys.stdout, flush=True)  # fmt: skip
+            supervisor = supervise(coordinator, groups.wrap(network.exec_prefix))
+            summary = _emulation_summary(topology, len(plan.hosts), scale, plan.delays, quotas)
+            print(f"launch: {summary}", file=out or sys.stdout, flush=True)
             return supervisor.run()
     except _Stop:
         return 130
@@ -450,7 +460,9 @@ def launch(
             signal.signal(sig, handler)
 
 
-def _emulation_summary(topology: Topology, namespaces: int, scale: float) -> str:
+def _emulation_summary(
+    topology: Topology, namespaces: int, scale: float, delays=None, quotas=()
+) -> str:
     islands = topology.islands
     rates = ", ".join(f"{i.name} {i.link.bandwidth_gbps * 1e3 * scale:g} Mbit/s" for i in islands)
     inter = sorted(
@@ -461,4 +473,10 @@ def _emulation_summary(topology: Topology, namespaces: int, scale: float) -> str
         }
     )
     between = f", between islands {'/'.join(f'{r:g}' for r in inter)} Mbit/s" if inter else ""
+    rtts = sorted({2e3 * d for d in (delays or {}).values()})
+    if rtts:
+        between += f", round trip {'/'.join(f'{r:g}' for r in rtts)} ms"
+    if quotas:
+        cpu = ", ".join(f"{q.host} {q.share:.2g}" for q in quotas)
+        between += f"; CPU quota (cores): {cpu}"
     return f"emulating '{topology.name}': {namespaces} namespaces, {rates}{between}"

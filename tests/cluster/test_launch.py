@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from holmes_jax import launch
-from holmes_jax.cluster import launcher, netns, transport
+from holmes_jax.cluster import cgroups, launcher, netns, transport
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import load_topology, topology_from_dict
 from tests.common import ROOT
@@ -159,6 +159,7 @@ def test_bad_launcher_arguments_are_one_line_errors(argv, message, capsys, monke
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(netns, "check_privileges", lambda: None)
     monkeypatch.setattr(netns, "remove_stale", lambda: [])
+    monkeypatch.setattr(cgroups, "remove_stale", lambda: [])
     assert launch.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
@@ -366,7 +367,8 @@ def test_network_context_writes_and_removes_hosts_files(tmp_path, monkeypatch):
     monkeypatch.setattr(netns, "list_namespaces", lambda: plan.namespaces)
     deleted = []
     run = lambda cmd: deleted.append(cmd[3]) if cmd[:3] == ["ip", "netns", "del"] else None
-    with netns.EmulatedNetwork(plan, run=run, etc=str(tmp_path)) as net:
+    net = netns.EmulatedNetwork(plan, run=run, etc=str(tmp_path), spawn=lambda cmd: None)
+    with net:
         hosts = (tmp_path / "hj8-1" / "hosts").read_text()
         assert "10.77.0.3" in hosts
         assert net.exec_prefix("ib-1") == ["ip", "netns", "exec", "hj8-1"]

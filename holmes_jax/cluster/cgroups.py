@@ -1,0 +1,199 @@
+"""Islands that compute at different speeds on one machine: a CPU quota per emulated host.
+
+Every emulated host shares this machine's cores, so they all compute at one speed. With the
+cgroup v1 ``cpu`` controller (CFS bandwidth), each host's process gets a group
+``/sys/fs/cgroup/cpu/hj<tag>-<host>`` whose quota is its share of the cores::
+
+    share(host) = cores / hosts * peak_tflops(island) / max(peak_tflops)   (in cores)
+    cpu.cfs_period_us = 10000,  cpu.cfs_quota_us = max(1000, round(share * 10000))
+
+so the fastest island's hosts get a fair share of the machine (no more, or they would run
+ahead while the others wait) and an island with half the ``peak_tflops`` computes at half
+that. ``cores`` is this process's CPU affinity. A short period keeps the throttling smooth
+on a step of tens of ms. The worker enters its group before it execs (``sh -c 'echo $$ >
+.../cgroup.procs && exec ...'``), so jax and every thread it starts are counted.
+
+``--cpu-quota``: ``auto`` (the default) applies quotas when the islands' ``peak_tflops``
+differ, and warns and goes on without them where the cgroup v1 ``cpu`` controller is absent
+(e.g. a cgroup v2-only machine); ``on`` applies them always (a uniform topology then gets a
+fair share each) and is a one-line error without the controller; ``off`` never. Groups are
+removed on teardown, and by :func:`remove_stale` when a launcher was killed. Plain Python.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.topology import Topology
+
+CPU_ROOT = "/sys/fs/cgroup/cpu"
+PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000  # the kernel's floor is 1000 µs
+MODES = ("auto", "on", "off")
+_STALE = re.compile(r"^hj(\d+)-")
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """One host's CPU group: its path, share in cores and the values written."""
+
+    host: str
+    group: str  # directory under the cpu controller
+    share: float  # cores
+    quota_us: int
+    period_us: int = PERIOD_US
+
+    def files(self) -> list[tuple[str, str]]:
+        """(path, value) to write, in order (period first: the quota is checked against it)."""
+        return [
+            (os.path.join(self.group, "cpu.cfs_period_us"), str(self.period_us)),
+            (os.path.join(self.group, "cpu.cfs_quota_us"), str(self.quota_us)),
+        ]
+
+    def prefix(self) -> list[str]:
+        """Prepend to a command: it moves itself into the group, then execs the command."""
+        procs = os.path.join(self.group, "cgroup.procs")
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs]
+
+
+def shares(topology: Topology, cores: float) -> dict[str, float]:
+    """Cores per host: ``cores / hosts * peak_tflops / max(peak_tflops)`` (pure)."""
+    hosts = sum(i.num_hosts for i in topology.islands)
+    fastest = max(i.peak_tflops for i in topology.islands)
+    return {
+        h: cores / hosts * isl.peak_tflops / fastest for isl in topology.islands for h in isl.hosts
+    }
+
+
+def plan_quotas(
+    topology: Topology, tag: str, mode: str, cores: float, root: str = CPU_ROOT
+) -> list[CpuQuota]:
+    """The groups ``mode`` asks for (pure; [] for ``off``, or ``auto`` with equal islands).
+
+    Raises:
+      ConfigError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"--cpu-quota={mode}: must be one of {', '.join(MODES)}")
+    peaks = {i.peak_tflops for i in topology.islands}
+    if mode == "off" or (mode == "auto" and len(peaks) == 1):
+        return []
+    return [
+        CpuQuota(h, os.path.join(root, f"hj{tag}-{h}"), s, max(MIN_QUOTA_US, round(s * PERIOD_US)))
+        for h, s in shares(topology, cores).items()
+    ]
+
+
+def available(root: str = CPU_ROOT) -> bool:
+    """Whether the cgroup v1 ``cpu`` controller with CFS bandwidth is mounted at ``root``."""
+    return os.path.exists(os.path.join(root, "cpu.cfs_quota_us"))
+
+
+def resolve(mode: str, root: str = CPU_ROOT, warn: Callable[[str], None] = print) -> str:
+    """``mode`` as it can run here: ``auto`` without the controller warns and becomes ``off``.
+
+    Raises:
+      ConfigError: ``on`` without the controller.
+    """
+    if mode == "off" or available(root):
+        return mode
+    if mode == "on":
+        raise ConfigError(
+            f"--cpu-quota=on: no cgroup v1 cpu controller at {root} (use --cpu-quota off)"
+        )
+    warn(f"launch: warning: no cgroup v1 cpu controller at {root}; islands compute at one speed")
+    return "off"
+
+
+class CpuGroups:
+    """Creates the groups of a plan and removes them again (context manager, idempotent)."""
+
+    def __init__(self, quotas: list[CpuQuota], rmdir: Callable[[str], None] = os.rmdir):
+        self.quotas = {q.host: q for q in quotas}
+        self._rmdir = rmdir
+
+    def __enter__(self) -> CpuGroups:
+        try:
+            for q in self.quotas.values():
+                os.makedirs(q.group, exist_ok=True)
+                for path, value in q.files():
+                    with open(path, "w") as f:
+                        f.write(value)
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def destroy(self) -> None:
+        """Remove every group (their processes have ended); ignores what is gone."""
+        for q in self.quotas.values():
+            _remove(q.group, self._rmdir)
+
+    def wrap(self, prefix: Callable[[str], list[str]] | None) -> Callable[[str], list[str]]:
+        """``prefix`` (host -> command prefix) with each quota'd host entering its group first."""
+
+        def wrapped(host: str) -> list[str]:
+            inner = prefix(host) if prefix else []
+            q = self.quotas.get(host)
+            return (q.prefix() if q else []) + inner
+
+        return wrapped
+
+
+def _remove(group: str, rmdir: Callable[[str], None]) -> None:
+    try:
+        rmdir(group)
+    except FileNotFoundError:
+        pass
+    except OSError:  # still has processes: end them (they are ours), then retry for 2 s
+        for pid in _tasks(group):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for _ in range(40):
+            time.sleep(0.05)
+            try:
+                rmdir(group)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                pass
+
+
+def _tasks(group: str) -> list[int]:
+    try:
+        with open(os.path.join(group, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def remove_stale(root: str = CPU_ROOT, alive: Callable[[int], bool] | None = None) -> list[str]:
+    """Remove ``hj<pid>-*`` groups whose launcher (``pid``) is gone; returns their names."""
+    from holmes_jax.cluster.netns import _alive
+
+    alive = alive or _alive
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _STALE.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path) and not alive(int(m.group(1))):
+            _remove(path, os.rmdir)
+            if not os.path.exists(path):
+                removed.append(name)
+    return removed
