@@ -1,10 +1,11 @@
 """Process faults: process 0 (the coordinator) killed, kill -9 at random steps then resume,
 and the launcher's supervised restarts after injected faults (``--fail-host``).
 
-Real ``python -m holmes_jax.train`` processes on localhost (``tests/cluster/procs.py``),
-sharing one persistent compilation cache. A survivor of a dead peer exits non-zero within
-60 s with one line naming it; a run killed and restarted until it finishes logs, at every
-step, the loss of the run that was never interrupted.
+Real ``python -m holmes_jax.train`` processes on localhost (``tests/cluster/procs.py``). A
+survivor of a dead peer exits non-zero within 60 s with one line naming it; a run killed
+and restarted until it finishes logs, at every step, the loss of the run that was never
+interrupted. That run (the ``straight`` fixture) is one, shared by the fault tests of one
+job, and its compilation cache serves their attempts.
 """
 
 import json
@@ -13,6 +14,8 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -121,31 +124,70 @@ def test_killing_process_0_names_it_on_every_survivor(tmp_path, proc_env):
     assert took < 60
 
 
-def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, proc_env):
-    """Two processes, a pipeline stage each, ZeRO-1, a checkpoint every step. SIGKILL at
+# The job of the fault tests below: two hosts (one per island of cpu8-two-hosts), a
+# pipeline stage each, ZeRO-1, 6 steps.
+JOB = [o for o in TWO if not o.startswith("train.steps")]
+JOB += ["train.steps=6", "checkpoint.every=3", "distributed.heartbeat_timeout_s=5"]
+
+
+@dataclass(frozen=True)
+class Straight:
+    """The uninterrupted run of JOB through ``launch``: what every fault test compares with."""
+
+    mesh: Path  # cpu8-two-hosts.yaml
+    cache: str  # the --set that points the run at its compilation cache
+    env: dict  # proc_env without jax's cache variables: the config's cache is the one used
+    out: str  # launch's stdout
+    records: list  # its metrics records
+    losses: dict  # {step: loss}
+
+
+def launch(mesh, env, run_dir, flags, overrides=()):
+    """``launch`` of JOB on ``mesh``'s two hosts into ``run_dir``; its stdout (it must exit 0)."""
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
+    cmd += [*flags, "--", *as_flags([*JOB, f"train.run_dir={run_dir}", *overrides])]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, proc_env):
+    """Run JOB once, uninterrupted, with the compilation cache in its own directory (a path:
+    ``auto`` is off on CPU): the fault tests compare with its losses, and their attempts
+    compile from its cache instead of cold."""
+    root = tmp_path_factory.mktemp("straight")
+    mesh = two_host_mesh(root)
+    env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    cache = f"train.compilation_cache={root / 'compile_cache'}"
+    out = launch(mesh, env, root / "run", ["--max-restarts", "0"], [cache])
+    recs = records(root / "run" / "metrics.jsonl")
+    got = {r["step"]: r["loss"] for r in recs}
+    assert sorted(got) == list(range(1, 7)), out[-3000:]
+    return Straight(mesh, cache, env, out, recs, got)
+
+
+def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, straight):
+    """JOB's processes started directly (no launcher), a checkpoint every step. SIGKILL at
     three seeded random steps: both processes, process 0 (the coordinator) and process 1
     (each of which ends the other), in a seeded order; the same command restarted until it
     finishes. Every loss any attempt logged equals the uninterrupted run's at that step."""
-    steps = 8
-    base = TWO + ["optimizer.zero1=true", "checkpoint.every=1", "distributed.heartbeat_timeout_s=5"]
-
-    def command(name, metrics):
-        return base + [f"checkpoint.dir={tmp_path / name}", f"train.metrics_path={metrics}"]
-
-    metrics = tmp_path / "straight.jsonl"
-    job = command("straight", metrics)
-    assert wait(start_job(2, job, tmp_path, "straight", proc_env)) == [0, 0]
-    reference = losses(metrics)
-    assert sorted(reference) == list(range(1, steps + 1))
-
+    job = JOB + [f"parallel.mesh={straight.mesh}", "checkpoint.every=1", straight.cache]
+    job += [f"checkpoint.dir={tmp_path / 'chaos'}"]
     rng = random.Random(15)
-    kill_at = sorted(rng.sample(range(2, steps), 3))
+    kill_at = sorted(rng.sample(range(2, 6), 3))
     victims = rng.sample(["all", 0, 1], 3)  # each kind of death once, in a random order
     attempts = []
     for attempt in range(len(kill_at) + 1):
         metrics = tmp_path / f"chaos-{attempt}.jsonl"  # one file per attempt, one checkpoint dir
-        job = command("chaos", metrics)
-        procs = start_job(2, job, tmp_path, f"chaos-{attempt}", proc_env)
+        procs = start_job(
+            2, job + [f"train.metrics_path={metrics}"], tmp_path, f"chaos-{attempt}", straight.env
+        )
         if attempt < len(kill_at):
             try:
                 wait_for_step(procs, metrics, kill_at[attempt])
@@ -161,40 +203,22 @@ def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, proc_e
             assert codes == [0, 0], log[-3000:]
         attempts.append(losses(metrics) if metrics.exists() else {})
     logged = {s for got in attempts for s in got}
-    assert logged == set(range(1, steps + 1)), (kill_at, victims, attempts)
+    assert logged == set(range(1, 7)), (kill_at, victims, attempts)
     for got in attempts:
-        compare(got, reference, atol=1e-6)
+        compare(got, straight.losses, atol=1e-6)
 
 
-def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_path, proc_env):
+def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_path, straight):
     """``launch`` on two hosts, a checkpoint every 3 steps, two injected faults: roce-0 killed
     at step 2 (before any checkpoint) and away for 2 s, then ib-0 (the coordinator) at
     step 4. The job restarts twice, continues its run directory (no ``-2``), its restarts
-    compile from the run's compilation cache (``auto``: in the run directory, filled here
-    by the uninterrupted run to spare the test a cold compile), and every loss any attempt
-    logged equals the uninterrupted run's at that step, bitwise."""
-    mesh = two_host_mesh(tmp_path)
-    env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}  # the config's cache
-    env["JAX_PLATFORMS"] = "cpu"
-    job = [o for o in TWO if not o.startswith("train.steps")]
-    job += ["train.steps=6", "checkpoint.every=3", "distributed.heartbeat_timeout_s=5"]
-    chaos, straight = tmp_path / "chaos", tmp_path / "straight"
-
-    def launch(run_dir, flags, overrides=()):
-        cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
-        cmd += [*flags, "--", *as_flags([*job, f"train.run_dir={run_dir}", *overrides])]
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-        return done.stdout
-
-    # The uninterrupted run fills the cache the chaos run reads (a path: auto is off on CPU).
-    cache = f"train.compilation_cache={chaos}/compile_cache"
-    out = launch(straight, ["--max-restarts", "0"], [cache])
-    assert "compiled in " in out and "(compilation cache: miss)" in out, out[-3000:]
-    reference = losses(straight / "metrics.jsonl")
-    assert sorted(reference) == list(range(1, 7))
-
-    out = launch(chaos, ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"], [cache])
+    compile from the run's compilation cache (filled by the uninterrupted run, which
+    compiled cold), and every loss any attempt logged equals the uninterrupted run's at that
+    step, bitwise."""
+    assert "compiled in " in straight.out and "(compilation cache: miss)" in straight.out
+    chaos = tmp_path / "chaos"
+    flags = ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"]
+    out = launch(straight.mesh, straight.env, chaos, flags, [straight.cache])
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
     resumed = [line for line in lines if line.startswith("launch: training resumed")]
     assert "launch: --fail-host roce-0@2:+2: SIGKILL to roce-0 at step 2, away for 2 s" in lines
@@ -210,37 +234,25 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     assert all(line.endswith("compilation cache: hit)") for line in resumed), resumed
     assert out.count("restart: continuing the run in ") == 2
     assert not (tmp_path / "chaos-2").exists()
-    records = [json.loads(line) for line in (chaos / "metrics.jsonl").read_text().splitlines()]
-    assert {r["step"] for r in records} == set(range(1, 7))
-    assert [r["step"] for r in records if "compile_s" in r] == [1, 1, 4]  # three attempts
-    for r in records:  # bitwise: the same plan and data order on every attempt
-        assert r["loss"] == reference[r["step"]], (r, reference)
+    recs = records(chaos / "metrics.jsonl")
+    assert {r["step"] for r in recs} == set(range(1, 7))
+    assert [r["step"] for r in recs if "compile_s" in r] == [1, 1, 4]  # three attempts
+    for r in recs:  # bitwise: the same plan and data order on every attempt
+        assert r["loss"] == straight.losses[r["step"]], (r, straight.losses)
 
 
-def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_path, proc_env):
-    """``launch`` on two hosts (one per island); roce-0 is killed at step 3 and never comes
-    back. After ``--rejoin-timeout`` the supervisor starts ib-0 alone with
-    ``parallel.exclude_hosts=[roce-0]``; the trainer re-plans for one island (no pipeline
-    across islands any more), resumes from the step-2 checkpoint and finishes. The global
-    batch is unchanged, so every step's loss equals the uninterrupted run's up to the
+def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_path, straight):
+    """``launch`` on two hosts (one per island), a checkpoint every 2 steps; roce-0 is killed
+    at step 3 and never comes back. After ``--rejoin-timeout`` the supervisor starts ib-0
+    alone with ``parallel.exclude_hosts=[roce-0]``; the trainer re-plans for one island (no
+    pipeline across islands any more), resumes from the step-2 checkpoint and finishes. The
+    global batch is unchanged, so every step's loss equals the uninterrupted run's up to the
     reduction order."""
-    mesh = two_host_mesh(tmp_path)
-    job = [o for o in TWO if not o.startswith("train.steps")]
-    job += ["train.steps=6", "checkpoint.every=2", "distributed.heartbeat_timeout_s=5"]
-    survivors, straight = tmp_path / "survivors", tmp_path / "straight"
-
-    def launch(run_dir, flags):
-        cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
-        cmd += [*flags, "--", *as_flags([*job, f"train.run_dir={run_dir}"])]
-        done = subprocess.run(
-            cmd, cwd=ROOT, env=proc_env, capture_output=True, text=True, timeout=480
-        )
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-        return done.stdout
-
-    launch(straight, ["--max-restarts", "0"])
-    reference = losses(straight / "metrics.jsonl")
-    out = launch(survivors, ["--fail-host", "roce-0@3:permanent", "--rejoin-timeout", "1"])
+    survivors = tmp_path / "survivors"
+    flags = ["--fail-host", "roce-0@3:permanent", "--rejoin-timeout", "1"]
+    out = launch(
+        straight.mesh, straight.env, survivors, flags, [straight.cache, "checkpoint.every=2"]
+    )
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
     assert (
         "launch: roce-0 did not come back within 1 s: the others go on without it, "
@@ -251,12 +263,10 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     replanned = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-planned for" in x]
     assert len(replanned) == 1 and replanned[0].startswith("re-planned for the survivors "
         "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip
-    records = [json.loads(x) for x in (survivors / "metrics.jsonl").read_text().splitlines()]
-    assert {r["step"] for r in records} == set(range(1, 7))
-    for r in records:
-        assert abs(r["loss"] - reference[r["step"]]) < 1e-4, (r, reference)
-    final = [r for r in records if r["step"] == 6 and "eval_loss" in r][-1]
-    straight_eval = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()][
-        -1
-    ]["eval_loss"]
+    recs = records(survivors / "metrics.jsonl")
+    assert {r["step"] for r in recs} == set(range(1, 7))
+    for r in recs:
+        assert abs(r["loss"] - straight.losses[r["step"]]) < 1e-4, (r, straight.losses)
+    final = [r for r in recs if r["step"] == 6 and "eval_loss" in r][-1]
+    straight_eval = [r for r in straight.records if "eval_loss" in r][-1]["eval_loss"]
     assert abs(final["eval_loss"] - straight_eval) < 0.02 * straight_eval
