@@ -14,6 +14,13 @@ wire off, as ``--no-latency``):
   (the island's own 50 µs is below the wire's floor, ``delay.INTRA_FLOOR_US``, so its
   bridge switches it undelayed: the veths' own tens of µs are all it gets);
 - ``bulk``: Mbit/s of a 16 MiB one-way TCP transfer ib-0 -> roce-0 against the htb rate;
+- ``probe`` (with ``--probe``): ``launch --emulate --program probe`` at each of
+  ``--probe-latencies-us`` (about a minute each): the latency the probe fits to the
+  pipeline's link between the islands (``stage:ib:roce``), which the planner then prices,
+  against the topology's one-way ``latency_us``. A ``ppermute`` between CPU processes is a
+  gloo send and receive, which pays the wire more than once, so the fit exceeds the
+  topology's figure: the analytic cost model (``planner/formulas.py``) charges one latency
+  per send, a probed profile what was measured;
 - ``quota``: on meshes/emu-4host-2island-slow-compute.yaml, a busy loop in each host's
   CPU group, all four at once, against the share the quota gives (cores / hosts x
   peak_tflops / max peak_tflops).
@@ -36,6 +43,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from holmes_jax.cluster import cgroups, netns  # noqa: E402
 from holmes_jax.planner.topology import load_topology, topology_from_dict  # noqa: E402
@@ -133,6 +141,33 @@ def network_rows(latencies_us: list[float]) -> list[dict]:
     return rows
 
 
+def probe_rows(latencies_us: list[float]) -> list[dict]:
+    import tempfile
+
+    import benchlib
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for inter_us in latencies_us:
+            with open(MESH) as f:
+                raw = yaml.safe_load(f)
+            raw["inter_island"]["default"]["latency_us"] = inter_us
+            mesh = os.path.join(folder, f"emu-{inter_us:.0f}us.yaml")
+            with open(mesh, "w") as f:
+                yaml.safe_dump(raw, f)
+            name, config = f"probe-{inter_us:.0f}", os.path.join(ROOT, "configs", "quickstart.yaml")
+            overrides = ["train.global_batch_size=8"]
+            benchlib.emulated_probe(mesh, overrides, folder, name, "probe", config=config)
+            with open(os.path.join(folder, f"{name}.json")) as f:
+                links = json.load(f)["links"]
+            fitted = {k: v["latency_us"] for k, v in links.items() if k.startswith("stage:")}
+            row = {"bench": "emulation", "what": "probe", "latency_us": inter_us,
+                   "fitted_latency_us": fitted}  # fmt: skip
+            emit(row)
+            rows.append(row)
+    return rows
+
+
 def quota_rows() -> list[dict]:
     topology = load_topology(SLOW_MESH)
     cores = len(os.sched_getaffinity(0))
@@ -158,6 +193,8 @@ def quota_rows() -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--latencies-us", default="0,100,1000,5000,25000")
+    parser.add_argument("--probe", action="store_true", help="also fit latencies by the probe")
+    parser.add_argument("--probe-latencies-us", default="100,2500")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("error: bench_emulation needs root (namespaces, cgroups)", file=sys.stderr)
@@ -168,6 +205,7 @@ def main() -> int:
     latencies = [float(x) for x in args.latencies_us.split(",")]
     net = network_rows(latencies)
     quota = quota_rows() if cgroups.available() else []
+    probe = probe_rows([float(x) for x in args.probe_latencies_us.split(",")]) if args.probe else []
     print(f"load average at start {load:.2f}; {time.time() - start:.0f} s", file=sys.stderr)
     print("| one-way latency | expected RTT | RTT to roce-0 | RTT to ib-1 | bulk / rate |",
           file=sys.stderr)  # fmt: skip
@@ -181,6 +219,9 @@ def main() -> int:
     for r in quota:
         print(f"| quota {r['host']} | {r['cores']:.3f} cores | measured "
               f"{r['measured_cores']:.3f} |", file=sys.stderr)  # fmt: skip
+    for r in probe:
+        fits = ", ".join(f"{k} {v:.0f} µs" for k, v in r["fitted_latency_us"].items())
+        print(f"| probe at {r['latency_us']:.0f} µs one-way | fitted {fits} |", file=sys.stderr)
     return 0
 
 
