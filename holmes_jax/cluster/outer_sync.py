@@ -24,17 +24,22 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   takes the lowest reachable member as leader, itself last, and tells it which members it
   found dead so that the new leader does not wait for them.
 * **Split.** A cut link makes each side see the other as dead: both sides go on, each a
-  group with its own leader. A group whose leader changed because lower members were
-  unreachable forks: new ``lineage`` ``"<leader>@<round>"``, remembering ``fork_tokens``
-  (its tokens when it forked; both sides had the same tokens then).
+  group with its own leader. An island that takes over the lead from another forks: new
+  ``lineage`` ``"<island>@<round>"`` whose ``parent`` is the old one, remembering
+  ``fork_tokens`` (its tokens then, which the other side had too).
 * **Heal / merge.** Before each round a group leader probes the configured islands with a
-  lower index outside its group; one that answers with another lineage is the primary.
-  The leader joins it (``POST /join`` with its global and ``tokens − fork_tokens``); the
-  primary's leader merges token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p + w_j)``
-  with ``w_p = tokens_p − fork_tokens``, ``w_j = tokens_j − fork_tokens``, keeps its own
+  lower index outside its group (so of two groups only the one with the higher leader
+  looks); one that answers with another lineage is the primary. The leader joins it
+  (``POST /join`` with its global, tokens and fork point); the primary's leader merges
+  token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p + w_j)`` with ``w = tokens −
+  common`` per side, ``common`` the fork point of whichever lineage is the other's child
+  (exact for one split; for deeper histories the joiner's fork point), keeps its own
   momentum and round, and merges each lineage once (later joiners of it adopt). The
-  joiner adopts the merged state; the rest of its group, refused by their old leader
-  (another lineage now), join too. Nothing trained on either side is lost.
+  joiner adopts the merged state and sends its pending delta to the primary's open round;
+  the rest of its group, refused by their old leader (another lineage now), join too and
+  adopt. Nothing trained on either side is lost.
+* **Late.** A delta refused because its round closed: the island re-joins its leader (a
+  member again from the next round) and adopts the latest state; that delta is dropped.
 * **Restart.** An island restarted without state (:meth:`OuterSync.join`) asks any live
   peer for its leader and joins it with weight 0: it adopts ``global``, ``momentum``,
   ``round`` bit for bit (no checkpoint read). It takes no part in the round open at its
@@ -70,6 +75,17 @@ class SyncConfig:
     outer_dtype: str = "fp32"
     quorum_timeout_s: float = 60.0
     probe_s: float = 1.0  # seconds to wait for a peer's /status or a connection
+
+    @classmethod
+    def from_diloco(cls, diloco, probe_s: float = 1.0) -> SyncConfig:
+        """The protocol's settings from a run's ``diloco`` section."""
+        return cls(
+            outer_lr=diloco.outer_lr,
+            outer_momentum=diloco.outer_momentum,
+            outer_dtype=diloco.outer_dtype,
+            quorum_timeout_s=diloco.quorum_timeout_s,
+            probe_s=min(probe_s, diloco.quorum_timeout_s),
+        )
 
 
 def encode(delta: np.ndarray, dtype: str) -> tuple[np.ndarray, float]:

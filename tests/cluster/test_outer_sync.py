@@ -170,9 +170,37 @@ def test_split_goes_on_and_heal_merges_token_weighted(islands):
     assert same(a.glob, b.glob) and a.members == {0, 1} and a.round == b.round == 4
 
 
+def test_split_of_a_group_heals_into_one_model(islands):
+    nodes, _ = islands[0](3)
+    a, b, c = nodes
+    a.cut, b.cut, c.cut = {1, 2}, {0}, {0}  # island 0 alone | islands 1 and 2
+    for r in range(2):
+        sync_all(nodes, [inner(n, 80 + r + i) for i, n in enumerate(nodes)], [1, 1, 1])
+    assert same(b.glob, c.glob) and not same(a.glob, b.glob) and b.leader == c.leader == 1
+    a.cut, b.cut, c.cut = set(), set(), set()
+    for r in range(2):  # the heal round (late deltas may drop), then one with everyone
+        sync_all(nodes, [inner(n, 90 + r + i) for i, n in enumerate(nodes)], [1, 1, 1])
+    assert all(same(n.glob, a.glob) and n.lineage == "root" for n in nodes)
+    assert a.members == {0, 1, 2} and a.round == b.round == c.round
+
+
+def test_int8_wire_agrees_within_the_quantisation(islands):
+    cfg = SyncConfig(outer_lr=1.0, outer_momentum=0.0, outer_dtype="int8", quorum_timeout_s=TIMEOUT)
+    nodes, _ = islands[0](2, cfg)
+    glob = dict(nodes[0].glob)
+    thetas = [inner(n, 5 + i) for i, n in enumerate(nodes)]
+    sync_all(nodes, thetas, [1, 1])
+    assert same(nodes[0].glob, nodes[1].glob)
+    for k in KEYS:  # lr 1, μ 0: global = the mean θ, up to half an int8 step per island
+        step = max(np.abs(glob[k] - th[k]).max() for th in thetas) / 127
+        np.testing.assert_allclose(nodes[0].glob[k], (thetas[0][k] + thetas[1][k]) / 2, atol=step)
+
+
 def test_config_keys():
     assert DilocoConfig().mode == "spmd"
     with pytest.raises(ConfigError, match="diloco.mode=independent"):
         DilocoConfig(mode="independent").validate(None, None)
     with pytest.raises(ConfigError, match="diloco.quorum_timeout_s=0"):
         DilocoConfig(quorum_timeout_s=0).validate(None, None)
+    cfg = SyncConfig.from_diloco(DilocoConfig(outer_dtype="int8", quorum_timeout_s=0.5))
+    assert (cfg.outer_dtype, cfg.quorum_timeout_s, cfg.probe_s) == ("int8", 0.5, 0.5)
