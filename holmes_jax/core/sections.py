@@ -39,6 +39,9 @@ from holmes_jax.core.spec import (
 DATA_SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 PROGRESS_MODES = ("auto", "bar", "plain", "none")
+# diloco.mode: spmd = one jax job, islands are the replica axis; independent = one job per
+# island, outer sync between jobs over the host-level protocol (holmes_jax.cluster.outer_sync).
+DILOCO_MODES = ("spmd", "independent")
 
 # The config keys with a fixed set of values, and that set.
 CONFIG_CHOICES: dict[str, tuple[Any, ...]] = {
@@ -51,6 +54,7 @@ CONFIG_CHOICES: dict[str, tuple[Any, ...]] = {
     "parallel.grad_buckets": GRAD_BUCKET_CHOICES,
     "diloco.enabled": DILOCO_CHOICES,
     "diloco.outer_dtype": OUTER_DTYPES,
+    "diloco.mode": DILOCO_MODES,
     "train.precision": PRECISIONS,
     "logging.progress": PROGRESS_MODES,
 }
@@ -356,9 +360,21 @@ class DilocoConfig:
     # K: the first K steps each end with plain averaging of the replicas (every fragment,
     # outer lr 1, momentum untouched); then rounds of H steps.
     warmup_steps: int = 0
+    mode: str = "spmd"  # spmd: one job, islands are replicas; independent: one job per island
+    # independent: an island whose round delta is not in within this many seconds is
+    # dropped from that outer step (the others average among themselves and go on)
+    quorum_timeout_s: float = 60.0
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         _positive(self, "diloco", ("inner_steps", "fragments"))
+        if self.quorum_timeout_s <= 0:
+            raise ConfigError(f"diloco.quorum_timeout_s={self.quorum_timeout_s}: must be > 0")
+        if self.mode == "independent":
+            raise ConfigError(
+                "diloco.mode=independent: not wired into the trainer yet (the outer-sync "
+                "protocol exists in holmes_jax.cluster.outer_sync; launch/loop do not use it); "
+                "use diloco.mode=spmd"
+            )
         if self.outer_lr <= 0:
             raise ConfigError(f"diloco.outer_lr={self.outer_lr}: must be > 0")
         if not 0 <= self.outer_momentum < 1:

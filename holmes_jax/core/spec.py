@@ -458,6 +458,7 @@ CONFIG_LIMITS: dict[str, Bound] = {
     "diloco.inner_steps": INNER_STEPS,
     "diloco.fragments": LAYERS,
     "diloco.warmup_steps": STEPS,
+    "diloco.quorum_timeout_s": TIMEOUT_S,
     "optimizer.warmup_steps": STEPS,
     "train.steps": STEPS,
     "train.global_batch_size": BATCH,

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from holmes_jax.cluster.outer_sync import nesterov
 from holmes_jax.core.axes import REPLICA
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
@@ -220,8 +221,7 @@ class OuterStep:
         if average:
             g = g - avg
         else:
-            m = mu * m + avg
-            g = g - lr * (avg + mu * m)
+            g, m = nesterov(g, m, avg, lr, mu)
         # 6. every replica restarts from the global model (the barrier: one value of g, not
         #    two fusions that could round differently)
         g = lax.optimization_barrier(g)

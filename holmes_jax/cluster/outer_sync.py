@@ -1,0 +1,489 @@
+"""The outer sync of independent DiLoCo islands over HTTP: rounds, quorum, heal, merge.
+
+With ``diloco.mode: independent`` each island is its own job; between jobs only this
+protocol runs (plain Python and numpy, no jax: the runtime moves shards device<->host).
+An island's state is ``global`` and ``momentum`` (fp32 shards, keyed ``"<leaf path>#<shard>"``,
+the logical layout, so islands may use different plans), the number ``round`` of outer
+steps it has applied, ``tokens`` (the tokens its model has seen) and ``lineage`` (the id
+of its history; ``"root"`` until a split).
+
+Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client):
+
+* **Leader.** Each round has one leader, which collects the deltas and computes the result;
+  every island applies the leader's result, so the members agree by construction. The
+  result of round r names the members (its participants plus islands that joined during
+  it) and the leader of round r+1: the lowest member index. Start: every island, leader 0.
+* **Round r.** An island sends ``Δ = global − θ`` (encoded in ``diloco.outer_dtype``) and
+  its tokens since the last round to its leader, then long-polls the leader for the
+  result. The leader waits for every member of round r−1, but at most ``quorum_timeout_s``
+  after the first delta arrived; whoever delivered by then participates. Result:
+  ``Δ̄ = Σ tokens_i·decode(Δ_i) / Σ tokens_i`` in fp32; Nesterov ``m ← μm + Δ̄``,
+  ``global ← global − lr(Δ̄ + μm)`` (:func:`nesterov`). A delta that arrives late, or for
+  a round already closed, is dropped: its island adopts the latest result.
+* **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
+  takes the lowest reachable member as leader, itself last, and tells it which members it
+  found dead so that the new leader does not wait for them.
+* **Split.** A cut link makes each side see the other as dead: both sides go on, each a
+  group with its own leader. An island that takes over the lead from another forks: new
+  ``lineage`` ``"<island>@<round>"`` whose ``parent`` is the old one, remembering
+  ``fork_tokens`` (its tokens then, which the other side had too).
+* **Heal / merge.** Before each round a group leader probes the configured islands with a
+  lower index outside its group (so of two groups only the one with the higher leader
+  looks); one that answers with another lineage is the primary. The leader joins it
+  (``POST /join`` with its global, tokens and fork point); the primary's leader merges
+  token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p + w_j)`` with ``w = tokens −
+  common`` per side, ``common`` the fork point of whichever lineage is the other's child
+  (exact for one split; for deeper histories the joiner's fork point), keeps its own
+  momentum and round, and merges each lineage once (later joiners of it adopt). The
+  joiner adopts the merged state and sends its pending delta to the primary's open round;
+  the rest of its group, refused by their old leader (another lineage now), join too and
+  adopt. Nothing trained on either side is lost.
+* **Late.** A delta refused because its round closed: the island re-joins its leader (a
+  member again from the next round) and adopts the latest state; that delta is dropped.
+* **Restart.** An island restarted without state (:meth:`OuterSync.join`) asks any live
+  peer for its leader and joins it with weight 0: it adopts ``global``, ``momentum``,
+  ``round`` bit for bit (no checkpoint read). It takes no part in the round open at its
+  join (weight 0, the same as a zero pseudo-gradient with no tokens) unless it delivers
+  before that round closes; it is a member from the next round on.
+
+HTTP (one JSON meta plus numpy arrays per body, :func:`pack`): ``GET /status``,
+``POST /delta``, ``GET /result?round=r``, ``POST /join``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+
+INT8_MAX = 127.0
+Shards = dict[str, np.ndarray]  # "<leaf path>#<shard>" -> array
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """The outer step's parameters (from the ``diloco`` section) and the protocol's timing."""
+
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_dtype: str = "fp32"
+    quorum_timeout_s: float = 60.0
+    probe_s: float = 1.0  # seconds to wait for a peer's /status or a connection
+
+    @classmethod
+    def from_diloco(cls, diloco, probe_s: float = 1.0) -> SyncConfig:
+        """The protocol's settings from a run's ``diloco`` section."""
+        return cls(
+            outer_lr=diloco.outer_lr,
+            outer_momentum=diloco.outer_momentum,
+            outer_dtype=diloco.outer_dtype,
+            quorum_timeout_s=diloco.quorum_timeout_s,
+            probe_s=min(probe_s, diloco.quorum_timeout_s),
+        )
+
+
+def encode(delta: np.ndarray, dtype: str) -> tuple[np.ndarray, float]:
+    """fp32 ``delta`` -> (wire payload, scale); int8: ``s = max|Δ| / 127`` (1 if all zero),
+    ``q = round(Δ / s)``; bf16 travels as the upper 16 bits (uint16); fp32 as is."""
+    delta = np.asarray(delta, np.float32)
+    if dtype == "fp32":
+        return delta, 1.0
+    if dtype == "bf16":  # round to nearest even, then keep the high half
+        bits = delta.view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.astype(np.uint16), 1.0
+    if dtype != "int8":
+        raise ValueError(f"outer dtype {dtype!r}")
+    absmax = float(np.max(np.abs(delta))) if delta.size else 0.0
+    scale = absmax / INT8_MAX if absmax > 0 else 1.0
+    q = np.clip(np.round(delta / np.float32(scale)), -INT8_MAX, INT8_MAX)
+    return q.astype(np.int8), scale
+
+
+def decode(payload: np.ndarray, scale: float) -> np.ndarray:
+    """The fp32 delta from :func:`encode`'s output."""
+    if payload.dtype == np.uint16:
+        return (payload.astype(np.uint32) << 16).view(np.float32)
+    return payload.astype(np.float32) * np.float32(scale)
+
+
+def nesterov(glob, mom, delta, lr: float, mu: float):
+    """One outer Nesterov step on arrays (numpy or jax): ``m ← μm + Δ``,
+    ``global ← global − lr(Δ + μm)``. Returns (global, momentum)."""
+    mom = mu * mom + delta
+    return glob - lr * (delta + mu * mom), mom
+
+
+def pack(meta: dict, arrays: Shards | None = None) -> bytes:
+    """One body: ``meta`` (JSON) and ``arrays`` in an npz (no pickle)."""
+    buf = io.BytesIO()
+    blob = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    np.savez(buf, __meta__=blob, **(arrays or {}))
+    return buf.getvalue()
+
+
+def unpack(body: bytes) -> tuple[dict, Shards]:
+    """:func:`pack`'s (meta, arrays)."""
+    with np.load(io.BytesIO(body), allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    meta = json.loads(arrays.pop("__meta__").tobytes())
+    return meta, arrays
+
+
+class Unreachable(Exception):
+    """A peer did not answer (refused, timed out, or its link is cut)."""
+
+
+class OuterSync:
+    """One island's end of the protocol (module doc): an HTTP server on ``peers[island]``
+    and the client calls of :meth:`sync` and :meth:`join`.
+
+    Args:
+      island: this island's index.
+      peers: every island's ``(host, port)``, by index (this one's included).
+      cfg: the outer step and timing.
+      state: ``(global, momentum)`` fp32 shards to start from; None for a restarted island,
+        which must :meth:`join` before :meth:`sync`.
+    """
+
+    def __init__(self, island: int, peers: dict[int, tuple[str, int]], cfg: SyncConfig, state):
+        self.island, self.peers, self.cfg = island, dict(peers), cfg
+        self.cut: set[int] = set()  # islands whose link to this one is cut (tests)
+        self.cond = threading.Condition()
+        self.glob: Shards = {}
+        self.mom: Shards = {}
+        self.round, self.tokens, self.lineage, self.fork_tokens = 0, 0, "root", 0
+        self.parent = ""  # the lineage this one forked from ("" for root)
+        self.leader, self.members = min(peers), set(peers)
+        self.merged: set[str] = set()  # lineages merged into this one
+        self.open: dict[int, tuple[Shards, int]] = {}  # round+1: island -> (Δ fp32, tokens)
+        self.first_arrival: float | None = None
+        self.joined: set[int] = set()  # joined during the open round
+        self.dead: set[int] = set()  # reported dead during the open round
+        self.results: dict[int, bytes] = {}  # the last rounds' packed states
+        if state is not None:
+            self.glob = {k: np.asarray(v, np.float32) for k, v in state[0].items()}
+            self.mom = {k: np.asarray(v, np.float32) for k, v in state[1].items()}
+        self.ready = state is not None
+        node = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                node._serve(self, "GET")
+
+            def do_POST(self):
+                node._serve(self, "POST")
+
+        self.server = ThreadingHTTPServer(self.peers[island], Handler)
+        self.server.daemon_threads = True
+        serve = lambda: self.server.serve_forever(poll_interval=0.05)  # noqa: E731
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        """Stop serving (the island is gone to its peers)."""
+        self.server.shutdown()
+        self.server.server_close()
+
+    # ---- the caller's side -------------------------------------------------------------
+
+    def sync(self, theta: Shards, tokens: int) -> Shards:
+        """The outer step after the inner steps that took ``global`` to ``theta`` on
+        ``tokens`` tokens: returns the new global (the caller sets θ ← global). Never waits
+        for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s`` per probe)."""
+        assert self.ready, "a restarted island joins before it syncs"
+        with self.cond:
+            delta = {k: self.glob[k] - np.asarray(theta[k], np.float32) for k in self.glob}
+        self._heal_if_split()  # the delta is inner progress: it goes to the merged lineage
+        with self.cond:
+            want, lineage = self.round + 1, self.lineage
+        dead: set[int] = set()
+        while True:
+            with self.cond:
+                if self.round >= want or self.lineage != lineage:
+                    if self.lineage == lineage:  # closed without us (late): dropped
+                        return dict(self.glob)
+                    want, lineage = self.round + 1, self.lineage  # joined another lineage
+                leader = self.leader
+            if leader == self.island:
+                if not self._accept(self.island, want, delta, tokens, dead, lineage):
+                    continue
+                self._await_result(want)
+                continue
+            try:
+                meta = self._post_delta(leader, want, delta, tokens, dead, lineage)
+                if meta.get("refused"):  # another lineage or a closed round: join it
+                    self._join_via(leader)
+                    continue
+                self._adopt(*unpack(self._get(leader, f"/result?round={want}", long=True)))
+            except Unreachable:
+                dead.add(leader)
+                self._fail_over(dead)
+
+    def join(self) -> None:
+        """A restarted island (no state) adopts a live peer's state (module doc, Restart)."""
+        while not self.ready:
+            for j in sorted(self.peers):
+                if j == self.island:
+                    continue
+                try:
+                    self._join_via(j, weight=False)
+                    return
+                except Unreachable:
+                    continue
+            time.sleep(self.cfg.probe_s)
+
+    # ---- client helpers ----------------------------------------------------------------
+
+    def _request(self, j: int, method: str, path: str, body: bytes = b"", long=False) -> bytes:
+        if j in self.cut:
+            raise Unreachable(j)
+        host, port = self.peers[j]
+        wait = self.cfg.quorum_timeout_s + 2 * self.cfg.probe_s if long else self.cfg.probe_s
+        conn = http.client.HTTPConnection(host, port, timeout=wait)
+        try:
+            conn.request(method, path, body, {"X-Island": str(self.island)})
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as err:
+            raise Unreachable(j) from err
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise Unreachable(j)
+        return data
+
+    def _get(self, j: int, path: str, long=False) -> bytes:
+        return self._request(j, "GET", path, long=long)
+
+    def _status(self, j: int) -> dict:
+        return json.loads(self._get(j, "/status"))
+
+    def _post_delta(self, j, want, delta, tokens, dead, lineage) -> dict:
+        meta = {"island": self.island, "round": want, "tokens": tokens, "dead": sorted(dead)}
+        meta["lineage"] = lineage
+        arrays, scales = {}, {}
+        for k, d in delta.items():
+            arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
+        meta["scales"] = scales
+        return json.loads(self._request(j, "POST", "/delta", pack(meta, arrays)))
+
+    def _join_via(self, j: int, weight: bool = True) -> None:
+        """Join the leader that island ``j`` follows (or ``j``); with ``weight`` this
+        island's progress since its fork is merged, else it only adopts."""
+        status = self._status(j)
+        with self.cond:
+            meta = {"island": self.island, "lineage": self.lineage, "weight": 0}
+            meta.update(parent=self.parent, fork_tokens=self.fork_tokens, tokens=self.tokens)
+            meta["weight"] = int(weight and self.ready)  # 1: merge my progress since the fork
+            arrays = dict(self.glob) if meta["weight"] else {}
+        for target in (status["leader"], j):
+            try:
+                body = self._request(target, "POST", "/join", pack(meta, arrays))
+                self._adopt(*unpack(body))
+                return
+            except Unreachable:
+                continue
+        raise Unreachable(j)
+
+    def _heal_if_split(self) -> None:
+        with self.cond:
+            if self.leader != self.island:
+                return
+            outside = [j for j in sorted(self.peers) if j < self.island and j not in self.members]
+        for j in outside:
+            try:
+                status = self._status(j)
+            except Unreachable:
+                continue
+            if status["lineage"] != self.lineage and status["ready"]:
+                self._join_via(j)
+                return
+
+    def _fail_over(self, dead: set[int]) -> None:
+        """The lowest reachable member becomes the leader (this island if none answers);
+        taking over from lower islands forks the lineage."""
+        with self.cond:
+            candidates = sorted(self.members - dead - {self.island})
+            me, rnd = self.island, self.round
+        for j in candidates:
+            if j > me:
+                break
+            try:
+                self._status(j)
+            except Unreachable:
+                dead.add(j)
+                continue
+            with self.cond:  # a refused delta (it forked first) makes this island join it
+                self.leader = j
+            return
+        with self.cond:
+            if self.leader != me:  # taking over from another leader: a new lineage
+                self.parent, self.lineage = self.lineage, f"{me}@{rnd}"
+                self.fork_tokens = self.tokens
+            self.leader = me
+            self.members -= dead
+            self.dead |= dead
+
+    def _adopt(self, meta: dict, arrays: Shards) -> None:
+        with self.cond:
+            if self.ready and meta["round"] < self.round and meta["lineage"] == self.lineage:
+                return
+            self.glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
+            self.mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+            for key in ("round", "tokens", "lineage", "parent", "fork_tokens", "leader"):
+                setattr(self, key, meta[key])
+            self.members, self.merged = set(meta["members"]), set(meta["merged"])
+            self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
+            self.ready = True
+            self.cond.notify_all()
+
+    # ---- the leader's side -------------------------------------------------------------
+
+    def _state_body(self) -> bytes:
+        """This island's state, packed (call with the lock held)."""
+        meta = {
+            "round": self.round,
+            "tokens": self.tokens,
+            "lineage": self.lineage,
+            "parent": self.parent,
+            "fork_tokens": self.fork_tokens,
+            "leader": self.leader,
+            "members": sorted(self.members),
+            "merged": sorted(self.merged),
+        }
+        arrays = {f"g/{k}": v for k, v in self.glob.items()}
+        arrays.update({f"m/{k}": v for k, v in self.mom.items()})
+        return pack(meta, arrays)
+
+    def _accept(self, island, want, delta, tokens, dead, lineage) -> bool:
+        """Take ``island``'s delta for round ``want`` into the open round (False: refused,
+        another lineage or not the open round)."""
+        with self.cond:
+            if lineage != self.lineage or want != self.round + 1 or not self.ready:
+                return False
+            if self.first_arrival is None:
+                self.first_arrival = time.monotonic()
+            self.open[island] = (delta, tokens)
+            self.dead |= set(dead) - {self.island}
+            self.cond.notify_all()
+            return True
+
+    def _await_result(self, want: int) -> bool:
+        """Wait until round ``want`` is closed, closing it here if this island leads
+        (all members in, or the quorum timeout passed). False: not closed in time."""
+        end = time.monotonic() + self.cfg.quorum_timeout_s + self.cfg.probe_s
+        with self.cond:
+            while self.round < want:
+                now = time.monotonic()
+                if self.leader == self.island and self.open:
+                    waiting = self.members - self.dead - set(self.open)
+                    late = now >= self.first_arrival + self.cfg.quorum_timeout_s
+                    if not waiting or late:
+                        self._close_round()
+                        break
+                    wait = self.first_arrival + self.cfg.quorum_timeout_s - now
+                else:
+                    wait = end - now
+                if now >= end:
+                    return False
+                self.cond.wait(min(wait, end - now))
+            return True
+
+    def _close_round(self) -> None:
+        """Average the delivered deltas token-weighted, take the Nesterov step, name the next
+        round's members and leader (lock held)."""
+        weights = {i: max(t, 0) for i, (_, t) in self.open.items()}
+        total = sum(weights.values())
+        for k in self.glob:
+            if total > 0:
+                avg = sum(weights[i] * d[k] for i, (d, _) in self.open.items()) / total
+            else:
+                avg = sum(d[k] for d, _ in self.open.values()) / len(self.open)
+            avg = avg.astype(np.float32)
+            lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+            self.glob[k], self.mom[k] = nesterov(self.glob[k], self.mom[k], avg, lr, mu)
+        self.round += 1
+        self.tokens += total
+        self.members = set(self.open) | self.joined
+        self.leader = min(self.members)
+        self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
+        self.results[self.round] = self._state_body()
+        self.results.pop(self.round - 4, None)
+        self.cond.notify_all()
+
+    def _merge(self, meta: dict, arrays: Shards) -> None:
+        """Merge a joiner's lineage token-weighted into this one, once (lock held)."""
+        if meta["lineage"] == self.lineage or meta["lineage"] in self.merged:
+            return
+        # the common point: where the younger of the two lineages forked from the other
+        common = self.fork_tokens if meta["lineage"] == self.parent else meta["fork_tokens"]
+        w_j = meta["weight"] and max(meta["tokens"] - common, 0)
+        w_p = max(self.tokens - common, 0)
+        if w_j <= 0:
+            return
+        for k in self.glob:
+            self.glob[k] = ((w_p * self.glob[k] + w_j * arrays[k]) / (w_p + w_j)).astype(np.float32)
+        self.tokens += w_j
+        self.merged.add(meta["lineage"])
+
+    def _serve(self, req: BaseHTTPRequestHandler, method: str) -> None:
+        peer = int(req.headers.get("X-Island", "-1"))
+        if peer in self.cut:
+            req.send_error(503)
+            return
+        path, _, query = req.path.partition("?")
+        body = (
+            req.rfile.read(int(req.headers.get("Content-Length", 0))) if method == "POST" else b""
+        )
+        if path == "/status":
+            with self.cond:
+                out = {"island": self.island, "round": self.round, "leader": self.leader}
+                out.update(lineage=self.lineage, ready=self.ready, tokens=self.tokens)
+            self._reply(req, json.dumps(out).encode())
+        elif path == "/delta":
+            meta, arrays = unpack(body)
+            delta = {k: decode(v, meta["scales"][k]) for k, v in arrays.items()}
+            args = (meta["island"], meta["round"], delta, meta["tokens"], meta["dead"])
+            ok = self._accept(*args, meta["lineage"])
+            self._reply(req, json.dumps({"refused": not ok}).encode())
+        elif path == "/result":
+            want = int(query.removeprefix("round="))
+            closed = self._await_result(want)
+            with self.cond:
+                body = self.results.get(want) if closed else None
+                if closed and body is None:  # closed long ago: the latest state
+                    body = self._state_body()
+            if body is None:
+                req.send_error(504)
+            else:
+                self._reply(req, body)
+        elif path == "/join":
+            meta, arrays = unpack(body)
+            with self.cond:
+                if not self.ready:
+                    req.send_error(503)
+                    return
+                self._merge(meta, arrays)
+                # between rounds a member at once; during one, it is not waited for
+                (self.joined if self.open else self.members).add(meta["island"])
+                out = self._state_body()
+            self._reply(req, out)
+        else:
+            req.send_error(404)
+
+    @staticmethod
+    def _reply(req: BaseHTTPRequestHandler, body: bytes) -> None:
+        req.send_response(200)
+        req.send_header("Content-Length", str(len(body)))
+        req.end_headers()
+        req.wfile.write(body)

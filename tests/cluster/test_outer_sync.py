@@ -1,0 +1,206 @@
+"""The outer-sync protocol of independent DiLoCo islands (holmes_jax.cluster.outer_sync),
+in one process: several islands on localhost ports, fake numpy shards, no jax."""
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, decode, encode
+from holmes_jax.core.config import DilocoConfig
+from holmes_jax.core.errors import ConfigError
+
+TIMEOUT = 1.0
+CFG = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=TIMEOUT, probe_s=0.3)
+KEYS = ("blocks/w#0", "blocks/w#1", "embed#0")
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return {i: ("127.0.0.1", p) for i, p in enumerate(ports)}
+
+
+def start_state(seed=0):
+    rng = np.random.default_rng(seed)
+    glob = {k: rng.standard_normal((4, 3)).astype(np.float32) for k in KEYS}
+    return glob, {k: np.zeros((4, 3), np.float32) for k in KEYS}
+
+
+@pytest.fixture
+def islands():
+    """A factory of n islands from one start state; closes them all at the end."""
+    made = []
+
+    def make(n, cfg=CFG):
+        peers = free_ports(n)
+        nodes = [OuterSync(i, peers, cfg, start_state()) for i in range(n)]
+        made.extend(nodes)
+        return nodes, peers
+
+    yield make, made
+    for node in made:
+        try:
+            node.close()
+        except OSError:
+            pass
+
+
+def inner(node, seed):
+    """A fake inner phase: θ = global + noise."""
+    rng = np.random.default_rng(seed)
+    return {
+        k: v + 0.1 * rng.standard_normal(v.shape).astype(np.float32) for k, v in node.glob.items()
+    }
+
+
+def sync_all(nodes, thetas, tokens):
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        futures = [pool.submit(n.sync, t, k) for n, t, k in zip(nodes, thetas, tokens, strict=True)]
+        return [f.result(timeout=30) for f in futures]
+
+
+def expected(glob, mom, thetas, tokens):
+    """The outer step by hand: token-weighted mean delta, then Nesterov."""
+    out_g, out_m = {}, {}
+    for k in glob:
+        avg = sum(t * (glob[k] - th[k]) for th, t in zip(thetas, tokens, strict=True)) / sum(tokens)
+        m = 0.9 * mom[k] + avg
+        out_g[k], out_m[k] = glob[k] - 0.7 * (avg + 0.9 * m), m
+    return out_g, out_m
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_codec_bounds():
+    x = np.random.default_rng(1).standard_normal((5, 7)).astype(np.float32)
+    q, s = encode(x, "int8")
+    assert q.dtype == np.int8 and np.max(np.abs(decode(q, s) - x)) <= s / 2 + 1e-7
+    b, s = encode(x, "bf16")
+    assert b.dtype == np.uint16 and np.allclose(decode(b, s), x, rtol=2**-8, atol=0)
+    assert np.array_equal(decode(*encode(x, "fp32")), x)
+
+
+def test_round_agrees_and_is_token_weighted(islands):
+    nodes, _ = islands[0](3)
+    glob, mom = start_state()
+    thetas = [inner(n, 10 + i) for i, n in enumerate(nodes)]
+    tokens = [100, 300, 600]
+    out = sync_all(nodes, thetas, tokens)
+    want_g, want_m = expected(glob, mom, thetas, tokens)
+    for n, g in zip(nodes, out, strict=True):
+        assert same(g, nodes[0].glob) and same(n.mom, nodes[0].mom) and n.round == 1
+        for k in KEYS:
+            np.testing.assert_allclose(g[k], want_g[k], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(n.mom[k], want_m[k], rtol=1e-6, atol=1e-6)
+
+
+def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
+    make, made = islands
+    nodes, peers = make(3)
+    nodes[2].close()  # killed before it delivers round 1
+    glob, mom = start_state()
+    thetas = [inner(n, i) for i, n in enumerate(nodes[:2])]
+    t0 = time.monotonic()
+    sync_all(nodes[:2], thetas, [1, 1])
+    first = time.monotonic() - t0
+    assert first < TIMEOUT + 1.0  # waited for the dead one at most the quorum timeout
+    want_g, _ = expected(glob, mom, thetas, [1, 1])
+    np.testing.assert_allclose(nodes[0].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6)
+    # the survivors keep stepping, without waiting for the dropped island again
+    t0 = time.monotonic()
+    for r in range(2):
+        sync_all(nodes[:2], [inner(n, 20 + r) for n in nodes[:2]], [1, 1])
+    assert time.monotonic() - t0 < TIMEOUT and nodes[1].round == 3
+    # restart island 2 without state: it adopts global and momentum from a live peer
+    back = OuterSync(2, peers, CFG, None)
+    made.append(back)
+    back.join()
+    assert same(back.glob, nodes[0].glob) and same(back.mom, nodes[0].mom)
+    assert back.round == nodes[0].round and back.lineage == nodes[0].lineage
+    everyone = [nodes[0], nodes[1], back]
+    before = dict(nodes[0].glob), dict(nodes[0].mom)
+    thetas = [inner(n, 30 + i) for i, n in enumerate(everyone)]
+    sync_all(everyone, thetas, [1, 2, 3])  # the rejoined island takes part again
+    want_g, _ = expected(*before, thetas, [1, 2, 3])
+    assert all(same(n.glob, back.glob) for n in everyone) and nodes[0].members == {0, 1, 2}
+    np.testing.assert_allclose(back.glob[KEYS[1]], want_g[KEYS[1]], rtol=1e-6)
+
+
+def test_leader_death_survivors_agree(islands):
+    nodes, _ = islands[0](3)
+    sync_all(nodes, [inner(n, i) for i, n in enumerate(nodes)], [1, 1, 1])
+    nodes[0].close()  # the leader dies
+    live = nodes[1:]
+    t0 = time.monotonic()
+    for r in range(2):
+        sync_all(live, [inner(n, 40 + r + i) for i, n in enumerate(live)], [1, 1])
+    assert time.monotonic() - t0 < 2 * TIMEOUT + 2.0
+    assert same(live[0].glob, live[1].glob) and live[0].leader == live[1].leader == 1
+
+
+def test_split_goes_on_and_heal_merges_token_weighted(islands):
+    nodes, _ = islands[0](2)
+    a, b = nodes
+    sync_all(nodes, [inner(a, 1), inner(b, 2)], [1, 1])
+    fork = a.tokens
+    a.cut, b.cut = {1}, {0}  # the link is cut both ways: each sees the other as dead
+    for r in range(2):
+        sync_all(nodes, [inner(a, 50 + r), inner(b, 60 + r)], [10, 30])
+    assert a.round == b.round == 3 and not same(a.glob, b.glob) and a.lineage != b.lineage
+    w_a, w_b = a.tokens - fork, b.tokens - fork
+    assert (w_a, w_b) == (20, 60)
+    merged = {
+        k: ((w_a * a.glob[k] + w_b * b.glob[k]) / (w_a + w_b)).astype(np.float32) for k in KEYS
+    }
+    momentum = dict(a.mom)
+    a.cut, b.cut = set(), set()  # healed: b (the higher leader) finds a before its next round
+    b._heal_if_split()
+    assert same(a.glob, merged) and same(b.glob, merged) and same(b.mom, momentum)
+    assert a.lineage == b.lineage == "root" and a.tokens == b.tokens == fork + w_a + w_b
+    sync_all(nodes, [inner(a, 70), inner(b, 71)], [1, 1])  # one model again
+    assert same(a.glob, b.glob) and a.members == {0, 1} and a.round == b.round == 4
+
+
+def test_split_of_a_group_heals_into_one_model(islands):
+    nodes, _ = islands[0](3)
+    a, b, c = nodes
+    a.cut, b.cut, c.cut = {1, 2}, {0}, {0}  # island 0 alone | islands 1 and 2
+    for r in range(2):
+        sync_all(nodes, [inner(n, 80 + r + i) for i, n in enumerate(nodes)], [1, 1, 1])
+    assert same(b.glob, c.glob) and not same(a.glob, b.glob) and b.leader == c.leader == 1
+    a.cut, b.cut, c.cut = set(), set(), set()
+    for r in range(2):  # the heal round (late deltas may drop), then one with everyone
+        sync_all(nodes, [inner(n, 90 + r + i) for i, n in enumerate(nodes)], [1, 1, 1])
+    assert all(same(n.glob, a.glob) and n.lineage == "root" for n in nodes)
+    assert a.members == {0, 1, 2} and a.round == b.round == c.round
+
+
+def test_int8_wire_agrees_within_the_quantisation(islands):
+    cfg = SyncConfig(outer_lr=1.0, outer_momentum=0.0, outer_dtype="int8", quorum_timeout_s=TIMEOUT)
+    nodes, _ = islands[0](2, cfg)
+    glob = dict(nodes[0].glob)
+    thetas = [inner(n, 5 + i) for i, n in enumerate(nodes)]
+    sync_all(nodes, thetas, [1, 1])
+    assert same(nodes[0].glob, nodes[1].glob)
+    for k in KEYS:  # lr 1, μ 0: global = the mean θ, up to half an int8 step per island
+        step = max(np.abs(glob[k] - th[k]).max() for th in thetas) / 127
+        np.testing.assert_allclose(nodes[0].glob[k], (thetas[0][k] + thetas[1][k]) / 2, atol=step)
+
+
+def test_config_keys():
+    assert DilocoConfig().mode == "spmd"
+    with pytest.raises(ConfigError, match="diloco.mode=independent"):
+        DilocoConfig(mode="independent").validate(None, None)
+    with pytest.raises(ConfigError, match="diloco.quorum_timeout_s=0"):
+        DilocoConfig(quorum_timeout_s=0).validate(None, None)
+    cfg = SyncConfig.from_diloco(DilocoConfig(outer_dtype="int8", quorum_timeout_s=0.5))
+    assert (cfg.outer_dtype, cfg.quorum_timeout_s, cfg.probe_s) == ("int8", 0.5, 0.5)
