@@ -23,7 +23,8 @@ Rows, each one set of config overrides that the trainer runs and the planner pri
 
 A component's share of the gain: ``(t_off - t_full) / sum over components of (t_off - t_full)``
 for the components partition, nic and overlap (shares sum to 1; a negative one means turning
-it off helped). The ranking orders the rows by step time, measured and predicted.
+it off helped). The component ranking orders the components by share (the issue's target:
+measured equal to predicted); the row ranking orders the rows by step time.
 
 Measured mode (root): ``launch --emulate`` on meshes/emu-4host-2island-slow-compute.yaml
 ("two": roce computes at half ib's speed through its hosts' CPU quota, 100 Mbit/s between
@@ -173,7 +174,8 @@ def price_rows(base: list[str], mesh: str, calibration=None, sync: bool = False)
         tokens = run.global_batch_size * model.seq_len
         flops = 6 * model_params(cfg) * tokens  # fwd + bwd, no attention term
         entry["tokens_per_s"] = round(tokens / step, 1)
-        entry["tflops_per_gpu"] = round(flops / step / topology.num_devices / 1e12, 2)
+        tflops = flops / step / topology.num_devices / 1e12
+        entry["tflops_per_gpu"] = round(tflops, 2 if tflops >= 1 else 5)
         out[name] = entry
     return out
 
@@ -193,13 +195,21 @@ def shares(times: dict[str, float]) -> dict[str, float | None]:
 
 
 def ranking(times: dict[str, float]) -> list[str]:
+    """The rows, fastest first."""
     return sorted(times, key=times.get)
+
+
+def component_ranking(share: dict[str, float | None]) -> list[str]:
+    """The components, largest share of the gain first (the issue's ranking target)."""
+    return sorted(share, key=lambda c: -(share[c] or 0.0))
 
 
 def summary(rows: dict, key: str) -> dict:
     times = {name: r[key] for name, r in rows.items()}
+    share = shares(times)
     return {
-        "shares": shares(times),
+        "shares": share,
+        "component_ranking": component_ranking(share),
         "ranking": ranking(times),
         "full_over_partition_off": round(times["partition-off"] / times["full"], 2),
         "nic_off_over_full": round(times["nic-off"] / times["full"], 2),
@@ -257,12 +267,16 @@ def measure(args, folder: str) -> dict:
             }
             line = {"mesh": label, "row": name, **table[name]}
             print(json.dumps(line), flush=True)
-        result[label] = {
+        result[label] = block = {
             "rows": table,
             "measured": summary(table, "step_ms"),
             "predicted": summary(table, "predicted_ms"),
+            "worst_prediction_error": max(abs(r["prediction_error"]) for r in table.values()),
             "probe_layer_fwd_bwd_ms": layer_ms,
         }
+        block["component_ranking_equal"] = (
+            block["measured"]["component_ranking"] == block["predicted"]["component_ranking"]
+        )
     return result
 
 
@@ -300,7 +314,8 @@ def print_table(result: dict, measured: bool) -> None:
         for key in ("measured", "predicted") if measured else (None,):
             s = block[key] if key else block
             print(f"  {key or 'predicted'}: shares {s['shares']}", file=sys.stderr)
-            print(f"  {key or 'predicted'}: ranking {s['ranking']}", file=sys.stderr)
+            print(f"  {key or 'predicted'}: rows fastest first {s['ranking']}", file=sys.stderr)
+            print(f"  {key or 'predicted'}: components {s['component_ranking']}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,6 +62,12 @@ def test_shares_and_ranking_arithmetic(bench):
     assert bench.shares(times) == {"partition": 0.167, "nic": 0.667, "overlap": 0.167}
     assert bench.shares({k: 1.0 for k in times}) == dict.fromkeys(bench.COMPONENTS)
     assert bench.ranking(times)[0] == "full" and bench.ranking(times)[-1] == "nic-off"
+    assert bench.component_ranking(bench.shares(times))[0] == "nic"
+    assert bench.component_ranking({"partition": 0.2, "nic": None, "overlap": 0.8}) == [
+        "overlap",
+        "partition",
+        "nic",
+    ]
 
 
 def test_plan_only_prices_the_paper_shape():
