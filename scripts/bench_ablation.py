@@ -123,11 +123,14 @@ def fast_twin(topology: Topology) -> Topology:
     )
 
 
-def ablation_rows(base: list[str], mesh: str, calibration=None) -> dict[str, list[str]]:
+def ablation_rows(
+    base: list[str], mesh: str, calibration=None, topology: Topology | None = None
+) -> dict[str, list[str]]:
     """The rows' overrides (besides ``base`` and ``parallel.mesh``): the planner's plan for
-    ``base`` on ``mesh`` with every component on, then each turned off (module doc)."""
+    ``base`` on ``mesh`` (or ``topology``, e.g. a profile's) with every component on, then
+    each turned off (module doc)."""
     cfg = load_config(None, base + FULL + [f"parallel.mesh={mesh}"])
-    plan = make_plan(cfg, load_topology(mesh), calibration=calibration)
+    plan = make_plan(cfg, topology or load_topology(mesh), calibration=calibration)
     full = plan_overrides(plan) + FULL
     tensor = plan.layout.tensor
     naive = [
@@ -241,7 +244,7 @@ def measure(args, folder: str) -> dict:
         topology, calibration, layer_ms = benchlib.emulated_probe(
             mesh, EMULATED, folder, f"profile-{label}", "bench_ablation"
         )
-        rows = ablation_rows(EMULATED, mesh, calibration)
+        rows = ablation_rows(EMULATED, mesh, calibration, topology)
         table = {}
         for name, extra in rows.items():
             run_mesh = mesh
