@@ -147,12 +147,18 @@ def ablation_rows(
     ]
     return {
         "full": full,
-        "partition-off": full + ["parallel.layers_per_stage=null"],
+        "partition-off": replaced(full, ["parallel.layers_per_stage=null"]),
         "nic-off": naive + FULL,
-        "overlap-off": full + OVERLAP_OFF,
+        "overlap-off": replaced(full, OVERLAP_OFF),
         "all-off": naive + OVERLAP_OFF,
         "homogeneous": full,
     }
+
+
+def replaced(overrides: list[str], changes: list[str]) -> list[str]:
+    """``overrides`` with the keys ``changes`` sets replaced by them (one value per key)."""
+    keys = {c.split("=", 1)[0] for c in changes}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + changes
 
 
 def row_config(base: list[str], mesh: str, extra: list[str]):

@@ -39,6 +39,8 @@ def test_rows_load_and_differ_where_the_component_matters(bench, label):
         "homogeneous",
     }
     for name, extra in rows.items():
+        keys = [o.split("=", 1)[0] for o in extra]
+        assert len(keys) == len(set(keys)), name  # one value per key: the table names it
         cfg = bench.row_config(bench.EMULATED, mesh, extra)  # the real loader, every override
         assert cfg.parallel.mesh == mesh
         assert cfg.parallel.enforce_islands == (name not in ("nic-off", "all-off")), name
