@@ -1,0 +1,352 @@
+"""Benchmark: the Holmes ablation, each component of the plan turned off in turn (issue 28).
+
+    sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 11] \\
+        [--keep-logs DIR]
+    python scripts/bench_ablation.py --plan-only
+
+Rows, each one set of config overrides that the trainer runs and the planner prices
+(:func:`holmes_jax.planner.plans.predict_config`), so measured and predicted are one plan:
+
+- full: the planner's plan (its degrees and split, island-aware placement), gradients reduced
+  per layer during the backward (``parallel.grad_buckets=layer``) and ZeRO-1;
+- partition-off: full with an even split (``parallel.layers_per_stage=null``);
+- nic-off: ``parallel.enforce_islands=false``: data groups span the islands. The naive
+  placement is one stage (:func:`holmes_jax.planner.placement.naive_hardware`), so the row
+  keeps full's tensor degree and makes every other device data parallel;
+- overlap-off: full with one reduction after the backward (``grad_buckets=step``) and
+  ``optimizer.zero1=false``. On CPUs gloo's collectives block the device, so nothing
+  overlaps in a measured run whatever the setting (its prediction is priced that way);
+  ``gpu_predicted_ms`` beside it is the same row priced with asynchronous collectives;
+- all-off: nic-off with overlap-off (Megatron-LM-like; one stage, so no split to turn off);
+- homogeneous: full on the all-fast twin (every island at the fastest island's speed and
+  link, the inter-island links too): the reference the components try to approach.
+
+A component's share of the gain: ``(t_off - t_full) / sum over components of (t_off - t_full)``
+for the components partition, nic and overlap (shares sum to 1; a negative one means turning
+it off helped). The component ranking orders the components by share (the issue's target:
+measured equal to predicted); the row ranking orders the rows by step time.
+
+Measured mode (root): ``launch --emulate`` on meshes/emu-4host-2island-slow-compute.yaml
+("two": roce computes at half ib's speed through its hosts' CPU quota, 100 Mbit/s between
+the islands) and meshes/emu-6host-3island-slow-compute.yaml ("three"); predictions from a
+profile the probe measures through the same launch. The model (``EMULATED``): 6 layers, so
+an uneven split can move a whole layer off the slow island ([4, 2] against [3, 3]: 1.5x in
+compute); hidden 256 gives ~19 MB of fp32 gradients, which a 4-rank ring across the islands
+moves in ~2.3 s at 100 Mbit/s against ~0.16 s for 2 ranks inside an island at 1 Gbit/s,
+while a micro-batch's activations (4 x 64 x 256 fp32, 256 KiB) cross in ~20 ms: NIC-off pays
+the gradient bytes on the slow link, full pays the activations. The batch (24 x 64 tokens,
+divisible by 4 and 6 data ranks) keeps compute large enough for the split to show; a larger
+one favours the split and dilutes NIC-off (at 96 x 128 the predicted ratios are 1.23 and
+1.38 against 1.18 and 3.4 here): the two targets pull the batch in opposite directions.
+
+``--plan-only`` (no root, seconds): the same rows priced for the GPT-7.5B shape (36 layers,
+hidden 4096, 32 heads, seq 2048, bf16, batch 512) on meshes/paper-ib-roce-4x8.yaml and
+meshes/paper-ib-roce-8x8.yaml, plus the emulated meshes at their nominal speeds; each row
+a JSON line with ``row``, ``predicted_ms`` and ``tflops_per_gpu`` (model FLOPs, 6 x weights x
+tokens, no attention or recompute term), then the tables on stderr.
+
+Targets: full >= 1.25x faster than partition-off with one island 2x slower; nic-off >= 3x
+slower than full at 100 Mbit/s; each measured row within 25% of prediction; equal rankings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+
+import benchlib
+
+from holmes_jax.core.config import load_config
+from holmes_jax.planner.plans import make_plan, plan_overrides, predict_config, specs_from_config
+from holmes_jax.planner.topology import Topology, load_topology
+
+MESH_DIR = f"{benchlib.ROOT}/meshes"
+EMULATED_MESHES = {
+    "two": f"{MESH_DIR}/emu-4host-2island-slow-compute.yaml",
+    "three": f"{MESH_DIR}/emu-6host-3island-slow-compute.yaml",
+}
+PAPER_MESHES = {
+    "paper-4x8": f"{MESH_DIR}/paper-ib-roce-4x8.yaml",
+    "paper-8x8": f"{MESH_DIR}/paper-ib-roce-8x8.yaml",
+}
+EMULATED = [
+    "model.num_layers=6",
+    "model.hidden_size=256",
+    "model.num_heads=4",
+    "model.seq_len=64",
+    "model.tied_embeddings=false",
+    "train.global_batch_size=24",
+    "data.max_bytes=400000",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.run_dir=null",
+    "logging.log_every=5",
+    "logging.progress=plain",
+]
+GPT_7_5B = [
+    "model.num_layers=36",
+    "model.hidden_size=4096",
+    "model.num_heads=32",
+    "model.seq_len=2048",
+    "model.vocab_size=51200",
+    "train.global_batch_size=512",
+    "train.precision=bf16",
+    "train.run_dir=null",
+]
+COMPONENTS = ("partition", "nic", "overlap")
+FULL = ["parallel.grad_buckets=layer", "optimizer.zero1=true"]
+OVERLAP_OFF = ["parallel.grad_buckets=step", "optimizer.zero1=false"]
+
+
+def log(msg: str) -> None:
+    print(f"bench_ablation: {msg}", file=sys.stderr, flush=True)
+
+
+def fast_twin(topology: Topology) -> Topology:
+    """Every island at the fastest island's device speed and link, the inter-island links
+    too: the homogeneous reference of ``topology``."""
+    best = max(topology.islands, key=lambda i: (i.peak_tflops, i.link.bandwidth_gbps))
+    islands = tuple(
+        dataclasses.replace(i, link=best.link, peak_tflops=best.peak_tflops)
+        for i in topology.islands
+    )
+    return dataclasses.replace(
+        topology,
+        name=f"{topology.name}-fast",
+        islands=islands,
+        inter_island_default=best.link,
+        inter_island_overrides=(),
+    )
+
+
+def ablation_rows(
+    base: list[str], mesh: str, calibration=None, topology: Topology | None = None
+) -> dict[str, list[str]]:
+    """The rows' overrides (besides ``base`` and ``parallel.mesh``): the planner's plan for
+    ``base`` on ``mesh`` (or ``topology``, e.g. a profile's) with every component on, then
+    each turned off (module doc)."""
+    cfg = load_config(None, base + FULL + [f"parallel.mesh={mesh}"])
+    plan = make_plan(cfg, topology or load_topology(mesh), calibration=calibration)
+    full = plan_overrides(plan) + FULL
+    tensor = plan.layout.tensor
+    naive = [
+        "parallel.enforce_islands=false",
+        "parallel.replica=1",
+        "parallel.stages=1",
+        "parallel.data=0",
+        f"parallel.tensor={tensor}",
+        "parallel.microbatches=1",
+        "parallel.schedule=gpipe",
+        "parallel.virtual_stages=1",
+        "parallel.layers_per_stage=null",
+        f"model.remat={plan.remat}",
+    ]
+    return {
+        "full": full,
+        "partition-off": replaced(full, ["parallel.layers_per_stage=null"]),
+        "nic-off": naive + FULL,
+        "overlap-off": replaced(full, OVERLAP_OFF),
+        "all-off": naive + OVERLAP_OFF,
+        "homogeneous": full,
+    }
+
+
+def replaced(overrides: list[str], changes: list[str]) -> list[str]:
+    """``overrides`` with the keys ``changes`` sets replaced by them (one value per key)."""
+    keys = {c.split("=", 1)[0] for c in changes}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + changes
+
+
+def row_config(base: list[str], mesh: str, extra: list[str]):
+    """The config a row names, through the real loader."""
+    return load_config(None, base + extra + [f"parallel.mesh={mesh}"])
+
+
+def price_rows(base: list[str], mesh: str, calibration=None, sync: bool = False) -> dict:
+    """Predicted step (s), tokens/s and TFLOP/s per device of every row on ``mesh``."""
+    topology = load_topology(mesh)
+    rows = ablation_rows(base, mesh, calibration)
+    out = {}
+    for name, extra in rows.items():
+        cfg = row_config(base, mesh, extra)
+        topo = fast_twin(topology) if name == "homogeneous" else topology
+        step = predict_config(cfg, topo, calibration, sync_collectives=sync).step_s
+        entry = {"predicted_ms": round(step * 1e3, 2), "overrides": extra}
+        if sync and name == "overlap-off":  # what a GPU would do with the same row
+            gpu = predict_config(cfg, topo, calibration).step_s
+            entry["gpu_predicted_ms"] = round(gpu * 1e3, 2)
+        model, run = specs_from_config(cfg)
+        tokens = run.global_batch_size * model.seq_len
+        flops = 6 * model_params(cfg) * tokens  # fwd + bwd, no attention term
+        entry["tokens_per_s"] = round(tokens / step, 1)
+        tflops = flops / step / topology.num_devices / 1e12
+        entry["tflops_per_gpu"] = round(tflops, 2 if tflops >= 1 else 5)
+        out[name] = entry
+    return out
+
+
+def model_params(cfg) -> int:
+    """Weights of a GPT block stack and its embeddings (12 h^2 per layer)."""
+    m = cfg.model
+    return 12 * m.num_layers * m.hidden_size**2 + 2 * m.padded_vocab * m.hidden_size
+
+
+def shares(times: dict[str, float]) -> dict[str, float | None]:
+    """Each component's share of the gain over full (module doc); None when no component
+    costs anything."""
+    gains = {c: times[f"{c}-off"] - times["full"] for c in COMPONENTS}
+    total = sum(gains.values())
+    return {c: (round(g / total, 3) if total > 0 else None) for c, g in gains.items()}
+
+
+def ranking(times: dict[str, float]) -> list[str]:
+    """The rows, fastest first."""
+    return sorted(times, key=times.get)
+
+
+def component_ranking(share: dict[str, float | None]) -> list[str]:
+    """The components, largest share of the gain first (the issue's ranking target)."""
+    return sorted(share, key=lambda c: -(share[c] or 0.0))
+
+
+def summary(rows: dict, key: str) -> dict:
+    times = {name: r[key] for name, r in rows.items()}
+    share = shares(times)
+    return {
+        "shares": share,
+        "component_ranking": component_ranking(share),
+        "ranking": ranking(times),
+        "full_over_partition_off": round(times["partition-off"] / times["full"], 2),
+        "nic_off_over_full": round(times["nic-off"] / times["full"], 2),
+    }
+
+
+def plan_only() -> dict:
+    result = {}
+    for label, mesh in {**PAPER_MESHES, **EMULATED_MESHES}.items():
+        base = GPT_7_5B if label.startswith("paper") else EMULATED
+        rows = price_rows(base, mesh, sync=not label.startswith("paper"))
+        for name, r in rows.items():
+            line = {"mesh": label, "row": name}
+            line.update({k: v for k, v in r.items() if k != "overrides"})
+            print(json.dumps(line), flush=True)
+        result[label] = {"rows": rows, **summary(rows, "predicted_ms")}
+    return result
+
+
+def measure(args, folder: str) -> dict:
+    from holmes_jax.cluster.netns import check_privileges
+
+    check_privileges()
+    result = {}
+    for label in args.meshes.split(","):
+        mesh = EMULATED_MESHES[label]
+        fast = f"{folder}/{label}-fast.yaml"
+        log(f"{label}: probe the links and each island's layer (emulated launch)")
+        topology, calibration, layer_ms = benchlib.emulated_probe(
+            mesh, EMULATED, folder, f"profile-{label}", "bench_ablation"
+        )
+        rows = ablation_rows(EMULATED, mesh, calibration, topology)
+        table = {}
+        for name, extra in rows.items():
+            run_mesh = mesh
+            topo = topology
+            if name == "homogeneous":
+                run_mesh = write_fast_mesh(mesh, fast)
+                topo = fast_twin(topology)
+            cfg = row_config(EMULATED, run_mesh, extra)
+            predicted = predict_config(cfg, topo, calibration, sync_collectives=True).step_s
+            records = benchlib.emulated_run(
+                run_mesh, EMULATED + extra, args.steps, folder, f"{label}-{name}", "bench_ablation"
+            )
+            times = [r["step_time_s"] for r in records if "compile_s" not in r]
+            step = sum(times) / len(times)
+            model, run = specs_from_config(cfg)
+            tokens = run.global_batch_size * model.seq_len
+            table[name] = {
+                "step_ms": round(step * 1e3, 1),
+                "tokens_per_s": round(tokens / step, 1),
+                "predicted_ms": round(predicted * 1e3, 1),
+                "prediction_error": round((predicted - step) / step, 3),
+                "overrides": extra,
+            }
+            line = {"mesh": label, "row": name, **table[name]}
+            print(json.dumps(line), flush=True)
+        result[label] = block = {
+            "rows": table,
+            "measured": summary(table, "step_ms"),
+            "predicted": summary(table, "predicted_ms"),
+            "worst_prediction_error": max(abs(r["prediction_error"]) for r in table.values()),
+            "probe_layer_fwd_bwd_ms": layer_ms,
+        }
+        block["component_ranking_equal"] = (
+            block["measured"]["component_ranking"] == block["predicted"]["component_ranking"]
+        )
+    return result
+
+
+def write_fast_mesh(mesh: str, path: str) -> str:
+    """The YAML of ``mesh``'s all-fast twin (:func:`fast_twin`), for ``launch --emulate``."""
+    import yaml
+
+    with open(mesh) as f:
+        raw = yaml.safe_load(f)
+    best = max(raw["islands"], key=lambda i: (i["peak_tflops"], i["link"]["bandwidth_gbps"]))
+    for island in raw["islands"]:
+        island["link"] = dict(best["link"])
+        island["peak_tflops"] = best["peak_tflops"]
+    raw["name"] = f"{raw['name']}-fast"
+    raw["inter_island"] = {"default": dict(best["link"])}
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f)
+    return path
+
+
+def print_table(result: dict, measured: bool) -> None:
+    for label, block in result.items():
+        print(f"\n{label}", file=sys.stderr)
+        head = f"{'row':14} {'pred ms':>10} {'tok/s':>10} {'TFLOP/s/dev':>11}"
+        if measured:
+            head = f"{'row':14} {'step ms':>10} {'tok/s':>10} {'pred ms':>10} {'error':>7}"
+        print(head, file=sys.stderr)
+        for name, r in block["rows"].items():
+            if measured:
+                cells = f"{r['step_ms']:>10} {r['tokens_per_s']:>10} {r['predicted_ms']:>10}"
+                cells += f" {r['prediction_error']:>7}"
+            else:
+                cells = f"{r['predicted_ms']:>10} {r['tokens_per_s']:>10} {r['tflops_per_gpu']:>11}"
+            print(f"{name:14} {cells}", file=sys.stderr)
+        for key in ("measured", "predicted") if measured else (None,):
+            s = block[key] if key else block
+            print(f"  {key or 'predicted'}: shares {s['shares']}", file=sys.stderr)
+            print(f"  {key or 'predicted'}: rows fastest first {s['ranking']}", file=sys.stderr)
+            print(f"  {key or 'predicted'}: components {s['component_ranking']}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan-only", action="store_true", help="price the rows, run nothing")
+    parser.add_argument("--meshes", default="two,three", help="emulated topologies: two,three")
+    parser.add_argument("--steps", type=int, default=11)
+    parser.add_argument("--keep-logs", default=None, help="folder for the runs' files")
+    args = parser.parse_args(argv)
+    if args.plan_only:
+        result = plan_only()
+        print_table(result, measured=False)
+        return 0
+    folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_ablation-")
+    os.makedirs(folder, exist_ok=True)
+    result = measure(args, folder)
+    print_table(result, measured=True)
+    print(
+        json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "rows"} for k, v in result.items()})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

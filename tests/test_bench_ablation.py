@@ -1,0 +1,94 @@
+"""scripts/bench_ablation.py: every ablation row's config loads through the real loader and
+the planner prices it; ``--plan-only`` runs in seconds and its rows keep the relations the
+cost model implies (not its numbers)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.common import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = os.path.join(ROOT, "scripts", "bench_ablation.py")
+    sys.path.insert(0, os.path.dirname(path))  # its benchlib
+    try:
+        spec = importlib.util.spec_from_file_location("bench_ablation", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return module
+
+
+@pytest.mark.parametrize("label", ["two", "three"])
+def test_rows_load_and_differ_where_the_component_matters(bench, label):
+    mesh = bench.EMULATED_MESHES[label]
+    rows = bench.ablation_rows(bench.EMULATED, mesh)
+    assert set(rows) == {
+        "full",
+        "partition-off",
+        "nic-off",
+        "overlap-off",
+        "all-off",
+        "homogeneous",
+    }
+    for name, extra in rows.items():
+        keys = [o.split("=", 1)[0] for o in extra]
+        assert len(keys) == len(set(keys)), name  # one value per key: the table names it
+        cfg = bench.row_config(bench.EMULATED, mesh, extra)  # the real loader, every override
+        assert cfg.parallel.mesh == mesh
+        assert cfg.parallel.enforce_islands == (name not in ("nic-off", "all-off")), name
+    full = bench.row_config(bench.EMULATED, mesh, rows["full"]).parallel
+    uniform = bench.row_config(bench.EMULATED, mesh, rows["partition-off"]).parallel
+    assert full.stages > 1 and full.layers_per_stage != uniform.layers_per_stage
+    assert uniform.layers_per_stage is None
+    priced = bench.price_rows(bench.EMULATED, mesh, sync=True)
+    t = {name: r["predicted_ms"] for name, r in priced.items()}
+    # The slow island gets fewer layers; the fast twin beats the real cluster; gradients on
+    # the 100 Mbit/s link cost more than activations on it.
+    assert t["homogeneous"] < t["full"] < t["partition-off"]
+    assert t["nic-off"] > 2 * t["full"]
+    assert "gpu_predicted_ms" in priced["overlap-off"]
+    share = bench.summary(priced, "predicted_ms")["shares"]
+    assert abs(sum(share.values()) - 1) < 1e-2 and share["nic"] > share["partition"] > 0
+
+
+def test_shares_and_ranking_arithmetic(bench):
+    times = {"full": 1.0, "partition-off": 1.5, "nic-off": 3.0, "overlap-off": 1.5}
+    assert bench.shares(times) == {"partition": 0.167, "nic": 0.667, "overlap": 0.167}
+    assert bench.shares({k: 1.0 for k in times}) == dict.fromkeys(bench.COMPONENTS)
+    assert bench.ranking(times)[0] == "full" and bench.ranking(times)[-1] == "nic-off"
+    assert bench.component_ranking(bench.shares(times))[0] == "nic"
+    assert bench.component_ranking({"partition": 0.2, "nic": None, "overlap": 0.8}) == [
+        "overlap",
+        "partition",
+        "nic",
+    ]
+
+
+def test_plan_only_prices_the_paper_shape():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_ablation.py"), "--plan-only"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    by = {(r["mesh"], r["row"]): r for r in lines}
+    for mesh in ("paper-4x8", "paper-8x8"):
+        t = {row: by[(mesh, row)]["tflops_per_gpu"] for (m, row) in by if m == mesh}
+        assert len(t) == 6 and all(v > 0 for v in t.values())
+        # Data groups across the 25 Gbit/s Ethernet cost far more than stage boundaries on it;
+        # turning everything off is worst; the planner's split is never worse than even.
+        assert t["nic-off"] < 0.8 * t["full"]
+        assert t["all-off"] <= min(t["nic-off"], t["overlap-off"])
+        assert t["partition-off"] <= t["full"] <= t["homogeneous"]
+        assert t["full"] < 312  # below the A100's peak
