@@ -29,7 +29,7 @@ from holmes_jax.planner.plans import (
     topology_blocks,
 )
 from holmes_jax.planner.search import Plan
-from holmes_jax.planner.strategy import StrategyChoice
+from holmes_jax.planner.strategy import StrategyChoice, crossing_bytes_by_format
 from holmes_jax.planner.topology import Topology
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ def plan_json(
     out["num_devices"] = topology.num_devices
     out["model_params"] = model.num_params
     out["global_batch_size"] = run.global_batch_size
+    out["cross_island_dtype"] = cfg.parallel.cross_island_dtype
+    # per format: what the plan's pipeline sends across islands each step in each
+    out["cross_island_bytes_per_step"] = crossing_bytes_by_format(plan, model, run)
     out["alternatives"] = {
         k: None
         if p is None

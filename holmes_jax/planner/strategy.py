@@ -270,6 +270,23 @@ def _sync_cross_bytes(plan: Plan, model: ModelSpec, run: RunSpec) -> float:
     return float(sum(b for s, b in enumerate(p2p[: len(isl) - 1]) if isl[s] != isl[s + 1]))
 
 
+def crossing_bytes_by_format(plan: Plan, model: ModelSpec, run: RunSpec) -> dict[str, float]:
+    """Pipeline activations and their gradients crossing islands per step, for each
+    ``parallel.cross_island_dtype`` (the plan's boundaries between stages on two islands,
+    the interleaved wrap link included; 0 with replicas: their stage axes stay inside)."""
+    from holmes_jax.core.spec import CROSS_ISLAND_DTYPES
+    from holmes_jax.planner.formulas import wire_bytes
+
+    isl, p2p = plan.stage_islands, plan.prediction.p2p_bytes
+    p = len(isl)
+    crosses = [isl[s] != isl[s + 1] for s in range(p - 1)] + [isl[-1] != isl[0]]
+    now = float(sum(b for b, c in zip(p2p, crosses, strict=False) if c))
+    rows, h = plan.microbatch_size * model.seq_len, model.hidden_size
+    wire = {f: wire_bytes(f, rows, h, run.act_bytes) for f in CROSS_ISLAND_DTYPES}
+    per_act = now / wire[run.cross_island_dtype]  # activations crossing per step
+    return {f: per_act * w for f, w in wire.items()}
+
+
 def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyPrice:
     dl = cfg.diloco
     R = len(topology.islands)
