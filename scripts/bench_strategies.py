@@ -10,7 +10,9 @@ each island and 100 Mbit/s or 10 Mbit/s between them, the quickstart model. Per 
 - (a) pipeline: the planner's best ``replica = 1`` plan;
 - (b) hierarchical: the planner's best ``replica = 2`` plan;
 - (c) diloco: (b)'s degrees with ``diloco.enabled=true``, ``H = --inner-steps``, with fp32
-  and with int8 outer gradients.
+  and with int8 outer gradients;
+- (d) pipeline-bf16, pipeline-int8: (a)'s plan with ``parallel.cross_island_dtype`` bf16 /
+  int8 (activations and their gradients compressed across the islands only).
 
 Time per step is the mean over the logged windows after the first. A DiLoCo run is
 ``2H + 1`` steps, so its windows hold its outer syncs in their true proportion. Each
@@ -100,6 +102,9 @@ QUALITY_TUNING = {
 }
 
 
+COMPRESSED = ("bf16", "int8")  # (d): cross-island formats of the pipeline
+
+
 def log(msg: str) -> None:
     print(f"bench_strategies: {msg}", file=sys.stderr, flush=True)
 
@@ -117,6 +122,8 @@ def speed_variants(mesh: str, inner_steps: int) -> dict[str, list[str]]:
     diloco = out["hierarchical"] + ["diloco.enabled=true", f"diloco.inner_steps={inner_steps}"]
     out["diloco"] = diloco
     out["diloco-int8"] = diloco + ["diloco.outer_dtype=int8"]
+    for fmt in COMPRESSED:
+        out[f"pipeline-{fmt}"] = out["pipeline"] + [f"parallel.cross_island_dtype={fmt}"]
     return out
 
 
@@ -137,7 +144,8 @@ def measure_speed(args, folder: str) -> dict:
             )
         table = {}
         for name, extra in variants.items():
-            topology, calibration, _ = profiles[name if name in PROBED else "hierarchical"]
+            probed = "pipeline" if name.startswith("pipeline") else "hierarchical"
+            topology, calibration, _ = profiles[probed]
             steps = 2 * args.inner_steps + 1 if name.startswith("diloco") else args.speed_steps
             window = 10 if name.startswith("diloco") else 5
             overrides = SPEED + extra + [f"parallel.mesh={mesh}", f"logging.log_every={window}"]
@@ -171,6 +179,9 @@ def measure_speed(args, folder: str) -> dict:
         rows[link] = {
             "variants": table,
             "diloco_over_best_sync_tokens": round(sync / best, 2),
+            "pipeline_int8_over_pipeline_tokens": round(
+                table["pipeline"]["step_ms"] / table["pipeline-int8"]["step_ms"], 2
+            ),
             "probe_layer_fwd_bwd_ms": {plan: profiles[plan][2] for plan in PROBED},
         }
     return rows

@@ -423,7 +423,7 @@ def format_strategies(choice: StrategyChoice) -> list[str]:
     lines = ["cross-island strategies:"]
     for p in choice.prices:
         if p.plan is None:
-            lines.append(f"  {p.name:<12} unavailable: {p.why}")
+            lines.append(f"  {p.name:<13} unavailable: {p.why}")
             continue
         lay = p.plan.layout
         inner = (
@@ -444,7 +444,7 @@ def format_strategies(choice: StrategyChoice) -> list[str]:
                 + f"outer sync {p.outer_sync_s:.3g}s, exposed {p.exposed_s:.3g}s per outer step"
             )
         lines.append(
-            f"  {p.name:<12} step {p.step_s:.4g}s, {p.tokens_per_s:,.0f} tokens/s, "
+            f"  {p.name:<13} step {p.step_s:.4g}s, {p.tokens_per_s:,.0f} tokens/s, "
             f"{p.cross_island_bytes_per_step / 1e6:.4g} MB/step across islands ({inner}{extra})"
         )
     lines.append(f"strategy: {choice.chosen} ({choice.reason})")

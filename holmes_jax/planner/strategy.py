@@ -3,6 +3,9 @@
 - ``pipeline``: the stage axis spans the islands (``replica = 1``); activations cross.
 - ``hierarchical``: one pipeline copy per equal island (``replica = R``); each step the
   ZeRO-1 gradient shards are all-reduced across islands.
+- ``pipeline+int8``: the pipeline with int8 activations across islands
+  (``parallel.cross_island_dtype``), priced beside the others but never chosen: it changes
+  the numerics, so a config asks for it.
 - ``diloco``: one replica per island, each taking ``H = diloco.inner_steps`` steps alone;
   then the replicas average their parameter deltas.
 
@@ -183,7 +186,25 @@ def price_strategies(
             )
         )
     prices.append(_price_diloco(cfg, topology, model, run, tokens, search, equal))
+    prices.extend(_price_compressed(prices[0], topology, model, run, tokens, search))
     return _choose(cfg, tuple(prices))
+
+
+def _price_compressed(pipe, topology, model, run, tokens, search) -> list[StrategyPrice]:
+    """The pipeline with int8 crossings (``parallel.cross_island_dtype: int8``), searched
+    anew. Shown, never chosen: it changes the numerics, so a config asks for it."""
+    if pipe.plan is None or run.cross_island_dtype != "same":
+        return []
+    fmt = "int8"
+    try:
+        found = search_plan(
+            topology, model, dataclasses.replace(run, cross_island_dtype=fmt), replica=1, **search
+        )
+    except ConfigError as e:
+        return [StrategyPrice(f"pipeline+{fmt}", None, why=str(e))]
+    step = found.predicted_step_s
+    cross = crossing_bytes_by_format(found, model, run)[fmt]
+    return [StrategyPrice(f"pipeline+{fmt}", found, step, tokens / step, cross)]
 
 
 def resolve_diloco(cfg: Config, topology: Topology | None) -> tuple[bool, StrategyChoice | None]:
