@@ -282,13 +282,12 @@ def _slowest_inter_island(topology: Topology) -> Link:
 def _sync_cross_bytes(plan: Plan, model: ModelSpec, run: RunSpec) -> float:
     """Bytes crossing islands per step: hierarchical, the ring all-reduce of the
     gradients (``2(R-1)/R · P · grad bytes``); pipeline, the activations over every stage
-    boundary whose two stages sit on different islands."""
+    boundary whose two stages sit on different islands (the interleaved wrap link too)."""
     lay = plan.layout
     if lay.replica > 1:
         r = lay.replica
         return 2 * (r - 1) / r * model.num_params * run.grad_bytes
-    isl, p2p = plan.stage_islands, plan.prediction.p2p_bytes
-    return float(sum(b for s, b in enumerate(p2p[: len(isl) - 1]) if isl[s] != isl[s + 1]))
+    return crossing_bytes_by_format(plan, model, run)[run.cross_island_dtype]
 
 
 def crossing_bytes_by_format(plan: Plan, model: ModelSpec, run: RunSpec) -> dict[str, float]:
