@@ -23,7 +23,10 @@ micro-batch: :func:`holmes_jax.planner.plans.predict_config` for (a) and (b),
 **Quality** (no root, 8 simulated devices): ``--quality-steps`` steps of the quickstart
 model, ``replica = 2`` x data 4, the same tokens for every variant. Synchronous against
 DiLoCo with H = 10, 25, 50, H = 50 with 4 fragments and H = 50 with int8. Eval loss every
-50 steps goes to ``--png``, the final losses to a table.
+50 steps goes to ``--png``, the final losses to a table. On request (``--quality-variants
+sync,pipe,pipe-bf16,pipe-int8,pipe-fp8``) the two-stage pipeline across the islands of
+cpu8-two-islands, exact and with each ``parallel.cross_island_dtype``, against the exact
+one (``gap_vs_pipeline``).
 
 Targets: at 10 Mbit/s DiLoCo >= 3x the tokens/s of the best synchronous plan; final eval
 loss within 3% of synchronous for some H >= 10; predictions within 25%.
@@ -84,6 +87,19 @@ QUALITY_VARIANTS = {
     "H50": ["diloco.inner_steps=50"],
     "H50-F4": ["diloco.inner_steps=50", "diloco.fragments=4"],
     "H50-int8": ["diloco.inner_steps=50", "diloco.outer_dtype=int8"],
+}
+# The pipeline across the two islands of cpu8-two-islands (its topology says which stage
+# boundary crosses), exact and with each cross-island format; compared with "pipe".
+PIPE = [
+    f"parallel.mesh={benchlib.ROOT}/meshes/cpu8-two-islands.yaml",
+    "parallel.replica=1",
+    "parallel.stages=2",
+    "parallel.microbatches=4",
+    "parallel.schedule=1f1b",
+]
+PIPELINE_VARIANTS = {
+    "pipe": PIPE,
+    **{f"pipe-{f}": [*PIPE, f"parallel.cross_island_dtype={f}"] for f in ("bf16", "int8", "fp8")},
 }
 # What else to try when the quality target is missed (--quality-variants): plain
 # averaging of the replicas (outer lr 1, no momentum), less momentum, a larger outer step,
@@ -189,11 +205,12 @@ def measure_speed(args, folder: str) -> dict:
 
 def measure_quality(args, folder: str) -> dict:
     curves = {}
-    known = {**QUALITY_VARIANTS, **QUALITY_TUNING}
+    known = {**QUALITY_VARIANTS, **QUALITY_TUNING, **PIPELINE_VARIANTS}
     for name in args.quality_variants.split(","):
         extra = known[name]
         metrics = os.path.join(folder, f"quality-{name}.jsonl")
-        diloco = ["diloco.enabled=true"] if extra else ["diloco.enabled=false"]
+        is_diloco = any(x.startswith("diloco.") for x in extra)
+        diloco = ["diloco.enabled=true"] if is_diloco else ["diloco.enabled=false"]
         sets = QUALITY + diloco + extra
         sets += [f"train.steps={args.quality_steps}", f"train.metrics_path={metrics}"]
         cmd = [sys.executable, "-m", "holmes_jax.train", "--config", QUICKSTART]
@@ -218,7 +235,14 @@ def measure_quality(args, folder: str) -> dict:
     gap = {k: round(v / sync - 1, 4) for k, v in final.items()}
     if args.png:
         draw(curves, args.png)
+    out = {}
+    if "pipe" in final:  # the compressed crossings against the exact pipeline
+        pipe = curves["pipe"][-1][1]
+        out["gap_vs_pipeline"] = {
+            k: round(v / pipe - 1, 4) for k, v in final.items() if k.startswith("pipe-")
+        }
     return {
+        **out,
         "steps": args.quality_steps,
         "tokens": args.quality_steps * 32 * 128,
         "final_eval_loss": final,
@@ -272,7 +296,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--quality-variants",
         default=",".join(QUALITY_VARIANTS),
-        help=f"comma-separated, 'sync' first; also: {', '.join(QUALITY_TUNING)}",
+        help=f"comma-separated, 'sync' first; also: {', '.join(QUALITY_TUNING)}, "
+        f"{', '.join(PIPELINE_VARIANTS)}",
     )
     parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
     parser.add_argument(
@@ -282,11 +307,13 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     names = args.quality_variants.split(",")
-    unknown = [n for n in names if n not in {**QUALITY_VARIANTS, **QUALITY_TUNING}]
+    unknown = [
+        n for n in names if n not in {**QUALITY_VARIANTS, **QUALITY_TUNING, **PIPELINE_VARIANTS}
+    ]
     if names[0] != "sync" or unknown:
         print(
             f"error: --quality-variants={args.quality_variants}: must start with 'sync' and "
-            f"name only {', '.join([*QUALITY_VARIANTS, *QUALITY_TUNING])}",
+            f"name only {', '.join([*QUALITY_VARIANTS, *QUALITY_TUNING, *PIPELINE_VARIANTS])}",
             file=sys.stderr,
         )
         return 2
@@ -321,11 +348,16 @@ def main(argv=None) -> int:
         ]
         targets["diloco >= 3x best sync tokens/s at 10 Mbit/s"] = bool(ratio >= 3)
         targets["predictions within 25%"] = bool(max(errors) <= 0.25)
+        fast = result["speed"].get("10mbit", {}).get("pipeline_int8_over_pipeline_tokens", 0.0)
+        targets["pipeline int8 >= 1.8x exact pipeline tokens/s at 10 Mbit/s"] = bool(fast >= 1.8)
     if "quality" in result:
         gap = result["quality"]["gap_vs_sync"]
         targets["some H >= 10 within 3% of sync"] = any(
-            v <= 0.03 for k, v in gap.items() if k != "sync"
+            v <= 0.03 for k, v in gap.items() if k.startswith("H")
         )
+        if "pipe-int8" in result["quality"].get("gap_vs_pipeline", {}):
+            pipe_gap = result["quality"]["gap_vs_pipeline"]["pipe-int8"]
+            targets["int8 crossings within 1% of the exact pipeline"] = bool(pipe_gap <= 0.01)
     result["targets"] = targets
     print(json.dumps(result))
     return 0
