@@ -90,6 +90,11 @@ def crossing_pairs(mesh: Mesh, topology) -> frozenset[tuple[int, int]]:
 
 
 def check_format(fmt: str) -> str:
+    """``fmt`` if the engine can send it (``auto`` must be resolved first)."""
+    if fmt == "auto":
+        raise ValueError(
+            "cross_island_dtype='auto': resolve it first (holmes_jax.planner.plans.resolve_auto)"
+        )
     if fmt not in CROSS_ISLAND_DTYPES:
         raise ValueError(f"cross_island_dtype={fmt!r}: must be one of {CROSS_ISLAND_DTYPES}")
     return fmt
