@@ -10,7 +10,9 @@ each island and 100 Mbit/s or 10 Mbit/s between them, the quickstart model. Per 
 - (a) pipeline: the planner's best ``replica = 1`` plan;
 - (b) hierarchical: the planner's best ``replica = 2`` plan;
 - (c) diloco: (b)'s degrees with ``diloco.enabled=true``, ``H = --inner-steps``, with fp32
-  and with int8 outer gradients.
+  and with int8 outer gradients;
+- (d) pipeline-bf16, pipeline-int8: (a)'s plan with ``parallel.cross_island_dtype`` bf16 /
+  int8 (activations and their gradients compressed across the islands only).
 
 Time per step is the mean over the logged windows after the first. A DiLoCo run is
 ``2H + 1`` steps, so its windows hold its outer syncs in their true proportion. Each
@@ -21,7 +23,10 @@ micro-batch: :func:`holmes_jax.planner.plans.predict_config` for (a) and (b),
 **Quality** (no root, 8 simulated devices): ``--quality-steps`` steps of the quickstart
 model, ``replica = 2`` x data 4, the same tokens for every variant. Synchronous against
 DiLoCo with H = 10, 25, 50, H = 50 with 4 fragments and H = 50 with int8. Eval loss every
-50 steps goes to ``--png``, the final losses to a table.
+50 steps goes to ``--png``, the final losses to a table. On request (``--quality-variants
+sync,pipe,pipe-bf16,pipe-int8,pipe-fp8``) the two-stage pipeline across the islands of
+cpu8-two-islands, exact and with each ``parallel.cross_island_dtype``, against the exact
+one (``gap_vs_pipeline``).
 
 Targets: at 10 Mbit/s DiLoCo >= 3x the tokens/s of the best synchronous plan; final eval
 loss within 3% of synchronous for some H >= 10; predictions within 25%.
@@ -83,6 +88,19 @@ QUALITY_VARIANTS = {
     "H50-F4": ["diloco.inner_steps=50", "diloco.fragments=4"],
     "H50-int8": ["diloco.inner_steps=50", "diloco.outer_dtype=int8"],
 }
+# The pipeline across the two islands of cpu8-two-islands (its topology says which stage
+# boundary crosses), exact and with each cross-island format; compared with "pipe".
+PIPE = [
+    f"parallel.mesh={benchlib.ROOT}/meshes/cpu8-two-islands.yaml",
+    "parallel.replica=1",
+    "parallel.stages=2",
+    "parallel.microbatches=4",
+    "parallel.schedule=1f1b",
+]
+PIPELINE_VARIANTS = {
+    "pipe": PIPE,
+    **{f"pipe-{f}": [*PIPE, f"parallel.cross_island_dtype={f}"] for f in ("bf16", "int8", "fp8")},
+}
 # What else to try when the quality target is missed (--quality-variants): plain
 # averaging of the replicas (outer lr 1, no momentum), less momentum, a larger outer step,
 # a warm-up of averaging after every one of the first 50 steps (diloco.warmup_steps).
@@ -98,6 +116,9 @@ QUALITY_TUNING = {
     "H10-mu0.5": ["diloco.inner_steps=10", "diloco.outer_momentum=0.5"],
     "H10-lr1": ["diloco.inner_steps=10", "diloco.outer_lr=1.0"],
 }
+
+
+COMPRESSED = ("bf16", "int8")  # (d): cross-island formats of the pipeline
 
 
 def log(msg: str) -> None:
@@ -117,6 +138,8 @@ def speed_variants(mesh: str, inner_steps: int) -> dict[str, list[str]]:
     diloco = out["hierarchical"] + ["diloco.enabled=true", f"diloco.inner_steps={inner_steps}"]
     out["diloco"] = diloco
     out["diloco-int8"] = diloco + ["diloco.outer_dtype=int8"]
+    for fmt in COMPRESSED:
+        out[f"pipeline-{fmt}"] = out["pipeline"] + [f"parallel.cross_island_dtype={fmt}"]
     return out
 
 
@@ -137,7 +160,8 @@ def measure_speed(args, folder: str) -> dict:
             )
         table = {}
         for name, extra in variants.items():
-            topology, calibration, _ = profiles[name if name in PROBED else "hierarchical"]
+            probed = "pipeline" if name.startswith("pipeline") else "hierarchical"
+            topology, calibration, _ = profiles[probed]
             steps = 2 * args.inner_steps + 1 if name.startswith("diloco") else args.speed_steps
             window = 10 if name.startswith("diloco") else 5
             overrides = SPEED + extra + [f"parallel.mesh={mesh}", f"logging.log_every={window}"]
@@ -171,6 +195,9 @@ def measure_speed(args, folder: str) -> dict:
         rows[link] = {
             "variants": table,
             "diloco_over_best_sync_tokens": round(sync / best, 2),
+            "pipeline_int8_over_pipeline_tokens": round(
+                table["pipeline"]["step_ms"] / table["pipeline-int8"]["step_ms"], 2
+            ),
             "probe_layer_fwd_bwd_ms": {plan: profiles[plan][2] for plan in PROBED},
         }
     return rows
@@ -178,11 +205,12 @@ def measure_speed(args, folder: str) -> dict:
 
 def measure_quality(args, folder: str) -> dict:
     curves = {}
-    known = {**QUALITY_VARIANTS, **QUALITY_TUNING}
+    known = {**QUALITY_VARIANTS, **QUALITY_TUNING, **PIPELINE_VARIANTS}
     for name in args.quality_variants.split(","):
         extra = known[name]
         metrics = os.path.join(folder, f"quality-{name}.jsonl")
-        diloco = ["diloco.enabled=true"] if extra else ["diloco.enabled=false"]
+        is_diloco = any(x.startswith("diloco.") for x in extra)
+        diloco = ["diloco.enabled=true"] if is_diloco else ["diloco.enabled=false"]
         sets = QUALITY + diloco + extra
         sets += [f"train.steps={args.quality_steps}", f"train.metrics_path={metrics}"]
         cmd = [sys.executable, "-m", "holmes_jax.train", "--config", QUICKSTART]
@@ -207,7 +235,14 @@ def measure_quality(args, folder: str) -> dict:
     gap = {k: round(v / sync - 1, 4) for k, v in final.items()}
     if args.png:
         draw(curves, args.png)
+    out = {}
+    if "pipe" in final:  # the compressed crossings against the exact pipeline
+        pipe = curves["pipe"][-1][1]
+        out["gap_vs_pipeline"] = {
+            k: round(v / pipe - 1, 4) for k, v in final.items() if k.startswith("pipe-")
+        }
     return {
+        **out,
         "steps": args.quality_steps,
         "tokens": args.quality_steps * 32 * 128,
         "final_eval_loss": final,
@@ -261,7 +296,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--quality-variants",
         default=",".join(QUALITY_VARIANTS),
-        help=f"comma-separated, 'sync' first; also: {', '.join(QUALITY_TUNING)}",
+        help=f"comma-separated, 'sync' first; also: {', '.join(QUALITY_TUNING)}, "
+        f"{', '.join(PIPELINE_VARIANTS)}",
     )
     parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
     parser.add_argument(
@@ -271,11 +307,13 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     names = args.quality_variants.split(",")
-    unknown = [n for n in names if n not in {**QUALITY_VARIANTS, **QUALITY_TUNING}]
+    unknown = [
+        n for n in names if n not in {**QUALITY_VARIANTS, **QUALITY_TUNING, **PIPELINE_VARIANTS}
+    ]
     if names[0] != "sync" or unknown:
         print(
             f"error: --quality-variants={args.quality_variants}: must start with 'sync' and "
-            f"name only {', '.join([*QUALITY_VARIANTS, *QUALITY_TUNING])}",
+            f"name only {', '.join([*QUALITY_VARIANTS, *QUALITY_TUNING, *PIPELINE_VARIANTS])}",
             file=sys.stderr,
         )
         return 2
@@ -310,11 +348,16 @@ def main(argv=None) -> int:
         ]
         targets["diloco >= 3x best sync tokens/s at 10 Mbit/s"] = bool(ratio >= 3)
         targets["predictions within 25%"] = bool(max(errors) <= 0.25)
+        fast = result["speed"].get("10mbit", {}).get("pipeline_int8_over_pipeline_tokens", 0.0)
+        targets["pipeline int8 >= 1.8x exact pipeline tokens/s at 10 Mbit/s"] = bool(fast >= 1.8)
     if "quality" in result:
         gap = result["quality"]["gap_vs_sync"]
         targets["some H >= 10 within 3% of sync"] = any(
-            v <= 0.03 for k, v in gap.items() if k != "sync"
+            v <= 0.03 for k, v in gap.items() if k.startswith("H")
         )
+        if "pipe-int8" in result["quality"].get("gap_vs_pipeline", {}):
+            pipe_gap = result["quality"]["gap_vs_pipeline"]["pipe-int8"]
+            targets["int8 crossings within 1% of the exact pipeline"] = bool(pipe_gap <= 0.01)
     result["targets"] = targets
     print(json.dumps(result))
     return 0

@@ -73,6 +73,9 @@ def test_json_has_the_plan_fields(capsys):
     assert steps[d["schedule"]] == pytest.approx(d["predicted_step_s"])
     assert min(steps.values()) == pytest.approx(d["predicted_step_s"])
     assert 0 <= d["bubble_fraction"] < 1 and len(d["p2p_bytes_per_boundary"]) >= d["stages"] - 1
+    # what the pipeline sends across the islands per step, in each cross_island_dtype
+    b = d["cross_island_bytes_per_step"]
+    assert d["cross_island_dtype"] == "same" and 0 < b["int8"] == b["fp8"] < b["bf16"] <= b["same"]
 
 
 def test_keep_degrees_and_partition_choice(capsys):
@@ -271,7 +274,7 @@ def test_json_names_the_strategy_and_compares_all_three(capsys):
     d = json.loads(out)
     assert d["strategy"] == "diloco"
     rows = {row["strategy"]: row for row in d["strategies"]}
-    assert set(rows) == {"pipeline", "hierarchical", "diloco"}
+    assert set(rows) == {"pipeline", "hierarchical", "diloco", "pipeline+int8"}
     assert rows["diloco"]["predicted_step_s"] < min(
         rows[k]["predicted_step_s"] for k in ("pipeline", "hierarchical")
     )

@@ -24,6 +24,7 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import (
     ARCHS,
     ATTENTION_KERNELS,
+    CROSS_ISLAND_CHOICES,
     DILOCO_CHOICES,
     GRAD_BUCKET_CHOICES,
     OUTER_DTYPES,
@@ -52,6 +53,7 @@ CONFIG_CHOICES: dict[str, tuple[Any, ...]] = {
     "data.token_dtype": TOKEN_DTYPES,
     "parallel.schedule": SCHEDULE_CHOICES,
     "parallel.grad_buckets": GRAD_BUCKET_CHOICES,
+    "parallel.cross_island_dtype": CROSS_ISLAND_CHOICES,
     "diloco.enabled": DILOCO_CHOICES,
     "diloco.outer_dtype": OUTER_DTYPES,
     "diloco.mode": DILOCO_MODES,
@@ -217,6 +219,10 @@ class ParallelConfig:
     # "step" every leaf once, all layers at a time, after the backward (a few collectives
     # per step); auto: step where collectives block (CPU), else layer.
     grad_buckets: str = "auto"
+    # Wire format of pipeline activations and their gradients sent between stages on two
+    # islands (same: the compute dtype; int8 / fp8: one fp32 scale per token row); auto: the
+    # planner's pick, bf16 when it predicts a step >= 5% shorter, else same.
+    cross_island_dtype: str = "same"
 
     def layout(self, degrees: Degrees) -> Layout:
         """The resolved degrees with this config's micro-batches and schedule (``auto``:

@@ -45,6 +45,9 @@ DILOCO_CHOICES = (True, False, "auto")  # diloco.enabled; auto: the planner deci
 # parallel.grad_buckets: when the data-parallel gradient reduction runs (runtime.zero).
 GRAD_BUCKETS = ("layer", "step")
 GRAD_BUCKET_CHOICES = (*GRAD_BUCKETS, "auto")
+# Wire formats of the pipeline sends that cross islands (holmes_jax.runtime.compress).
+CROSS_ISLAND_DTYPES = ("same", "bf16", "int8", "fp8")
+CROSS_ISLAND_CHOICES = (*CROSS_ISLAND_DTYPES, "auto")
 
 
 def resolve_grad_buckets(value: str, blocking: bool) -> str:

@@ -38,6 +38,25 @@ def layer_activation_bytes(
     return s * b * h * (outside + 24 / t + 5 * a * s / (h * t)) * act_bytes / 2
 
 
+SCALE_BYTES = 4  # int8 / fp8 crossings: one fp32 scale per token row
+
+
+def wire_bytes(fmt: str, rows: int, hidden: int, act_bytes: int) -> int:
+    """Bytes of ``rows`` token rows of ``hidden`` values sent in ``parallel.cross_island_dtype``
+    ``fmt`` (``same``: ``act_bytes`` each; bf16: 2; int8 / fp8: 1 plus a 4-byte scale per row)."""
+    if fmt == "same":
+        return rows * hidden * act_bytes
+    if fmt == "bf16":
+        return rows * hidden * 2
+    return rows * (hidden + SCALE_BYTES)
+
+
+def codec_time(act: float, wire: float, send_bw: float, recv_bw: float) -> float:
+    """Encode on the sender and decode on the receiver: each a memory-bound pass that reads
+    one form of the activation and writes the other (``act`` and ``wire`` bytes)."""
+    return (act + wire) / send_bw + (act + wire) / recv_bw
+
+
 def p2p_time(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) -> float:
     """One point-to-point transfer."""
     return nbytes / bytes_per_s + latency_s if nbytes > 0 else 0.0

@@ -58,6 +58,8 @@ def specs_from_config(cfg: Config, attention: str = "xla") -> tuple[ModelSpec, R
         attention=attention,
         zero1=cfg.optimizer.zero1,
         grad_buckets=cfg.parallel.grad_buckets,
+        # auto prices as same (the exact base resolve_auto compares the formats against)
+        cross_island_dtype=cfg.parallel.cross_island_dtype.replace("auto", "same"),
     )
     return model, run
 
@@ -285,6 +287,15 @@ def resolve_auto(cfg: Config, shape: Degrees, topology: Topology | None) -> Conf
       ConfigError: nothing fits in memory
         (see :func:`holmes_jax.planner.search.plan_for_layout`).
     """
+    if cfg.parallel.cross_island_dtype == "auto":  # last: the rest resolved first
+        cfg = resolve_auto(
+            dataclasses.replace(
+                cfg, parallel=dataclasses.replace(cfg.parallel, cross_island_dtype="same")
+            ),
+            shape,
+            topology,
+        )
+        return _resolve_cross_island_dtype(cfg, topology)
     par = cfg.parallel
     if par.schedule == "auto":
         cfg = _resolve_schedule(cfg, shape, topology)
@@ -315,6 +326,27 @@ def resolve_auto(cfg: Config, shape: Degrees, topology: Topology | None) -> Conf
         cfg,
         model=dataclasses.replace(cfg.model, remat=remat),
         parallel=dataclasses.replace(par, layers_per_stage=tuple(plan.layers_per_stage)),
+    )
+
+
+# parallel.cross_island_dtype: auto sends bf16 across islands only when that is predicted
+# to shorten the step by at least this fraction; it never picks int8 or fp8 (they change
+# the numerics more: asked for explicitly only).
+AUTO_MIN_GAIN = 0.05
+
+
+def _resolve_cross_island_dtype(cfg: Config, topology: Topology | None) -> Config:
+    """``cfg`` (everything else resolved) with ``same`` or ``bf16`` across islands."""
+    pick = "same"
+    if topology is not None:
+        steps = {}
+        for fmt in ("same", "bf16"):
+            par = dataclasses.replace(cfg.parallel, cross_island_dtype=fmt)
+            steps[fmt] = predict_config(dataclasses.replace(cfg, parallel=par), topology).step_s
+        if steps["bf16"] <= (1 - AUTO_MIN_GAIN) * steps["same"]:
+            pick = "bf16"
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, cross_island_dtype=pick)
     )
 
 

@@ -48,10 +48,12 @@ from holmes_jax.core.spec import (
 )
 from holmes_jax.planner.formulas import (
     all_gather_time,
+    codec_time,
     layer_activation_bytes,
     p2p_time,
     reduce_scatter_time,
     ring_allreduce_time,
+    wire_bytes,
 )
 from holmes_jax.planner.memory import (
     MemoryInputs,
@@ -101,6 +103,9 @@ class RunSpec:
     # sequence_parallel: the element-wise work outside attention and MLP split over t too.
     tp_overlap: bool = False
     sequence_parallel: bool = False
+    # parallel.cross_island_dtype (resolved): the wire format of the sends between stages
+    # on two islands (holmes_jax.runtime.compress).
+    cross_island_dtype: str = "same"
 
     def __post_init__(self):
         check_positive("train.global_batch_size", self.global_batch_size)
@@ -276,7 +281,7 @@ def stage_costs(
     # activations, sent by the stage that ran the forward) and once backward (its input
     # gradient); with v chunks, v times over the link s -> s+1 and v-1 times over the wrap
     # link p-1 -> 0 (the last stage's chunk c feeds stage 0's chunk c+1).
-    shift_f, shift_b, p2p_bytes = _sends(layout, hw, act)
+    shift_f, shift_b, p2p_bytes = _sends(layout, hw, act, b * s, run)
     fwd = n * layer_f + last * head_f + tensor_f + shift_f[:, None]
     bwd = n * layer_b + last * head_b + tensor_b + shift_b[:, None]
     weight = n * layer_w + last * hf / bwd_rate
@@ -341,19 +346,34 @@ def stage_costs(
     )
 
 
-def _sends(layout: Layout, hw: list[StageHardware], act: float):
+def _sends(layout: Layout, hw: list[StageHardware], act: float, rows: int, run: RunSpec):
     """Per stage, the forward and backward sends of one micro-batch (all its chunks), and
-    the bytes per step across each boundary (wrap link last)."""
+    the bytes per step across each boundary (wrap link last). A boundary between stages on
+    two islands carries ``fmt`` (``parallel.cross_island_dtype``): its wire bytes, plus
+    encoding on the sender and decoding on the receiver (:func:`codec_time`)."""
     p, v, t = layout.stages, layout.virtual_stages, layout.tensor
-    link = [p2p_time(act, *x.send) for x in hw[:-1]]  # link s -> s+1
+    fmt, act_bytes = run.cross_island_dtype, run.act_bytes
+    hidden = round(act / (rows * act_bytes))
+
+    def hop(a: int, b: int, path) -> tuple[float, float]:
+        """(seconds, bytes) of one activation from stage a to stage b over ``path``."""
+        if fmt == "same" or hw[a].island == hw[b].island:
+            return p2p_time(act, *path), act
+        wire = wire_bytes(fmt, rows, hidden, act_bytes)
+        return p2p_time(wire, *path) + codec_time(act, wire, hw[a].mem_bw, hw[b].mem_bw), wire
+
+    hops = [hop(s, s + 1, hw[s].send) for s in range(p - 1)]  # link s -> s+1
     # The wrap link: the last stage's path to stage 0 as one data replica's t slices see
     # it (the tie path is per rank: t times the senders).
-    wrap = p2p_time(act, hw[-1].tie[0] * t, hw[-1].tie[1]) if v > 1 and p > 1 else 0.0
-    shift_f = np.array([v * link[i] if i < p - 1 else (v - 1) * wrap for i in range(p)])
-    shift_b = np.array([v * link[i - 1] if i > 0 else (v - 1) * wrap for i in range(p)])
-    crossings = [v] * (p - 1) + ([v - 1] if v > 1 else [])
+    wrap_s, wrap_b = (
+        hop(p - 1, 0, (hw[-1].tie[0] * t, hw[-1].tie[1])) if v > 1 and p > 1 else (0.0, 0.0)
+    )
+    link = [x for x, _ in hops]
+    shift_f = np.array([v * link[i] if i < p - 1 else (v - 1) * wrap_s for i in range(p)])
+    shift_b = np.array([v * link[i - 1] if i > 0 else (v - 1) * wrap_s for i in range(p)])
+    crossings = [(v, b) for _, b in hops] + ([(v - 1, wrap_b)] if v > 1 else [])
     m, d, r = layout.microbatches, layout.data, layout.replica
-    return shift_f, shift_b, tuple(2.0 * m * c * act * d * r for c in crossings)
+    return shift_f, shift_b, tuple(2.0 * m * c * nbytes * d * r for c, nbytes in crossings)
 
 
 def with_schedule(
@@ -367,7 +387,8 @@ def with_schedule(
         raise ValueError(f"with_schedule: {layout} differs from {old} beyond its schedule")
     m = costs.model
     act = costs.microbatch_size * m.seq_len * m.hidden_size * costs.run.act_bytes
-    shift_f, shift_b, p2p_bytes = _sends(layout, list(hardware), act)
+    rows = costs.microbatch_size * m.seq_len
+    shift_f, shift_b, p2p_bytes = _sends(layout, list(hardware), act, rows, costs.run)
     return dataclasses.replace(
         costs,
         layout=layout,

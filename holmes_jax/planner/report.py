@@ -29,7 +29,7 @@ from holmes_jax.planner.plans import (
     topology_blocks,
 )
 from holmes_jax.planner.search import Plan
-from holmes_jax.planner.strategy import StrategyChoice
+from holmes_jax.planner.strategy import StrategyChoice, crossing_bytes_by_format
 from holmes_jax.planner.topology import Topology
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ def plan_json(
     out["num_devices"] = topology.num_devices
     out["model_params"] = model.num_params
     out["global_batch_size"] = run.global_batch_size
+    out["cross_island_dtype"] = cfg.parallel.cross_island_dtype
+    # per format: what the plan's pipeline sends across islands each step in each
+    out["cross_island_bytes_per_step"] = crossing_bytes_by_format(plan, model, run)
     out["alternatives"] = {
         k: None
         if p is None
@@ -420,7 +423,7 @@ def format_strategies(choice: StrategyChoice) -> list[str]:
     lines = ["cross-island strategies:"]
     for p in choice.prices:
         if p.plan is None:
-            lines.append(f"  {p.name:<12} unavailable: {p.why}")
+            lines.append(f"  {p.name:<13} unavailable: {p.why}")
             continue
         lay = p.plan.layout
         inner = (
@@ -441,7 +444,7 @@ def format_strategies(choice: StrategyChoice) -> list[str]:
                 + f"outer sync {p.outer_sync_s:.3g}s, exposed {p.exposed_s:.3g}s per outer step"
             )
         lines.append(
-            f"  {p.name:<12} step {p.step_s:.4g}s, {p.tokens_per_s:,.0f} tokens/s, "
+            f"  {p.name:<13} step {p.step_s:.4g}s, {p.tokens_per_s:,.0f} tokens/s, "
             f"{p.cross_island_bytes_per_step / 1e6:.4g} MB/step across islands ({inner}{extra})"
         )
     lines.append(f"strategy: {choice.chosen} ({choice.reason})")

@@ -3,6 +3,9 @@
 - ``pipeline``: the stage axis spans the islands (``replica = 1``); activations cross.
 - ``hierarchical``: one pipeline copy per equal island (``replica = R``); each step the
   ZeRO-1 gradient shards are all-reduced across islands.
+- ``pipeline+int8``: the pipeline with int8 activations across islands
+  (``parallel.cross_island_dtype``), priced beside the others but never chosen: it changes
+  the numerics, so a config asks for it.
 - ``diloco``: one replica per island, each taking ``H = diloco.inner_steps`` steps alone;
   then the replicas average their parameter deltas.
 
@@ -183,7 +186,25 @@ def price_strategies(
             )
         )
     prices.append(_price_diloco(cfg, topology, model, run, tokens, search, equal))
+    prices.extend(_price_compressed(prices[0], topology, model, run, tokens, search))
     return _choose(cfg, tuple(prices))
+
+
+def _price_compressed(pipe, topology, model, run, tokens, search) -> list[StrategyPrice]:
+    """The pipeline with int8 crossings (``parallel.cross_island_dtype: int8``), searched
+    anew. Shown, never chosen: it changes the numerics, so a config asks for it."""
+    if pipe.plan is None or run.cross_island_dtype != "same":
+        return []
+    fmt = "int8"
+    try:
+        found = search_plan(
+            topology, model, dataclasses.replace(run, cross_island_dtype=fmt), replica=1, **search
+        )
+    except ConfigError as e:
+        return [StrategyPrice(f"pipeline+{fmt}", None, why=str(e))]
+    step = found.predicted_step_s
+    cross = crossing_bytes_by_format(found, model, run)[fmt]
+    return [StrategyPrice(f"pipeline+{fmt}", found, step, tokens / step, cross)]
 
 
 def resolve_diloco(cfg: Config, topology: Topology | None) -> tuple[bool, StrategyChoice | None]:
@@ -261,13 +282,29 @@ def _slowest_inter_island(topology: Topology) -> Link:
 def _sync_cross_bytes(plan: Plan, model: ModelSpec, run: RunSpec) -> float:
     """Bytes crossing islands per step: hierarchical, the ring all-reduce of the
     gradients (``2(R-1)/R · P · grad bytes``); pipeline, the activations over every stage
-    boundary whose two stages sit on different islands."""
+    boundary whose two stages sit on different islands (the interleaved wrap link too)."""
     lay = plan.layout
     if lay.replica > 1:
         r = lay.replica
         return 2 * (r - 1) / r * model.num_params * run.grad_bytes
+    return crossing_bytes_by_format(plan, model, run)[run.cross_island_dtype]
+
+
+def crossing_bytes_by_format(plan: Plan, model: ModelSpec, run: RunSpec) -> dict[str, float]:
+    """Pipeline activations and their gradients crossing islands per step, for each
+    ``parallel.cross_island_dtype`` (the plan's boundaries between stages on two islands,
+    the interleaved wrap link included; 0 with replicas: their stage axes stay inside)."""
+    from holmes_jax.core.spec import CROSS_ISLAND_DTYPES
+    from holmes_jax.planner.formulas import wire_bytes
+
     isl, p2p = plan.stage_islands, plan.prediction.p2p_bytes
-    return float(sum(b for s, b in enumerate(p2p[: len(isl) - 1]) if isl[s] != isl[s + 1]))
+    p = len(isl)
+    crosses = [isl[s] != isl[s + 1] for s in range(p - 1)] + [isl[-1] != isl[0]]
+    now = float(sum(b for b, c in zip(p2p, crosses, strict=False) if c))
+    rows, h = plan.microbatch_size * model.seq_len, model.hidden_size
+    wire = {f: wire_bytes(f, rows, h, run.act_bytes) for f in CROSS_ISLAND_DTYPES}
+    per_act = now / wire[run.cross_island_dtype]  # activations crossing per step
+    return {f: per_act * w for f, w in wire.items()}
 
 
 def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyPrice:

@@ -27,6 +27,7 @@ count padded slots and a tied embedding's copies in the pipeline layout.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from holmes_jax.runtime.buffers import (
     to_bits,
     when,
 )
+from holmes_jax.runtime.compress import check_format, decode, encode
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES, remat_block
 from holmes_jax.runtime.stages import PipelineLayout, chain_sum
 from holmes_jax.runtime.tick_ops import StageLocal, TickOps, layer_key
@@ -77,6 +79,8 @@ class PipelineEngine(TickOps):
         nan_bubbles: bool = False,
         independent_replicas: bool = False,
         grad_buckets: str = "layer",
+        cross_island_dtype: str = "same",
+        crossing: frozenset = frozenset(),
     ):
         if layout.stages != mesh.shape[STAGE]:
             raise ValueError(
@@ -103,6 +107,10 @@ class PipelineEngine(TickOps):
             raise ValueError(f"grad_buckets={grad_buckets!r}: must be one of {GRAD_BUCKETS}")
         self.per_layer = grad_buckets == "layer"
         self.nan_bubbles = nan_bubbles
+        # Stage pairs (src, dst) on two islands, whose sends go in ``wire`` format
+        # (holmes_jax.runtime.compress); none under "same": the program is unchanged.
+        self.wire = check_format(cross_island_dtype)
+        self.crossing = frozenset() if self.wire == "same" else frozenset(crossing)
         self.gpt = GPT(model_cfg, deterministic=model_cfg.dropout == 0.0)
         # The layer under the config's remat policy: its jax.vjp residuals, which the engine
         # buffers per layer and micro-batch, are exactly what the policy saves.
@@ -296,7 +304,7 @@ class PipelineEngine(TickOps):
         ):
             if not pairs:
                 continue
-            got = lax.ppermute(c[out], STAGE, list(pairs))  # [mb, T, H]; zeros elsewhere
+            got = self._permute(st, c[out], pairs)  # [mb, T, H]; zeros elsewhere
             k = st.at(arr, t)
             c[box] = when(
                 k < c[box].shape[0],  # the scratch index: nothing arrives here
@@ -305,6 +313,22 @@ class PipelineEngine(TickOps):
                 got,
             )
         return c
+
+    def _permute(self, st: StageLocal, x, pairs):
+        """``ppermute`` of x ``[mb, T, H]`` over ``pairs``; the pairs that cross islands in
+        a second one, encoded on the sender and decoded on the receiver (one dtype per
+        collective)."""
+        far = tuple(p for p in pairs if p in self.crossing)
+        near = tuple(p for p in pairs if p not in self.crossing)
+        got = lax.ppermute(x, STAGE, list(near)) if near else None
+        if not far:
+            return got
+        wire = lax.ppermute(encode(x, self.wire), STAGE, list(far))
+        got_far = decode(wire, self.wire, x.dtype)
+        if got is None:
+            return got_far
+        from_far = functools.reduce(jnp.logical_or, [st.stage == b for _, b in far])
+        return jnp.where(from_far, got_far, got)
 
     # --------------------------------------------------------------- after the loop
 

@@ -38,6 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from holmes_jax.core.axes import DATA, REPLICA
 from holmes_jax.core.config import Config
 from holmes_jax.core.spec import resolve_grad_buckets
+from holmes_jax.planner.grid import load_mesh_topology
+from holmes_jax.runtime.compress import crossing_pairs
 from holmes_jax.runtime.diloco import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.runtime.mesh import batch_sharding, collectives_block, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES, init_model
@@ -146,6 +148,12 @@ class Program:
                 nan_bubbles=nan_bubbles,
                 independent_replicas=self.diloco,
                 grad_buckets=self.grad_buckets,
+                cross_island_dtype=par.cross_island_dtype,
+                crossing=(
+                    frozenset()
+                    if par.cross_island_dtype == "same"
+                    else crossing_pairs(mesh, load_mesh_topology(cfg))
+                ),
             )
         else:
             self.param_sharding = logical_sharding

@@ -29,7 +29,10 @@ _CALLS = re.compile(
 )
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _TYPE = re.compile(r"= \(?(\w+)\[([\d,]*)\]")
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "u16": 2, "s32": 4, "u32": 4, "f64": 8, "pred": 1}
+_ITEMSIZE = {
+    **{"f32": 4, "bf16": 2, "f16": 2, "u16": 2, "s32": 4, "u32": 4, "f64": 8, "pred": 1},
+    **{"u8": 1, "s8": 1, "f8e4m3fn": 1},
+}
 
 
 def permute_traffic(text: str) -> dict[tuple[int, int], int]:
