@@ -67,6 +67,7 @@ SLOW_GROUPS = (
     PROCESSES,
     OWN_GROUPS[0],
     "tests/runtime/test_diloco.py",
+    "tests/runtime/test_compress.py",
     "tests/runtime/test_zero.py",
     "tests/runtime/test_pipeline.py",
     "tests/runtime/test_model.py",
