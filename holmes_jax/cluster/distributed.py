@@ -394,6 +394,16 @@ def reached_preemption_sync_point(step: int) -> bool:
     return multihost_utils.reached_preemption_sync_point(step)
 
 
+def barrier(name: str, timeout_s: float) -> None:
+    """Return once every process has called ``barrier(name, ...)``. It goes through jax's
+    coordination service, not a collective, so it needs no gloo or NCCL context and may
+    wait long: the first collective's context waits only 30 s for its peers (gloo), while
+    a slower host may take minutes longer to compile."""
+    from jax._src import distributed as jax_distributed
+
+    jax_distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def any_process(flag: bool) -> bool:
     """True on every process when ``flag`` is true on any; every process must call it."""
     import jax

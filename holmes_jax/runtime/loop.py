@@ -50,6 +50,7 @@ import numpy as np
 
 from holmes_jax.cluster.distributed import (
     any_process,
+    barrier,
     preemption_service,
     reached_preemption_sync_point,
 )
@@ -88,6 +89,10 @@ from holmes_jax.runtime.rundir import (
     sibling,
     write_config,
 )
+
+# Several processes: how long the others wait for the slowest to compile the train step
+# (a dead one is named by the watchdog's heartbeats long before).
+COMPILE_WAIT_S = 3600
 
 
 class StopRequest:
@@ -313,6 +318,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 if first:
                     logger.message("compiling the train step ...")
                     began, hits = time.perf_counter(), compile_cache.CacheHits()
+                    if multi_process:  # every process compiled before any step runs
+                        program.compile_train_step(state, batch)
+                        barrier("holmes_jax/train_step_compiled", COMPILE_WAIT_S)
                 # The first call traces and compiles before it dispatches the step.
                 with jax.profiler.StepTraceAnnotation("train_step", step_num=step + 1):
                     state, metrics = program.train_step(state, batch)

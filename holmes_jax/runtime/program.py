@@ -279,6 +279,12 @@ class Program:
         with self.context():
             return self._train_step(state, batch)
 
+    def compile_train_step(self, state: TrainState, batch: jax.Array) -> None:
+        """Compile the train step for these arguments without running it; a later
+        :meth:`train_step` with the same shapes and shardings reuses the executable."""
+        with self.context():
+            self._train_step.lower(state, batch).compile()
+
     def due_fragments(self, steps_done: int) -> list[int]:
         """DiLoCo: the fragments whose outer step is due after ``steps_done`` inner steps."""
         if not self.diloco:
