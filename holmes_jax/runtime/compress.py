@@ -35,7 +35,8 @@ from jax import lax
 from jax.sharding import Mesh
 
 from holmes_jax.core.spec import CROSS_ISLAND_DTYPES
-from holmes_jax.planner.formulas import SCALE_BYTES, wire_bytes  # noqa: F401 (the planner's)
+from holmes_jax.planner.formulas import SCALE_BYTES
+from holmes_jax.runtime.buffers import from_bits, to_bits
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 
@@ -43,7 +44,7 @@ _QMAX = {"int8": 127.0, "fp8": 448.0}
 def encode(x: jax.Array, fmt: str) -> jax.Array:
     """``x [..., H]`` (any float dtype) in wire format ``fmt`` (not ``same``)."""
     if fmt == "bf16":
-        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+        return to_bits(x.astype(jnp.bfloat16))
     xf = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / _QMAX[fmt]  # [..., 1]
     safe = jnp.where(scale > 0, scale, 1.0)  # an all-zero row: codes 0, scale 0
@@ -60,7 +61,7 @@ def encode(x: jax.Array, fmt: str) -> jax.Array:
 def decode(wire: jax.Array, fmt: str, dtype) -> jax.Array:
     """Inverse of :func:`encode`: ``[..., H]`` in ``dtype``."""
     if fmt == "bf16":
-        return lax.bitcast_convert_type(wire, jnp.bfloat16).astype(dtype)
+        return from_bits(wire, jnp.bfloat16).astype(dtype)
     codes, scale_bytes = wire[..., :-SCALE_BYTES], wire[..., -SCALE_BYTES:]
     scale = lax.bitcast_convert_type(scale_bytes, jnp.float32)[..., None]  # [..., 1]
     kind = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn

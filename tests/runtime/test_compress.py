@@ -12,9 +12,10 @@ import pytest
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
+from holmes_jax.planner.formulas import wire_bytes
 from holmes_jax.planner.grid import load_mesh_topology
 from holmes_jax.planner.plans import predict_config
-from holmes_jax.runtime.compress import crossing_pairs, decode, encode, wire_bytes
+from holmes_jax.runtime.compress import crossing_pairs, decode, encode
 from holmes_jax.runtime.mesh import build_mesh, device_islands
 from holmes_jax.runtime.program import Program
 from holmes_jax.runtime.traffic import permute_traffic
