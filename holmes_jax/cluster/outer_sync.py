@@ -60,6 +60,7 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import ml_dtypes
 import numpy as np
 
 INT8_MAX = 127.0
@@ -94,10 +95,8 @@ def encode(delta: np.ndarray, dtype: str) -> tuple[np.ndarray, float]:
     delta = np.asarray(delta, np.float32)
     if dtype == "fp32":
         return delta, 1.0
-    if dtype == "bf16":  # round to nearest even, then keep the high half
-        bits = delta.view(np.uint32).astype(np.uint64)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return bits.astype(np.uint16), 1.0
+    if dtype == "bf16":  # rounded to nearest even; its bits travel
+        return delta.astype(ml_dtypes.bfloat16).view(np.uint16), 1.0
     if dtype != "int8":
         raise ValueError(f"outer dtype {dtype!r}")
     absmax = float(np.max(np.abs(delta))) if delta.size else 0.0
@@ -109,7 +108,7 @@ def encode(delta: np.ndarray, dtype: str) -> tuple[np.ndarray, float]:
 def decode(payload: np.ndarray, scale: float) -> np.ndarray:
     """The fp32 delta from :func:`encode`'s output."""
     if payload.dtype == np.uint16:
-        return (payload.astype(np.uint32) << 16).view(np.float32)
+        return payload.view(ml_dtypes.bfloat16).astype(np.float32)
     return payload.astype(np.float32) * np.float32(scale)
 
 
