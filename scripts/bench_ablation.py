@@ -1,4 +1,4 @@
-"""Benchmark: the Holmes ablation, each component of the plan turned off in turn (issue 28).
+"""Benchmark: the Holmes ablation, each component of the plan turned off in turn.
 
     sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 11] \\
         [--keep-logs DIR]
@@ -23,7 +23,7 @@ Rows, each one set of config overrides that the trainer runs and the planner pri
 
 A component's share of the gain: ``(t_off - t_full) / sum over components of (t_off - t_full)``
 for the components partition, nic and overlap (shares sum to 1; a negative one means turning
-it off helped). The component ranking orders the components by share (the issue's target:
+it off helped). The component ranking orders the components by share (the target:
 measured equal to predicted); the row ranking orders the rows by step time.
 
 Measured mode (root): ``launch --emulate`` on meshes/emu-4host-2island-slow-compute.yaml
@@ -209,7 +209,7 @@ def ranking(times: dict[str, float]) -> list[str]:
 
 
 def component_ranking(share: dict[str, float | None]) -> list[str]:
-    """The components, largest share of the gain first (the issue's ranking target)."""
+    """The components, largest share of the gain first (the ranking the targets compare)."""
     return sorted(share, key=lambda c: -(share[c] or 0.0))
 
 
