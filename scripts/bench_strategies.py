@@ -2,17 +2,20 @@
 
     sudo .venv/bin/python scripts/bench_strategies.py [--part speed|quality|both] \\
         [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
-        [--links 100mbit,10mbit] [--quality-variants sync,H10,...] [--keep-logs DIR [--reuse]]
+        [--links 100mbit,10mbit,10mbit-20ms] [--quality-variants sync,H10,...] \\
+        [--keep-logs DIR [--reuse]]
 
 **Speed** (root): the 4-host two-island emulation (``launch --emulate``), 1 Gbit/s inside
-each island and 100 Mbit/s or 10 Mbit/s between them, the quickstart model. Per link speed:
+each island and 100 Mbit/s or 10 Mbit/s between them (``10mbit-20ms``: with 20 ms of round
+trip as well), the quickstart model. Per link:
 
 - (a) pipeline: the planner's best ``replica = 1`` plan;
 - (b) hierarchical: the planner's best ``replica = 2`` plan;
 - (c) diloco: (b)'s degrees with ``diloco.enabled=true``, ``H = --inner-steps``, with fp32
   and with int8 outer gradients;
-- (d) pipeline-bf16, pipeline-int8: (a)'s plan with ``parallel.cross_island_dtype`` bf16 /
-  int8 (activations and their gradients compressed across the islands only).
+- (d) pipeline-bf16, pipeline-int8, pipeline-fp8: (a)'s plan with
+  ``parallel.cross_island_dtype`` bf16 / int8 / fp8 (activations and their gradients
+  compressed across the islands only).
 
 Time per step is the mean over the logged windows after the first. A DiLoCo run is
 ``2H + 1`` steps, so its windows hold its outer syncs in their true proportion. Each
@@ -63,6 +66,7 @@ QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
 MESHES = {
     "100mbit": f"{benchlib.ROOT}/meshes/emu-4host-2island.yaml",
     "10mbit": f"{benchlib.ROOT}/meshes/emu-4host-2island-slow.yaml",
+    "10mbit-20ms": f"{benchlib.ROOT}/meshes/emu-4host-2island-slow-20ms.yaml",
 }
 # The quickstart model and batch, without its files, checkpoints or evaluation.
 COMMON = ["train.run_dir=null", "logging.progress=plain"]
@@ -118,7 +122,7 @@ QUALITY_TUNING = {
 }
 
 
-COMPRESSED = ("bf16", "int8")  # (d): cross-island formats of the pipeline
+COMPRESSED = ("bf16", "int8", "fp8")  # (d): cross-island formats of the pipeline
 
 
 def log(msg: str) -> None:
@@ -291,7 +295,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quality-steps", type=int, default=300, help="steps of each quality run")
     parser.add_argument("--png", default="docs/strategies.png", help="eval-loss curves")
     parser.add_argument(
-        "--links", default="100mbit,10mbit", help="comma-separated: 100mbit, 10mbit (speed part)"
+        "--links",
+        default="100mbit,10mbit",
+        help="comma-separated: 100mbit, 10mbit, 10mbit-20ms (10 Mbit/s, 20 ms round trip)",
     )
     parser.add_argument(
         "--quality-variants",
@@ -314,6 +320,14 @@ def main(argv=None) -> int:
         print(
             f"error: --quality-variants={args.quality_variants}: must start with 'sync' and "
             f"name only {', '.join([*QUALITY_VARIANTS, *QUALITY_TUNING, *PIPELINE_VARIANTS])}",
+            file=sys.stderr,
+        )
+        return 2
+    bad_links = [link for link in args.links.split(",") if link not in MESHES]
+    if bad_links:
+        print(
+            f"error: --links={args.links}: {', '.join(bad_links)} unknown; "
+            f"known: {', '.join(MESHES)}",
             file=sys.stderr,
         )
         return 2
