@@ -101,6 +101,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         f"on without it, re-planned for the survivors (default {DEFAULT_REJOIN_S:g})",
     )
     parser.add_argument(
+        "--independent-islands",
+        action="store_true",
+        help="one job per island, supervised on its own, as independent DiLoCo islands "
+        "(sets diloco.mode=independent, diloco.island and diloco.peers for each)",
+    )
+    parser.add_argument(
         "--verbose",
         action="store_true",
         help="also show library chatter (gloo's connection reports, jax's error echoes)",
@@ -167,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rejoin_timeout_s=args.rejoin_timeout,
             cpu_quota=args.cpu_quota,
             latency=not args.no_latency,
+            independent=args.independent_islands,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

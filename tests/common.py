@@ -56,6 +56,7 @@ PROCESS_TESTS = (
     "tests/cluster/test_multiprocess.py::",
     "tests/cluster/test_faults.py::",
     "tests/runtime/test_diloco.py::test_four_processes_through_the_launcher_match_one",
+    "tests/cluster/test_islands.py::test_killed_island_heals_from_its_peer",
 )
 # Tests (node ids, parameters left out) long enough to be a group of their own, when no
 # module fixture ties them to the rest of their module.

@@ -18,7 +18,8 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   result. The leader waits for every member of round r−1, but at most ``quorum_timeout_s``
   after the first delta arrived; whoever delivered by then participates. Result:
   ``Δ̄ = Σ tokens_i·decode(Δ_i) / Σ tokens_i`` in fp32; Nesterov ``m ← μm + Δ̄``,
-  ``global ← global − lr(Δ̄ + μm)`` (:func:`nesterov`). A delta that arrives late, or for
+  ``global ← global − lr(Δ̄ + μm)`` (:func:`nesterov`); a warm-up round (``sync(...,
+  average=True)``) takes ``global ← global − Δ̄`` and keeps ``m``. A delta that arrives late, or for
   a round already closed, is dropped: its island adopts the latest result.
 * **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
   takes the lowest reachable member as leader, itself last, and tells it which members it
@@ -163,6 +164,7 @@ class OuterSync:
         self.merged: set[str] = set()  # lineages merged into this one
         self.open: dict[int, tuple[Shards, int]] = {}  # round+1: island -> (Δ fp32, tokens)
         self.first_arrival: float | None = None
+        self.average = False  # the open round is a warm-up averaging round
         self.joined: set[int] = set()  # joined during the open round
         self.dead: set[int] = set()  # reported dead during the open round
         self.results: dict[int, bytes] = {}  # the last rounds' packed states
@@ -195,10 +197,12 @@ class OuterSync:
 
     # ---- the caller's side -------------------------------------------------------------
 
-    def sync(self, theta: Shards, tokens: int) -> Shards:
+    def sync(self, theta: Shards, tokens: int, average: bool = False) -> Shards:
         """The outer step after the inner steps that took ``global`` to ``theta`` on
         ``tokens`` tokens: returns the new global (the caller sets θ ← global). Never waits
-        for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s`` per probe)."""
+        for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s`` per probe).
+        ``average``: a warm-up round, ``global ← global − Δ̄`` with the momentum kept (every
+        island passes the same value for a round: it follows from the step)."""
         assert self.ready, "a restarted island joins before it syncs"
         with self.cond:
             delta = {k: self.glob[k] - np.asarray(theta[k], np.float32) for k in self.glob}
@@ -214,12 +218,12 @@ class OuterSync:
                     want, lineage = self.round + 1, self.lineage  # joined another lineage
                 leader = self.leader
             if leader == self.island:
-                if not self._accept(self.island, want, delta, tokens, dead, lineage):
+                if not self._accept(self.island, want, delta, tokens, dead, lineage, average):
                     continue
                 self._await_result(want)
                 continue
             try:
-                meta = self._post_delta(leader, want, delta, tokens, dead, lineage)
+                meta = self._post_delta(leader, want, delta, tokens, dead, lineage, average)
                 if meta.get("refused"):  # another lineage or a closed round: join it
                     self._join_via(leader)
                     continue
@@ -267,9 +271,9 @@ class OuterSync:
     def _status(self, j: int) -> dict:
         return json.loads(self._get(j, "/status"))
 
-    def _post_delta(self, j, want, delta, tokens, dead, lineage) -> dict:
+    def _post_delta(self, j, want, delta, tokens, dead, lineage, average=False) -> dict:
         meta = {"island": self.island, "round": want, "tokens": tokens, "dead": sorted(dead)}
-        meta["lineage"] = lineage
+        meta.update(lineage=lineage, average=average)
         arrays, scales = {}, {}
         for k, d in delta.items():
             arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
@@ -364,15 +368,16 @@ class OuterSync:
         arrays.update({f"m/{k}": v for k, v in self.mom.items()})
         return pack(meta, arrays)
 
-    def _accept(self, island, want, delta, tokens, dead, lineage) -> bool:
+    def _accept(self, island, want, delta, tokens, dead, lineage, average=False) -> bool:
         """Take ``island``'s delta for round ``want`` into the open round (False: refused,
-        another lineage or not the open round)."""
+        another lineage or not the open round); ``average``: a warm-up round."""
         with self.cond:
             if lineage != self.lineage or want != self.round + 1 or not self.ready:
                 return False
             if self.first_arrival is None:
                 self.first_arrival = time.monotonic()
             self.open[island] = (delta, tokens)
+            self.average = average
             self.dead |= set(dead) - {self.island}
             self.cond.notify_all()
             return True
@@ -410,7 +415,10 @@ class OuterSync:
                 avg = sum(d[k] for d, _ in self.open.values()) / len(self.open)
             avg = avg.astype(np.float32)
             lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-            self.glob[k], self.mom[k] = nesterov(self.glob[k], self.mom[k], avg, lr, mu)
+            if self.average:  # warm-up: plain averaging, the momentum kept for later
+                self.glob[k] = self.glob[k] - avg
+            else:
+                self.glob[k], self.mom[k] = nesterov(self.glob[k], self.mom[k], avg, lr, mu)
         self.round += 1
         self.tokens += total
         self.members = set(self.open) | self.joined
@@ -453,7 +461,7 @@ class OuterSync:
             meta, arrays = unpack(body)
             delta = {k: decode(v, meta["scales"][k]) for k, v in arrays.items()}
             args = (meta["island"], meta["round"], delta, meta["tokens"], meta["dead"])
-            ok = self._accept(*args, meta["lineage"])
+            ok = self._accept(*args, meta["lineage"], meta.get("average", False))
             self._reply(req, json.dumps({"refused": not ok}).encode())
         elif path == "/result":
             want = int(query.removeprefix("round="))

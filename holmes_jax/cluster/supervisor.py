@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from holmes_jax.cluster import island_jobs
 from holmes_jax.cluster.launcher import (
     DEFAULT_GRACE_S,
     EMULATED_PORT,
@@ -60,7 +61,7 @@ from holmes_jax.cluster.launcher import (
     plan_workers,
 )
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.topology import Topology, load_topology, without_hosts
+from holmes_jax.planner.topology import Topology, load_topology
 
 DEFAULT_MAX_RESTARTS = 3
 RESTART_GRACE_S = 1.0  # the others' time to exit when a restart follows a failure
@@ -363,6 +364,7 @@ def launch(
     rejoin_timeout_s: float = DEFAULT_REJOIN_S,
     cpu_quota: str = "auto",
     latency: bool = True,
+    independent: bool = False,
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -384,6 +386,8 @@ def launch(
       cpu_quota: with ``emulate``, a CPU quota per host from its island's ``peak_tflops``:
         ``auto``, ``on`` or ``off`` (:mod:`holmes_jax.cluster.cgroups`).
       latency: with ``emulate``, delay packets between islands by the topology's latency.
+      independent: one job per island, each supervised on its own, as independent DiLoCo
+        islands (:mod:`holmes_jax.cluster.island_jobs`).
 
     Returns:
       The exit code of the last attempt (see :meth:`Launch.run`); 130 when stopped before
@@ -403,37 +407,56 @@ def launch(
         )
     base = dict(os.environ if env is None else env)
     plan_workers(topology, mesh_path, train_args, "127.0.0.1:1", base_env={}, program=program)
+    if independent and program != "train":
+        raise ConfigError(f"--independent-islands: runs holmes_jax.train, not --program={program}")
+    if independent and len(topology.islands) < 2:
+        raise ConfigError(
+            f"--independent-islands: topology '{topology.name}' has one island; independent "
+            "DiLoCo islands need at least 2"
+        )
     handlers = {}
-    supervisor: Supervisor | None = None
+    supervisors: list[Supervisor] = []
 
     def on_signal(signum, frame):
-        if supervisor is None:
+        if not supervisors:
             raise _Stop
-        supervisor.on_signal(signum, frame)
+        for supervisor in supervisors:
+            supervisor.on_signal(signum, frame)
 
-    def supervise(coordinator: Callable[[Topology], str], prefix=None) -> Supervisor:
+    def supervise(coordinator: Callable[[Topology], str], prefix=None, job=None) -> Supervisor:
+        job = job or island_jobs.Job(topology, (), faults)  # the whole topology: one job
+
         def make_workers(extra: dict[str, str], excluded: tuple[str, ...]) -> list[Worker]:
-            hosts, args = topology, list(train_args)
+            hosts, args = job.topology, list(train_args) + list(job.args)
             if excluded:  # the survivors: the trainer re-plans for them
-                hosts = without_hosts(topology, excluded)
+                hosts = island_jobs.survivors(job, excluded)
                 args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
             return plan_workers(
                 hosts, mesh_path, args, coordinator(hosts), base_env={**base, **extra},
                 program=program, prefix=prefix,
             )  # fmt: skip
 
-        return Supervisor(
-            make_workers, max_restarts=max_restarts, faults=faults, grace_s=grace_s, out=out,
-            verbose=verbose, rejoin_timeout_s=rejoin_timeout_s,
+        supervisor = Supervisor(
+            make_workers, max_restarts=max_restarts, faults=job.faults, grace_s=grace_s,
+            out=out, verbose=verbose, rejoin_timeout_s=rejoin_timeout_s,
         )  # fmt: skip
+        supervisors.append(supervisor)
+        return supervisor
+
+    def run_jobs(coordinator: Callable[[Topology], str], peer_address, prefix=None) -> int:
+        if not independent:
+            return supervise(coordinator, prefix).run()
+        jobs = island_jobs.plan_jobs(topology, faults, peer_address)
+        runs = [(job.name, supervise(coordinator, prefix, job)) for job in jobs]
+        return island_jobs.run_all(runs, out)
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             handlers[sig] = signal.signal(sig, on_signal)
     try:
         if not emulate:
-            supervisor = supervise(lambda hosts: f"127.0.0.1:{free_port()}")
-            return supervisor.run()
+            local = lambda hosts: f"127.0.0.1:{free_port()}"  # noqa: E731
+            return run_jobs(local, lambda island: f"127.0.0.1:{free_port()}")
         from holmes_jax.cluster import cgroups, netns
 
         netns.check_privileges()
@@ -449,10 +472,12 @@ def launch(
             def coordinator(hosts: Topology) -> str:  # process 0's namespace
                 return f"{plan.host(hosts.islands[0].hosts[0]).address}:{EMULATED_PORT}"
 
-            supervisor = supervise(coordinator, groups.wrap(network.exec_prefix))
+            def peer_address(island) -> str:  # the island's first host serves the outer sync
+                return f"{plan.host(island.hosts[0]).address}:{island_jobs.OUTER_SYNC_PORT}"
+
             summary = _emulation_summary(topology, len(plan.hosts), scale, plan.delays, quotas)
             print(f"launch: {summary}", file=out or sys.stdout, flush=True)
-            return supervisor.run()
+            return run_jobs(coordinator, peer_address, groups.wrap(network.exec_prefix))
     except _Stop:
         return 130
     finally:

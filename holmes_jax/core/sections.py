@@ -370,17 +370,18 @@ class DilocoConfig:
     # independent: an island whose round delta is not in within this many seconds is
     # dropped from that outer step (the others average among themselves and go on)
     quorum_timeout_s: float = 60.0
+    # independent: this job's island, an index into diloco.peers (and parallel.mesh's
+    # islands); `launch --independent-islands` sets it
+    island: int = -1
+    # independent: every island's outer-sync address "host:port", by island index
+    peers: tuple[str, ...] = ()
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         _positive(self, "diloco", ("inner_steps", "fragments"))
         if self.quorum_timeout_s <= 0:
             raise ConfigError(f"diloco.quorum_timeout_s={self.quorum_timeout_s}: must be > 0")
         if self.mode == "independent":
-            raise ConfigError(
-                "diloco.mode=independent: not wired into the trainer yet (the outer-sync "
-                "protocol exists in holmes_jax.cluster.outer_sync; launch/loop do not use it); "
-                "use diloco.mode=spmd"
-            )
+            self._validate_independent()
         if self.outer_lr <= 0:
             raise ConfigError(f"diloco.outer_lr={self.outer_lr}: must be > 0")
         if not 0 <= self.outer_momentum < 1:
@@ -403,10 +404,42 @@ class DilocoConfig:
                 f"diloco.fragments={self.fragments}: must be <= model.num_layers="
                 f"{model.num_layers} (a fragment holds whole layers)"
             )
-        if self.enabled is True and parallel.replica < 2 and parallel.mesh is None:
+        if (
+            self.enabled is True
+            and parallel.replica < 2
+            and parallel.mesh is None
+            and not self.peers
+        ):
             raise ConfigError(
                 f"diloco.enabled=true: needs parallel.replica >= 2 (got {parallel.replica}) "
                 "or a parallel.mesh with several islands: DiLoCo runs across replicas"
+            )
+
+    def _validate_independent(self) -> None:
+        where = "(python -m holmes_jax.launch --independent-islands sets diloco.island/peers)"
+        if self.enabled is not True:
+            raise ConfigError(
+                f"diloco.mode=independent: needs diloco.enabled=true (got {self.enabled}); "
+                "independent islands are DiLoCo replicas in separate jobs"
+            )
+        if self.fragments != 1:
+            raise ConfigError(
+                f"diloco.fragments={self.fragments}: diloco.mode=independent syncs whole "
+                "models (fragments=1); use diloco.mode=spmd for streaming fragments"
+            )
+        if len(self.peers) < 2:
+            raise ConfigError(
+                f"diloco.peers={list(self.peers)}: diloco.mode=independent needs every "
+                f"island's outer-sync address host:port, at least 2 {where}"
+            )
+        for peer in self.peers:
+            host, _, port = str(peer).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"diloco.peers: '{peer}' must be host:port (port 1-65535)")
+        if not 0 <= self.island < len(self.peers):
+            raise ConfigError(
+                f"diloco.island={self.island}: must be this job's index into diloco.peers "
+                f"(0..{len(self.peers) - 1}) {where}"
             )
 
 

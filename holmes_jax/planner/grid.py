@@ -11,6 +11,8 @@ devices out in that order. Pure Python; no jax import.
 
 from __future__ import annotations
 
+import dataclasses
+
 from holmes_jax.core.config import Config, check_devices
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
@@ -20,13 +22,66 @@ from holmes_jax.planner.topology import Topology, load_topology, without_hosts
 
 def load_mesh_topology(cfg: Config) -> Topology | None:
     """The topology named by ``parallel.mesh`` without ``parallel.exclude_hosts`` (the
-    hosts this run has), or None."""
+    hosts this run has), or None. An independent DiLoCo island's job
+    (``diloco.mode=independent``) has only its island (:func:`job_topology`)."""
     if not cfg.parallel.mesh:
         return None
-    topology = load_topology(cfg.parallel.mesh)
+    topology = job_topology(cfg)
     if cfg.parallel.exclude_hosts:
         topology = without_hosts(topology, cfg.parallel.exclude_hosts, "parallel.exclude_hosts")
     return topology
+
+
+def job_topology(cfg: Config) -> Topology:
+    """The hosts of this job before failures: ``parallel.mesh``'s whole topology, or under
+    ``diloco.mode=independent`` only island ``diloco.island``.
+
+    Raises:
+      ConfigError: ``diloco.peers`` does not name one address per island of the mesh.
+    """
+    topology = load_topology(cfg.parallel.mesh)
+    d = cfg.diloco
+    if d.mode != "independent":
+        return topology
+    if len(d.peers) != len(topology.islands):
+        raise ConfigError(
+            f"diloco.peers={list(d.peers)}: needs one address per island of "
+            f"parallel.mesh='{cfg.parallel.mesh}' ({len(topology.islands)} islands)"
+        )
+    others = [h for i, isl in enumerate(topology.islands) if i != d.island for h in isl.hosts]
+    island = without_hosts(topology, others, "diloco.island")
+    name = f"{topology.name}, island {topology.islands[d.island].name}"
+    return dataclasses.replace(island, name=name)
+
+
+def island_batch_rows(cfg: Config) -> list[int]:
+    """Independent DiLoCo: the rows of ``train.global_batch_size`` each island trains on,
+    by island index. In proportion to an island's compute (devices x ``peak_tflops``) on
+    ``parallel.mesh``, else equal; in whole units of ``parallel.data`` x ``microbatches``
+    rows (what one island's step splits evenly), rounded by largest remainder so they sum
+    to the batch.
+
+    Raises:
+      ConfigError: an island would get no unit.
+    """
+    batch, n, p = cfg.train.global_batch_size, len(cfg.diloco.peers), cfg.parallel
+    unit = max(p.data, 1) * p.microbatches
+    weights = [1.0] * n
+    if p.mesh:
+        islands = load_topology(p.mesh).islands
+        weights = [isl.num_devices * isl.peak_tflops for isl in islands]
+    exact = [batch // unit * w / sum(weights) for w in weights]
+    units = [int(x) for x in exact]
+    by_remainder = sorted(range(n), key=lambda i: (units[i] - exact[i], i))
+    for i in by_remainder[: batch // unit - sum(units)]:
+        units[i] += 1
+    if min(units) < 1 or batch % unit:
+        raise ConfigError(
+            f"train.global_batch_size={batch}: too small to give each of {n} independent "
+            f"islands whole units of parallel.data*microbatches = {unit} rows (units "
+            f"{units}, in proportion to each island's compute)"
+        )
+    return [u * unit for u in units]
 
 
 def resolve_shape(cfg: Config, available: int, topology: Topology | None) -> Degrees:

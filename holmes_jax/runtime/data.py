@@ -366,6 +366,7 @@ class BatchSampler:
         seed: int,
         *,
         split: str = "train",
+        window: tuple[int, int] | None = None,
     ):
         """Creates a sampler.
 
@@ -375,6 +376,9 @@ class BatchSampler:
             global_batch_size: rows in the global batch B.
             seed: non-negative data seed.
             split: name used in error messages.
+            window: ``(offset, rows)``: this sampler's batch is rows ``[offset, offset +
+                rows)`` of the B-row batch (an independent DiLoCo island's share); its
+                ``global_batch_size`` is then ``rows``.
 
         Raises:
             ConfigError: the split is shorter than seq_len + 1 tokens, or a bad
@@ -387,16 +391,18 @@ class BatchSampler:
             raise ConfigError(f"train.seed={seed}: must be >= 0")
         self.tokens = tokens
         self.seq_len = int(seq_len)
-        self.global_batch_size = int(global_batch_size)
+        self.drawn = int(global_batch_size)  # rows drawn per step
+        self.offset, self.global_batch_size = window or (0, self.drawn)
         self.seed = int(seed)
 
     def starts(self, step: int) -> np.ndarray:
-        """Start offsets of all B rows at step, int64 [B]."""
+        """Start offsets of all B rows at step (of the window's rows), int64 [B]."""
         if step < 0:
             raise ValueError(f"step={step}: must be >= 0")
         rng = np.random.default_rng((self.seed, step))
         # Last valid start leaves room for seq_len + 1 tokens.
-        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch_size)
+        drawn = rng.integers(0, len(self.tokens) - self.seq_len, size=self.drawn)
+        return drawn[self.offset : self.offset + self.global_batch_size]
 
     def rows(self, step: int, row_indices: np.ndarray) -> np.ndarray:
         """Selected rows of the global batch at step.

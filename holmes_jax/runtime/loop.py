@@ -58,7 +58,7 @@ from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, flops_per_token
 from holmes_jax.planner.failures import replan
-from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
+from holmes_jax.planner.grid import job_topology, load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
 from holmes_jax.planner.plans import (
     memory_inputs_from_config,
@@ -68,12 +68,20 @@ from holmes_jax.planner.plans import (
 )
 from holmes_jax.planner.report import format_preference, format_run_plan, format_step_check
 from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
-from holmes_jax.planner.topology import Topology, load_topology
+from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime import compile_cache
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.runtime.devices import peak_memory_gb, peak_tflops
 from holmes_jax.runtime.diloco import in_warmup
+from holmes_jax.runtime.islands import (
+    IslandSync,
+    eval_batch_count,
+    independent,
+    island_outputs,
+    island_scope,
+    share_sampler,
+)
 from holmes_jax.runtime.mesh import build_mesh, collectives_block
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
@@ -145,6 +153,8 @@ class Resolved:
         ``parallel.exclude_hosts`` names hosts, else None.
       asked: the config as given, outputs resolved (before the planner's choices).
       diloco_choice: :func:`~holmes_jax.planner.strategy.resolve_diloco`'s choice, or None.
+      share: an independent DiLoCo island's rows of the global batch
+        (:mod:`holmes_jax.runtime.islands`), else None.
     """
 
     cfg: Config
@@ -155,6 +165,7 @@ class Resolved:
     replanned: Any
     asked: Config
     diloco_choice: Any
+    share: Any = None
 
 
 def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
@@ -165,13 +176,16 @@ def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
     Raises:
       ConfigError: settings that are impossible on the visible devices.
     """
-    outputs = outputs or choose_run_dir(cfg)
+    outputs = outputs or choose_run_dir(island_outputs(cfg))
     cfg = outputs.cfg
+    share = None
+    if independent(cfg):  # this island's job: replica 1, its rows of the global batch
+        cfg, share = island_scope(cfg)
     devices = jax.devices()
     topology = load_mesh_topology(cfg)  # without parallel.exclude_hosts
     replanned = None
     if cfg.parallel.exclude_hosts:  # a failure's survivors: the planner's degrees for them
-        full = load_topology(cfg.parallel.mesh)
+        full = job_topology(cfg)
         sync = collectives_block(devices)
         replanned = replan(cfg, full, cfg.parallel.exclude_hosts, sync_collectives=sync)
         cfg = replanned.cfg
@@ -181,7 +195,7 @@ def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
     shape = resolve_shape(cfg, len(devices), topology)
     cfg = resolve_auto(cfg, shape, topology)
     check_memory(cfg, shape, topology, devices)
-    return Resolved(cfg, outputs, devices, topology, shape, replanned, asked, choice)
+    return Resolved(cfg, outputs, devices, topology, shape, replanned, asked, choice, share)
 
 
 def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]:
@@ -196,7 +210,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
       ConfigError: settings that are impossible on the visible devices or data.
     """
     # 0. outputs: the run directory, decided before anything is written
-    outputs = choose_run_dir(cfg)
+    outputs = choose_run_dir(island_outputs(cfg))
     cache = compile_cache.configure(outputs.cfg)  # before the first compile
 
     # 1. mesh (and the layer split, when the planner is asked for it)
@@ -217,9 +231,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     program = Program(cfg, mesh)
 
     # 3. the checkpoint to resume from, and nothing more when it has trained every step
+    # (an independent DiLoCo island with a live peer past round 0 heals from it instead)
+    island = IslandSync(cfg, program, r.share, logger.message) if r.share is not None else None
+    heal = island is not None and island.peer_ahead()
     ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
     logical, start = None, 0
-    if ckpt is not None and cfg.checkpoint.resume:
+    if ckpt is not None and cfg.checkpoint.resume and not heal:
         restored = ckpt.restore(program.abstract_logical_state, cfg)
         if restored is not None:
             logical, meta = restored
@@ -234,9 +251,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     seq, batch_size = cfg.model.seq_len, cfg.train.global_batch_size
     sampler = BatchSampler(corpus.train, seq, batch_size, cfg.train.seed)
+    n_eval = cfg.train.eval_batches
+    if r.share is not None:  # an island: its rows of each batch; the whole batch's eval windows
+        sampler = share_sampler(corpus.train, seq, r.share, cfg.train.seed)
+        n_eval = eval_batch_count(r.share, n_eval)
     eval_set = [
         _global_batch(rows, program.batch_sharding)
-        for rows in eval_batches(corpus.eval, seq, batch_size, cfg.train.eval_batches)
+        for rows in eval_batches(corpus.eval, seq, batch_size, n_eval)
     ]
     state = program.from_logical(logical) if resumed else None
     del logical
@@ -245,6 +266,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         state, started_from = init_state_from(program, cfg.checkpoint.init_from)
     if state is None:
         state = program.init(cfg.train.seed)
+    if island is not None:  # serve the outer sync (healed: at the peer's round)
+        state, start = island.start(state, start, heal)
 
     if is_main:
         write_config(cfg)
@@ -270,7 +293,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
             f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
         )
-    for line in diloco_lines(cfg, program, asked.diloco.enabled, r.diloco_choice):
+    lines = diloco_lines(cfg, program, asked.diloco.enabled, r.diloco_choice)
+    for line in [island.describe()] if island is not None else lines:
         logger.message(line)
     if program.diloco:
         began = time.perf_counter()
@@ -334,6 +358,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     jax.block_until_ready(state)
                 step += 1
                 window_steps += 1
+                if island is not None:  # independent DiLoCo: the outer sync between jobs
+                    with jax.profiler.TraceAnnotation("diloco_outer_sync"):
+                        state = island.after_step(state, step)
                 for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
                     with jax.profiler.TraceAnnotation("diloco_outer_sync", fragment=fragment):
                         state = program.outer_step(state, fragment, step)
@@ -363,6 +390,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                         values = fetch_metrics(metrics)  # waits for this step
                     elapsed = (time.perf_counter() - window_start) / window_steps
                     rec = logger.record(step, values, elapsed)
+                    if island is not None:
+                        rec["island"] = island.name
                     if first:
                         rec["compile_s"] = compile_s
                     memory = peak_memory_gb(local_devices)
@@ -370,7 +399,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                         rec["peak_memory_gb"] = memory
                     if evaluate:
                         with jax.profiler.TraceAnnotation("eval", step=step):
-                            params = program.eval_params(state)
+                            params = (island or program).eval_params(state)
                             rec["eval_loss"] = _evaluate(program, params, eval_set)
                     history.append(rec)
                     logger.write(rec, advance=step - logged_at)
@@ -401,6 +430,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             save(step, state)
     finally:
         profiler.close(step, state)  # a run stopped inside the profiled window
+        if island is not None:
+            island.close()
         if ckpt is not None:
             ckpt.close()
         logger.close()

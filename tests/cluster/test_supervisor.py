@@ -67,7 +67,7 @@ for step in range(start + 1, steps + 1):
 """
 
 
-def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=3.0):
+def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=10.0):
     """make_workers for the supervisor: the stand-in job, one attempt per call."""
     attempts = []
 

@@ -1,0 +1,338 @@
+"""Independent DiLoCo islands (``diloco.mode: independent``): one job's side.
+
+Each island of ``parallel.mesh`` (or each address of ``diloco.peers`` without a mesh) runs
+as its own job: its own ``jax.distributed`` coordinator, its own plan on its own hardware
+(:func:`holmes_jax.planner.grid.job_topology`), ``replica`` 1. Between jobs only the outer
+sync runs (:mod:`holmes_jax.cluster.outer_sync`, HTTP), served by the job's process 0 at
+``diloco.peers[diloco.island]``. ``python -m holmes_jax.launch --independent-islands``
+starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
+
+- Outputs (:func:`island_outputs`): the island's own run directory
+  ``<train.run_dir>/<island>``; an explicit ``train.metrics_path`` ``M.jsonl`` becomes
+  ``M.<island>.jsonl``, an explicit ``checkpoint.dir`` ``D`` becomes ``D/<island>``.
+  Every metrics record names its island (``"island"``).
+- Batch (:class:`Share`): island i trains on rows ``[offset_i, offset_i + rows_i)`` of
+  each global batch, shares in proportion to the islands' compute
+  (:func:`holmes_jax.planner.grid.island_batch_rows`); with equal shares those are the rows
+  replica i trains on under ``spmd``. Evaluation covers the same windows as a whole-batch run.
+- Outer step: after the steps where ``spmd`` takes one (each warm-up step, then every H),
+  the job's fp32 parameters (the master under bf16), in the logical layout, go to process
+  0's host, which calls :meth:`~holmes_jax.cluster.outer_sync.OuterSync.sync` with the
+  tokens trained since its last round. The new global model comes back to every process
+  and device as parameters and master; the AdamW moments and step count are kept, as
+  under ``spmd``. So with nothing failing, fp32 and equal shares, the islands train what
+  ``spmd`` trains.
+- Start (:meth:`IslandSync.start`): a job that finds a live peer past round 0 heals from
+  it: it adopts the global model, outer momentum and round bit for bit (no checkpoint
+  read) and goes on at the step that round ended, with fresh AdamW moments and its step
+  count set there. Otherwise it starts from its own state (fresh, or its checkpoint) as
+  round 0 of the global model.
+
+Several processes per island: the whole parameters are gathered to every process and
+only process 0 talks to the peers; the new global model is broadcast back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import urllib.request
+from typing import Any
+
+import jax
+import numpy as np
+
+from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig
+from holmes_jax.core.config import Config
+from holmes_jax.planner.grid import island_batch_rows
+from holmes_jax.planner.topology import load_topology
+from holmes_jax.runtime.data import BatchSampler
+from holmes_jax.runtime.diloco import due_fragments, in_warmup
+
+PROBE_S = 1.0  # seconds to wait for a peer's /status at start
+
+
+def independent(cfg: Config) -> bool:
+    """Whether ``cfg`` is one island's job of independent DiLoCo."""
+    return cfg.diloco.mode == "independent"
+
+
+def island_name(cfg: Config) -> str:
+    """This job's island: its name in ``parallel.mesh``, else ``island<index>``."""
+    if cfg.parallel.mesh:
+        return load_topology(cfg.parallel.mesh).islands[cfg.diloco.island].name
+    return f"island{cfg.diloco.island}"
+
+
+def island_outputs(cfg: Config) -> Config:
+    """``cfg`` with this island's own outputs (module doc); unchanged outside independent
+    mode. Call before the run directory is chosen."""
+    if not independent(cfg):
+        return cfg
+    name, train, ckpt = island_name(cfg), cfg.train, cfg.checkpoint
+    run_dir = os.path.join(train.run_dir, name) if train.run_dir else train.run_dir
+    metrics = train.metrics_path
+    if metrics and metrics != "auto":
+        metrics = f"{os.path.splitext(metrics)[0]}.{name}.jsonl"
+    ckpt_dir = ckpt.dir
+    if ckpt_dir and ckpt_dir != "auto":
+        ckpt_dir = os.path.join(ckpt_dir, name)
+    return cfg.replace(
+        train=dataclasses.replace(train, run_dir=run_dir, metrics_path=metrics),
+        checkpoint=dataclasses.replace(ckpt, dir=ckpt_dir),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """This island's part of each global batch: rows ``[offset, offset + rows)`` of
+    ``total``."""
+
+    island: int
+    name: str
+    offset: int
+    rows: int
+    total: int
+
+
+def island_scope(cfg: Config) -> tuple[Config, Share]:
+    """The island job's config (``replica`` 1, ``train.global_batch_size`` its rows) and
+    its :class:`Share`."""
+    rows = island_batch_rows(cfg)
+    i = cfg.diloco.island
+    share = Share(i, island_name(cfg), sum(rows[:i]), rows[i], cfg.train.global_batch_size)
+    cfg = cfg.replace(
+        parallel=dataclasses.replace(cfg.parallel, replica=1),
+        train=dataclasses.replace(cfg.train, global_batch_size=share.rows),
+    )
+    return cfg, share
+
+
+def share_sampler(tokens: np.ndarray, seq_len: int, share: Share, seed: int) -> BatchSampler:
+    """The sampler of ``share``'s rows of the global batches (the same draws as a
+    whole-batch run's)."""
+    return BatchSampler(tokens, seq_len, share.total, seed, window=(share.offset, share.rows))
+
+
+def eval_batch_count(share: Share, eval_batches: int) -> int:
+    """How many eval batches of ``share.rows`` rows cover the windows of ``eval_batches``
+    batches of the whole global batch (exact when the rows divide them)."""
+    return max(1, share.total * eval_batches // share.rows)
+
+
+def steps_after_round(rounds: int, inner_steps: int, warmup_steps: int) -> int:
+    """The step count at which ``rounds`` outer steps are done (one per warm-up step, then
+    one every ``inner_steps``)."""
+    if rounds <= warmup_steps:
+        return rounds
+    return warmup_steps + (rounds - warmup_steps) * inner_steps
+
+
+def _leaf_key(path) -> str:
+    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return "/".join(names) + "#0"  # one shard: the whole leaf
+
+
+class IslandSync:
+    """This job's end of the outer sync (module doc).
+
+    Args:
+      cfg: the island job's config (:func:`island_scope`'s).
+      program: the job's program (``replica`` 1).
+      share: this island's rows.
+      say: prints one line (process 0's logger).
+    """
+
+    def __init__(self, cfg: Config, program, share: Share, say):
+        self.cfg, self.program, self.share, self.say = cfg, program, share, say
+        self.d = cfg.diloco
+        self.main = jax.process_index() == 0
+        self.sync: OuterSync | None = None
+        self.last_step = 0  # the step of this island's last round
+        self.rounds_seen = 0
+
+    @property
+    def name(self) -> str:
+        return self.share.name
+
+    def describe(self) -> str:
+        """The line the run prints about this island."""
+        sh, d = self.share, self.d
+        warm = f" after {d.warmup_steps} warm-up averaging steps" if d.warmup_steps else ""
+        return (
+            f"diloco: independent island {sh.name} ({sh.island} of {len(d.peers)}): rows "
+            f"{sh.offset}-{sh.offset + sh.rows - 1} of the {sh.total}-row global batch; outer "
+            f"sync with its peers every {d.inner_steps} steps{warm} (outer lr {d.outer_lr}, "
+            f"momentum {d.outer_momentum}, {d.outer_dtype}), served at "
+            f"{d.peers[sh.island]}, quorum timeout {d.quorum_timeout_s:g} s"
+        )
+
+    # ---- start ------------------------------------------------------------------------
+
+    def peer_ahead(self) -> bool:
+        """Whether a live peer is past round 0 (process 0 asks, every process learns):
+        then this island heals from it (:meth:`start`) and reads no checkpoint."""
+        live = self._live_round() if self.main else 0
+        return bool(self._broadcast(np.bool_(live > 0)))
+
+    def start(self, state, step: int, heal: bool) -> tuple[Any, int]:
+        """Serve the outer sync. ``heal`` (:meth:`peer_ahead`): adopt a live peer's round,
+        global model and momentum; else start the global model from ``state`` at ``step``.
+        Returns the state and step to train from."""
+        peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
+        cfg = SyncConfig.from_diloco(self.d)
+        took = 0.0
+        if self.main and heal:
+            self.sync = OuterSync(self.share.island, peers, cfg, None)
+            began = time.monotonic()
+            self.sync.join()
+            took = time.monotonic() - began
+        elif self.main:
+            theta = self._theta(state)
+            self.sync = OuterSync(self.share.island, peers, cfg, (theta, _zeros(theta)))
+            self.sync.round = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
+        if not heal:
+            self.last_step = step
+            return state, step
+        rounds = int(self._broadcast(np.int32(self.sync.round if self.main else 0)))
+        step = steps_after_round(rounds, self.d.inner_steps, self.d.warmup_steps)
+        glob = self.sync.glob if self.main else None
+        state = self._with_global(state, glob, step)
+        self.last_step = step
+        self.say(
+            f"diloco: healed from a live peer in {took:.1f} s: round {rounds}, the global "
+            f"model and outer momentum adopted (no checkpoint read); training on from step "
+            f"{step} with fresh AdamW moments"
+        )
+        return state, step
+
+    def _live_round(self) -> int:
+        """The highest round a live, ready peer reports (0: none)."""
+        best = 0
+        for i, peer in enumerate(self.d.peers):
+            if i == self.share.island:
+                continue
+            host, port = _address(peer)
+            try:
+                url = f"http://{host}:{port}/status"
+                with urllib.request.urlopen(url, timeout=PROBE_S) as resp:
+                    status = json.loads(resp.read())
+            except OSError:
+                continue
+            if status.get("ready"):
+                best = max(best, int(status["round"]))
+        return best
+
+    # ---- the outer step ---------------------------------------------------------------
+
+    def after_step(self, state, step: int):
+        """The outer step when one follows inner step ``step`` (else ``state`` as is)."""
+        if not due_fragments(step, self.d.inner_steps, 1, self.d.warmup_steps):
+            return state
+        average = in_warmup(step, self.d.warmup_steps)
+        theta = self._theta(state)
+        glob = None
+        if self.main:
+            tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
+            before = self.sync.round
+            glob = self.sync.sync(theta, tokens, average=average)
+            members = sorted(self.sync.members)
+            kind = "averaging (warm-up)" if average else "outer"
+            late = "" if self.sync.round > before else " (late: adopted the latest global)"
+            self.say(
+                f"diloco: {kind} step after step {step}: round {self.sync.round}, "
+                f"islands {members}{late}"
+            )
+        self.last_step = step
+        return self._with_global(state, glob, None)
+
+    def eval_params(self, state):
+        """The global model in the program's layout (what evaluation runs on, as under
+        ``spmd``): after an outer step the island's own parameters are that model."""
+        glob = self.sync.glob if self.main else None
+        return self._with_global(state, glob, None).params
+
+    def close(self) -> None:
+        """Stop serving (the peers see this island as gone)."""
+        if self.sync is not None:
+            self.sync.close()
+
+    # ---- device <-> host --------------------------------------------------------------
+
+    def _theta(self, state) -> dict[str, np.ndarray]:
+        """The fp32 parameters (master under bf16), logical layout, whole, on every host."""
+        logical = self.program.to_logical(state)
+        tree = logical.master if logical.master is not None else logical.params
+        out = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            out[_leaf_key(path)] = np.asarray(_gather(leaf), np.float32)
+        return out
+
+    def _with_global(self, state, glob: dict[str, np.ndarray] | None, step: int | None):
+        """``state`` with parameters and master set to ``glob`` (process 0's, broadcast);
+        with ``step``, the optimizer's step counts set to it too."""
+        logical = self.program.to_logical(state)
+        tree = logical.master if logical.master is not None else logical.params
+
+        def leaf(path, old):
+            host = glob[_leaf_key(path)] if self.main else np.zeros(old.shape, np.float32)
+            host = self._broadcast(host)
+            return jax.make_array_from_callback(old.shape, old.sharding, lambda i: host[i])
+
+        new = jax.tree_util.tree_map_with_path(leaf, tree)
+        params = jax.tree.map(lambda n, p: n.astype(p.dtype), new, logical.params)
+        master = new if logical.master is not None else None
+        logical = logical.replace(params=params, master=master)
+        if step is not None:
+            logical = logical.replace(
+                step=jax.numpy.asarray(step, logical.step.dtype),
+                opt_state=_with_counts(logical.opt_state, step),
+            )
+        return self.program.from_logical(logical)
+
+    def _broadcast(self, value):
+        if jax.process_count() == 1:
+            return value
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.broadcast_one_to_all(value))
+
+
+def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
+    """The outer steps done by step ``step`` (inverse of :func:`steps_after_round` at round
+    boundaries)."""
+    if step <= warmup_steps:
+        return step
+    return warmup_steps + (step - warmup_steps) // inner_steps
+
+
+def _address(peer: str) -> tuple[str, int]:
+    host, _, port = peer.rpartition(":")
+    return host, int(port)
+
+
+def _zeros(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.zeros_like(v) for k, v in tree.items()}
+
+
+def _gather(leaf) -> np.ndarray:
+    """A whole array on this host (gathered across processes where it is sharded)."""
+    if leaf.is_fully_addressable:
+        return np.asarray(jax.device_get(leaf))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+
+def _with_counts(opt_state, step: int):
+    """``opt_state`` with every optax step counter (a ``count`` leaf) set to ``step``."""
+
+    def set_count(path, x):
+        last = path[-1] if path else None
+        if getattr(last, "name", None) == "count":
+            return jax.numpy.full_like(x, step)
+        return x
+
+    return jax.tree_util.tree_map_with_path(set_count, opt_state)

@@ -1,0 +1,186 @@
+"""Independent DiLoCo islands (``diloco.mode: independent``) through the trainer: one job
+per island, the outer sync between them over HTTP (:mod:`holmes_jax.runtime.islands`).
+
+- Without faults the islands train what one ``spmd`` DiLoCo program trains: the mean of
+  the islands' losses equals its loss at every step (fp32, equal shares, 1e-5).
+- A peer that never answers is dropped after ``diloco.quorum_timeout_s`` and the island
+  trains on alone (in this process, no launcher).
+- ``launch --independent-islands`` with an island killed and restarted: the returning
+  island heals from its live peer (no checkpoint read), takes part in the next outer step,
+  and both end with the same global model.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from holmes_jax.cluster import island_jobs
+from holmes_jax.cluster.launcher import free_port
+from holmes_jax.cluster.supervisor import parse_fault
+from holmes_jax.core.config import load_config
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.grid import island_batch_rows
+from holmes_jax.planner.topology import load_topology
+from holmes_jax.runtime.islands import (
+    island_outputs,
+    island_scope,
+    steps_after_round,
+    steps_to_rounds,
+)
+from holmes_jax.runtime.loop import run
+from tests.cluster.procs import two_host_mesh
+from tests.common import ROOT, TINY_RUN, as_flags
+
+pytestmark = pytest.mark.slow
+
+# Two islands x data 4 (spmd: replica 2 x data 4), an outer step every 2 inner steps.
+DILOCO = [
+    *TINY_RUN,
+    "diloco.enabled=true",
+    "diloco.inner_steps=2",
+    "parallel.data=4",
+    "train.run_dir=null",
+    "logging.progress=plain",
+    "logging.log_every=1",
+    "train.eval_every=4",
+    "train.steps=8",
+]
+ROUND = re.compile(r"diloco: outer step after step (\d+): round (\d+), islands \[([\d, ]+)\]")
+
+
+def records(path):
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], rec)  # a restarted attempt's repeats: the first one
+    return out
+
+
+@pytest.fixture(scope="module")
+def spmd():
+    """The same DiLoCo run as one program (replica 2 x data 4): {step: record}."""
+    cfg = load_config(None, [*DILOCO, "parallel.replica=2"])
+    return {r["step"]: r for r in run(cfg)}
+
+
+def test_round_and_step_arithmetic():
+    """Warm-up rounds are one step each, then H steps; the two functions invert."""
+    assert [steps_after_round(r, 5, 2) for r in range(5)] == [0, 1, 2, 7, 12]
+    assert [steps_to_rounds(s, 5, 2) for s in (0, 1, 2, 7, 11, 12)] == [0, 1, 2, 3, 3, 4]
+
+
+def test_each_island_writes_its_own_outputs():
+    cfg = load_config(
+        None,
+        [
+            *DILOCO,
+            "diloco.mode=independent",
+            "diloco.island=1",
+            "diloco.peers=[127.0.0.1:1,127.0.0.1:2]",
+            "train.run_dir=runs/x",
+            "train.metrics_path=out/m.jsonl",
+        ],
+    )
+    got = island_outputs(cfg)
+    assert got.train.run_dir == "runs/x/island1"
+    assert got.train.metrics_path == "out/m.island1.jsonl"
+
+
+def test_islands_get_batch_rows_in_proportion_to_their_compute():
+    """roce computes at half ib's peak on the slow-compute mesh: a third of the batch."""
+    peers = "diloco.peers=[127.0.0.1:1,127.0.0.1:2]"
+    slow = f"parallel.mesh={ROOT}/meshes/emu-4host-2island-slow-compute.yaml"
+    base = [*DILOCO, "diloco.mode=independent", "diloco.island=1", peers]
+    assert island_batch_rows(load_config(None, [*base, slow, "train.global_batch_size=24"])) == [
+        16,
+        8,
+    ]
+    one = [*base, "parallel.data=1", "train.global_batch_size=9"]
+    assert island_batch_rows(load_config(None, one)) == [5, 4]
+    units = [*base, slow, "train.global_batch_size=32"]  # 8 units of data 4: 5.33 and 2.67
+    assert island_batch_rows(load_config(None, units)) == [20, 12]
+    cfg, share = island_scope(load_config(None, [*base, slow, "train.global_batch_size=24"]))
+    assert (share.offset, share.rows, share.total, share.name) == (16, 8, 24, "roce")
+    assert cfg.train.global_batch_size == 8 and cfg.parallel.replica == 1
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=1: too small"):
+        island_batch_rows(load_config(None, [*one[:-1], "train.global_batch_size=1"]))
+
+
+def test_the_launcher_plans_one_job_per_island_and_routes_faults():
+    topology = load_topology(f"{ROOT}/meshes/cpu8-two-islands.yaml")
+    hosts = [h for isl in topology.islands for h in isl.hosts]
+    faults = [parse_fault("roce-1@3", hosts), parse_fault("ib-0@5:permanent", hosts)]
+    jobs = island_jobs.plan_jobs(topology, faults, lambda isl: f"{isl.hosts[0]}:7")
+    assert [j.name for j in jobs] == ["ib", "roce"]
+    assert [[h for i in j.topology.islands for h in i.hosts] for j in jobs] == [
+        ["ib-0", "ib-1"],
+        ["roce-0", "roce-1"],
+    ]
+    assert [[f.spec for f in j.faults] for j in jobs] == [["ib-0@5:permanent"], ["roce-1@3"]]
+    assert jobs[1].args == (
+        "--set", "diloco.enabled=true", "--set", "diloco.mode=independent",
+        "--set", "diloco.island=1", "--set", "diloco.peers=[ib-0:7,roce-0:7]",
+    )  # fmt: skip
+    assert island_jobs.survivors(jobs[0], ["ib-1"]).num_hosts == 1
+    with pytest.raises(island_jobs.IslandGone):
+        island_jobs.survivors(jobs[0], ["ib-0", "ib-1"])
+
+
+def test_a_silent_peer_is_dropped_and_the_island_trains_on(tmp_path):
+    """Island 0 of two whose peer never answers: its first outer step waits
+    ``quorum_timeout_s`` for the peer, then every round is its own, to the last step."""
+    mine, silent = free_port(), free_port()
+    cfg = load_config(
+        None,
+        [
+            *DILOCO,
+            "diloco.mode=independent",
+            "diloco.island=0",
+            f"diloco.peers=[127.0.0.1:{mine},127.0.0.1:{silent}]",
+            "diloco.quorum_timeout_s=2",
+            "parallel.devices=4",  # the island's 4 of this process's 8
+            f"train.metrics_path={tmp_path / 'm.jsonl'}",
+        ],
+    )
+    began = time.monotonic()
+    history = run(cfg)
+    took = time.monotonic() - began
+    assert [r["step"] for r in history] == list(range(1, 9))
+    assert all(r["island"] == "island0" for r in history)
+    assert history[1]["step_time_s"] >= 2.0  # step 2 held the first round: the timeout
+    assert took < 60
+    written = records(tmp_path / "m.island0.jsonl")
+    assert sorted(written) == list(range(1, 9))
+
+
+def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spmd, proc_env):
+    """``launch --independent-islands``, roce killed at step 4 and restarted at once.
+    Before the kill the mean of the islands' losses is spmd's; roce comes back healed from
+    ib (no checkpoint), joins the next outer step, and both end on one global model."""
+    mesh = two_host_mesh(tmp_path)
+    run_dir = tmp_path / "run"  # each island's checkpoints in run/<island>: not read to heal
+    cache = f"train.compilation_cache={tmp_path / 'cache'}"
+    env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
+    cmd += ["--independent-islands", "--max-restarts", "1", "--fail-host", "roce-0@4"]
+    job = [*DILOCO, f"train.run_dir={run_dir}", "checkpoint.every=2", cache]
+    cmd += ["--", *as_flags(job)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+    ib, roce = (records(run_dir / island / "metrics.jsonl") for island in ("ib", "roce"))
+    assert sorted(ib) == list(range(1, 9)), out[-3000:]
+    for step in range(1, 5):  # both islands' first attempts: one spmd program's math
+        mean = (ib[step]["loss"] + roce[step]["loss"]) / 2
+        assert mean == pytest.approx(spmd[step]["loss"], rel=1e-5, abs=1e-5), step
+    assert ib[4]["eval_loss"] == pytest.approx(spmd[4]["eval_loss"], rel=1e-5)
+    assert "[roce-0] diloco: healed from a live peer" in out, out[-3000:]
+    assert "[roce-0] resumed from" not in out  # its own checkpoint at step 4 is not read
+    rounds = [(int(s), int(r), m) for s, r, m in ROUND.findall(out)]
+    assert (8, 4, "0, 1") in rounds, rounds  # the last round: both islands again
+    assert ib[8]["eval_loss"] == roce[8]["eval_loss"]  # one global model, bit for bit
