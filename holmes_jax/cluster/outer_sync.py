@@ -206,6 +206,12 @@ class OuterSync:
         assert self.ready, "a restarted island joins before it syncs"
         with self.cond:
             delta = {k: self.glob[k] - np.asarray(theta[k], np.float32) for k in self.glob}
+        return self.sync_delta(delta, tokens, average)
+
+    def sync_delta(self, delta: Shards, tokens: int, average: bool = False) -> Shards:
+        """:meth:`sync` with the outer gradient ``Δ`` given (fp32 shards), not derived from
+        ``global``: a delayed merge sends the local progress of the last inner steps."""
+        assert self.ready, "a restarted island joins before it syncs"
         self._heal_if_split()  # the delta is inner progress: it goes to the merged lineage
         with self.cond:
             want, lineage = self.round + 1, self.lineage

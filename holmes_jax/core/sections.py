@@ -375,6 +375,9 @@ class DilocoConfig:
     island: int = -1
     # independent: every island's outer-sync address "host:port", by island index
     peers: tuple[str, ...] = ()
+    # independent: the outer sync runs in the background during the next H inner steps;
+    # its result is merged one round late (global + the local progress since the send)
+    overlap: bool = False
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         _positive(self, "diloco", ("inner_steps", "fragments"))
@@ -382,6 +385,11 @@ class DilocoConfig:
             raise ConfigError(f"diloco.quorum_timeout_s={self.quorum_timeout_s}: must be > 0")
         if self.mode == "independent":
             self._validate_independent()
+        elif self.overlap:
+            raise ConfigError(
+                "diloco.overlap=true: needs diloco.mode=independent (the spmd outer step is "
+                "one collective inside the program)"
+            )
         if self.outer_lr <= 0:
             raise ConfigError(f"diloco.outer_lr={self.outer_lr}: must be > 0")
         if not 0 <= self.outer_momentum < 1:

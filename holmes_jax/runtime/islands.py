@@ -22,6 +22,11 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
   and device as parameters and master; the AdamW moments and step count are kept, as
   under ``spmd``. So with nothing failing, fp32 and equal shares, the islands train what
   ``spmd`` trains.
+- Overlap (``diloco.overlap``): the round goes out in a background thread while the next
+  H inner steps run; at the next round boundary its result ``g`` is merged one round late,
+  ``θ ← g + (θ − θ_sent)`` (the local progress since the send is kept), and the next
+  round sends ``Δ = θ_sent − θ``, the progress of those H steps. After the last step the
+  round in flight is awaited and adopted, so the run ends on the global model.
 - Start (:meth:`IslandSync.start`): a job that finds a live peer past round 0 heals from
   it: it adopts the global model, outer momentum and round bit for bit (no checkpoint
   read) and goes on at the step that round ended, with fresh AdamW moments and its step
@@ -37,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -151,7 +157,9 @@ class IslandSync:
         self.main = jax.process_index() == 0
         self.sync: OuterSync | None = None
         self.last_step = 0  # the step of this island's last round
-        self.rounds_seen = 0
+        self.snap: dict[str, np.ndarray] = {}  # overlap: θ when the last round was sent
+        self.pending: threading.Thread | None = None  # overlap: the round in flight
+        self.result: Any = None  # overlap: its new global model (or its error)
 
     @property
     def name(self) -> str:
@@ -189,8 +197,10 @@ class IslandSync:
             began = time.monotonic()
             self.sync.join()
             took = time.monotonic() - began
+            self.snap = dict(self.sync.glob)
         elif self.main:
             theta = self._theta(state)
+            self.snap = theta
             self.sync = OuterSync(self.share.island, peers, cfg, (theta, _zeros(theta)))
             self.sync.round = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
         if not heal:
@@ -233,25 +243,69 @@ class IslandSync:
             return state
         average = in_warmup(step, self.d.warmup_steps)
         theta = self._theta(state)
+        tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
+        self.last_step = step
+        if self.d.overlap:
+            return self._overlapped(state, step, theta, tokens, average)
         glob = None
         if self.main:
-            tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
             before = self.sync.round
             glob = self.sync.sync(theta, tokens, average=average)
-            members = sorted(self.sync.members)
-            kind = "averaging (warm-up)" if average else "outer"
             late = "" if self.sync.round > before else " (late: adopted the latest global)"
-            self.say(
-                f"diloco: {kind} step after step {step}: round {self.sync.round}, "
-                f"islands {members}{late}"
-            )
-        self.last_step = step
+            self.say(f"{self._round_line(step, average)}{late}")
         return self._with_global(state, glob, None)
+
+    def _overlapped(self, state, step: int, theta, tokens: int, average: bool):
+        """The delayed merge: wait for the round sent H steps ago (it had those steps to
+        travel), take ``θ ← global + (θ − θ_sent)``, send this round's ``Δ = θ_sent − θ``
+        in the background. After the last step the round is awaited and adopted."""
+        merged = None
+        if self.main:
+            line = f"diloco: round after step {step} sent in the background"
+            if self.pending is not None:
+                merged = self._await_pending()
+                merged = {k: merged[k] + (theta[k] - self.snap[k]) for k in theta}
+                line = f"{self._round_line(step, average)} merged (one round late); next sent"
+            delta = {k: self.snap[k] - theta[k] for k in theta}
+            self.snap = merged or theta
+            self.pending = threading.Thread(
+                target=self._send, args=(delta, tokens, average), daemon=True
+            )
+            self.pending.start()
+            if step >= self.cfg.train.steps:  # the end: one global model, nothing in flight
+                merged = self._await_pending()
+                line = f"{self._round_line(step, average)}: the last round, awaited"
+            self.say(line)
+        if not self._broadcast(np.bool_(merged is not None)):
+            return state
+        return self._with_global(state, merged, None)
+
+    def _send(self, delta, tokens: int, average: bool) -> None:
+        try:
+            self.result = self.sync.sync_delta(delta, tokens, average=average)
+        except BaseException as err:  # noqa: BLE001 (raised in the training thread)
+            self.result = err
+
+    def _await_pending(self) -> dict:
+        self.pending.join()
+        self.pending, result = None, self.result
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _round_line(self, step: int, average: bool) -> str:
+        kind = "averaging (warm-up)" if average else "outer"
+        with self.sync.cond:  # a background round may be closing
+            rounds, members = self.sync.round, sorted(self.sync.members)
+        return f"diloco: {kind} step after step {step}: round {rounds}, islands {members}"
 
     def eval_params(self, state):
         """The global model in the program's layout (what evaluation runs on, as under
         ``spmd``): after an outer step the island's own parameters are that model."""
-        glob = self.sync.glob if self.main else None
+        glob = None
+        if self.main:
+            with self.sync.cond:  # a background round may be closing
+                glob = dict(self.sync.glob)
         return self._with_global(state, glob, None).params
 
     def close(self) -> None:

@@ -14,8 +14,10 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
+import numpy as np
 import pytest
 
 from holmes_jax.cluster import island_jobs
@@ -26,6 +28,7 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
 from holmes_jax.runtime.islands import (
+    IslandSync,
     island_outputs,
     island_scope,
     steps_after_round,
@@ -184,3 +187,47 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
     rounds = [(int(s), int(r), m) for s, r, m in ROUND.findall(out)]
     assert (8, 4, "0, 1") in rounds, rounds  # the last round: both islands again
     assert ib[8]["eval_loss"] == roce[8]["eval_loss"]  # one global model, bit for bit
+
+
+class _Sync:
+    """OuterSync's surface for IslandSync: each round ``global ← global − Δ`` (lr 1)."""
+
+    def __init__(self, glob):
+        self.cond, self.round, self.members = threading.Condition(), 0, {0, 1}
+        self.glob, self.sent = dict(glob), []
+
+    def sync_delta(self, delta, tokens, average=False):
+        self.sent.append(delta)
+        self.glob = {k: self.glob[k] - delta[k] for k in self.glob}
+        self.round += 1
+        return dict(self.glob)
+
+
+def test_overlap_merges_each_round_one_round_late():
+    """The delayed merge on numbers: at each round boundary θ ← g + (θ − θ_sent) with g
+    the result of the round sent H steps before; Δ = θ_sent − θ; the last round adopted."""
+    cfg = load_config(
+        None,
+        [
+            *DILOCO,
+            "diloco.mode=independent",
+            "diloco.island=0",
+            "diloco.peers=[127.0.0.1:1,127.0.0.1:2]",
+            "diloco.overlap=true",
+            "train.steps=6",
+        ],
+    )
+    cfg, share = island_scope(cfg)
+    island = IslandSync(cfg, None, share, say=lambda line: None)
+    island.sync = _Sync({"w": np.zeros(1, np.float32)})
+    island.snap = {"w": np.zeros(1, np.float32)}
+    island._theta = lambda state: {"w": np.asarray([state], np.float32)}
+    island._with_global = lambda state, glob, step: float(glob["w"][0])
+    # θ after the inner steps: 1 at step 2, the merged θ + 1 at steps 4 and 6
+    state = island.after_step(1.0, 2)  # sends Δ = 0 − 1; nothing to merge yet
+    assert state == 1.0 and island.pending is not None
+    state = island.after_step(state + 1.0, 4)  # g1 = 1; θ = 1 + (2 − 1) = 2; Δ = 1 − 2
+    assert state == 2.0
+    state = island.after_step(state + 1.0, 6)  # g2 = 2; θ = 2 + (3 − 2); Δ = 2 − 3; last
+    assert [float(d["w"][0]) for d in island.sync.sent] == [-1.0, -1.0, -1.0]
+    assert state == 3.0 and island.pending is None  # g3 = 3 adopted at the end
