@@ -30,8 +30,10 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
 - Start (:meth:`IslandSync.start`): a job that finds a live peer past round 0 heals from
   it: it adopts the global model, outer momentum and round bit for bit (no checkpoint
   read) and goes on at the step that round ended, with fresh AdamW moments and its step
-  count set there. Otherwise it starts from its own state (fresh, or its checkpoint) as
-  round 0 of the global model.
+  count set there. Otherwise it starts from its own state: fresh, as round 0 of the
+  global model, or from its own checkpoint with the outer state saved beside it
+  (:meth:`IslandSync.save_outer`), so resuming across an outer step is exact (with
+  ``diloco.overlap`` the round in flight at the save is not part of it).
 
 Several processes per island: the whole parameters are gathered to every process and
 only process 0 talks to the peers; the new global model is broadcast back.
@@ -49,8 +51,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
-from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig
+from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, pack, unpack
 from holmes_jax.core.config import Config
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
@@ -58,6 +61,8 @@ from holmes_jax.runtime.data import BatchSampler
 from holmes_jax.runtime.diloco import due_fragments, in_warmup
 
 PROBE_S = 1.0  # seconds to wait for a peer's /status at start
+OUTER_DIR = "outer"  # beside the step directories of checkpoint.dir
+OUTER_META = ("round", "tokens", "lineage", "parent", "fork_tokens")
 
 
 def independent(cfg: Config) -> bool:
@@ -185,9 +190,10 @@ class IslandSync:
         live = self._live_round() if self.main else 0
         return bool(self._broadcast(np.bool_(live > 0)))
 
-    def start(self, state, step: int, heal: bool) -> tuple[Any, int]:
+    def start(self, state, step: int, heal: bool, resumed_from: str | None) -> tuple[Any, int]:
         """Serve the outer sync. ``heal`` (:meth:`peer_ahead`): adopt a live peer's round,
-        global model and momentum; else start the global model from ``state`` at ``step``.
+        global model and momentum; else the outer state saved with checkpoint ``step`` in
+        ``resumed_from`` (:meth:`save_outer`), or the global model starts from ``state``.
         Returns the state and step to train from."""
         peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
         cfg = SyncConfig.from_diloco(self.d)
@@ -200,9 +206,18 @@ class IslandSync:
             self.snap = dict(self.sync.glob)
         elif self.main:
             theta = self._theta(state)
+            saved = load_outer(resumed_from, step) if resumed_from else None
+            if resumed_from and saved is None:
+                self.say(
+                    f"diloco: no outer state saved with checkpoint step {step}: the global "
+                    "model restarts from this island's parameters, outer momentum zero"
+                )
+            outer, meta = saved or ((theta, _zeros(theta)), {})
             self.snap = theta
-            self.sync = OuterSync(self.share.island, peers, cfg, (theta, _zeros(theta)))
+            self.sync = OuterSync(self.share.island, peers, cfg, outer)
             self.sync.round = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
+            for key, value in meta.items():  # round, tokens, lineage, parent, fork_tokens
+                setattr(self.sync, key, value)
         if not heal:
             self.last_step = step
             return state, step
@@ -299,6 +314,23 @@ class IslandSync:
             rounds, members = self.sync.round, sorted(self.sync.members)
         return f"diloco: {kind} step after step {step}: round {rounds}, islands {members}"
 
+    def save_outer(self, directory: str, step: int) -> None:
+        """Process 0: the outer state (global model, momentum, round, tokens, lineage) beside
+        checkpoint ``step``, as ``<directory>/outer/<step>.npz`` (written whole, then
+        renamed), so a resume without a live peer continues the global model exactly."""
+        if not self.main:
+            return
+        with self.sync.cond:
+            arrays = {f"g/{k}": v for k, v in self.sync.glob.items()}
+            arrays.update({f"m/{k}": v for k, v in self.sync.mom.items()})
+            meta = {k: getattr(self.sync, k) for k in OUTER_META}
+        folder = epath.Path(directory) / OUTER_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        part = folder / f"{step}.npz.partial"
+        with part.open("wb") as f:
+            f.write(pack(meta, arrays))
+        part.rename(folder / f"{step}.npz")
+
     def eval_params(self, state):
         """The global model in the program's layout (what evaluation runs on, as under
         ``spmd``): after an outer step the island's own parameters are that model."""
@@ -360,6 +392,17 @@ def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
     if step <= warmup_steps:
         return step
     return warmup_steps + (step - warmup_steps) // inner_steps
+
+
+def load_outer(directory: str, step: int):
+    """:meth:`IslandSync.save_outer`'s ``((global, momentum), meta)`` for ``step``, or None."""
+    path = epath.Path(directory) / OUTER_DIR / f"{step}.npz"
+    if not path.exists():
+        return None
+    meta, arrays = unpack(path.read_bytes())
+    glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
+    mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+    return (glob, mom), meta
 
 
 def _address(peer: str) -> tuple[str, int]:

@@ -267,7 +267,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     if state is None:
         state = program.init(cfg.train.seed)
     if island is not None:  # serve the outer sync (healed: at the peer's round)
-        state, start = island.start(state, start, heal)
+        state, start = island.start(state, start, heal, cfg.checkpoint.dir if resumed else None)
 
     if is_main:
         write_config(cfg)
@@ -318,6 +318,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     def save(step: int, state) -> None:
         with jax.profiler.TraceAnnotation("checkpoint_save", step=step):
             ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
+            if island is not None:  # independent DiLoCo: the outer state beside it
+                island.save_outer(cfg.checkpoint.dir, step)
         logger.message(f"checkpoint step {step}: {os.path.join(cfg.checkpoint.dir, str(step))}")
 
     # 5. loop

@@ -133,31 +133,61 @@ def test_the_launcher_plans_one_job_per_island_and_routes_faults():
         island_jobs.survivors(jobs[0], ["ib-0", "ib-1"])
 
 
-def test_a_silent_peer_is_dropped_and_the_island_trains_on(tmp_path):
-    """Island 0 of two whose peer never answers: its first outer step waits
-    ``quorum_timeout_s`` for the peer, then every round is its own, to the last step."""
-    mine, silent = free_port(), free_port()
-    cfg = load_config(
+def alone_config(run_dir, *extra):
+    """Island 0 of two whose peer never answers, checkpoints every 4 steps in ``run_dir``."""
+    return load_config(
         None,
         [
             *DILOCO,
             "diloco.mode=independent",
             "diloco.island=0",
-            f"diloco.peers=[127.0.0.1:{mine},127.0.0.1:{silent}]",
-            "diloco.quorum_timeout_s=2",
+            f"diloco.peers=[127.0.0.1:{free_port()},127.0.0.1:{free_port()}]",
+            "diloco.quorum_timeout_s=1",
             "parallel.devices=4",  # the island's 4 of this process's 8
-            f"train.metrics_path={tmp_path / 'm.jsonl'}",
+            f"train.run_dir={run_dir}",
+            "checkpoint.every=4",
+            *extra,
         ],
     )
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The uninterrupted run of :func:`alone_config`: (history, run dir, seconds)."""
+    run_dir = tmp_path_factory.mktemp("alone") / "run"
     began = time.monotonic()
-    history = run(cfg)
-    took = time.monotonic() - began
+    history = run(alone_config(run_dir))
+    return history, run_dir, time.monotonic() - began
+
+
+def test_a_silent_peer_is_dropped_and_the_island_trains_on(alone):
+    """Its first outer step waits ``quorum_timeout_s`` for the peer, then every round is its
+    own, to the last step; the metrics name the island."""
+    history, run_dir, took = alone
     assert [r["step"] for r in history] == list(range(1, 9))
     assert all(r["island"] == "island0" for r in history)
-    assert history[1]["step_time_s"] >= 2.0  # step 2 held the first round: the timeout
+    assert history[1]["step_time_s"] >= 1.0  # step 2 held the first round: the timeout
     assert took < 60
-    written = records(tmp_path / "m.island0.jsonl")
+    written = records(run_dir / "island0" / "metrics.jsonl")
     assert sorted(written) == list(range(1, 9))
+    assert sorted(p.name for p in (run_dir / "island0" / "checkpoints" / "outer").iterdir()) == [
+        "4.npz",
+        "8.npz",
+    ]
+
+
+def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
+    """Stopped after step 4 (an outer step) and resumed from its checkpoint with the outer
+    state saved beside it (global model, momentum 0.9, round): the losses after the resume
+    are the uninterrupted run's."""
+    history, _, _ = alone
+    first = run(alone_config(tmp_path / "run"), stop_at_step=4)
+    assert [r["step"] for r in first][-1] == 4
+    rest = run(alone_config(tmp_path / "run"))
+    assert [r["step"] for r in rest] == [5, 6, 7, 8]
+    for got, want in zip(rest, history[4:], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), got["step"]
+    assert rest[-1]["eval_loss"] == pytest.approx(history[-1]["eval_loss"], rel=1e-6)
 
 
 def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spmd, proc_env):
