@@ -29,15 +29,21 @@ measured equal to predicted); the row ranking orders the rows by step time.
 Measured mode (root): ``launch --emulate`` on meshes/emu-4host-2island-slow-compute.yaml
 ("two": roce computes at half ib's speed through its hosts' CPU quota, 100 Mbit/s between
 the islands) and meshes/emu-6host-3island-slow-compute.yaml ("three"); predictions from a
-profile the probe measures through the same launch. The model (``EMULATED``): 6 layers, so
-an uneven split can move a whole layer off the slow island ([4, 2] against [3, 3]: 1.5x in
-compute); hidden 256 gives ~19 MB of fp32 gradients, which a 4-rank ring across the islands
-moves in ~2.3 s at 100 Mbit/s against ~0.16 s for 2 ranks inside an island at 1 Gbit/s,
-while a micro-batch's activations (4 x 64 x 256 fp32, 256 KiB) cross in ~20 ms: NIC-off pays
-the gradient bytes on the slow link, full pays the activations. The batch (24 x 64 tokens,
-divisible by 4 and 6 data ranks) keeps compute large enough for the split to show; a larger
-one favours the split and dilutes NIC-off (at 96 x 128 the predicted ratios are 1.23 and
-1.38 against 1.18 and 3.4 here): the two targets pull the batch in opposite directions.
+profile the probe measures through the same launch. The planner plans these CPU meshes for
+blocking collectives (``make_plan(sync_collectives=True)``: the split that runs fastest in
+lockstep), the way the rows are priced and run. The model (``EMULATED``): 12 layers, so
+every stage count the planner uses can give the slow island half the layers of a fast one
+(two: 4 stages x data 1, [4, 4, 2, 2] against the even [3, 3, 3, 3], 1.5x in compute on
+the slow stages; three: [5, 2, 5] against [4, 4, 4]); 6 layers on 4 stages split [2, 2, 1, 1],
+which is the even split. Hidden 192 gives ~22 MB of fp32 gradients, which NIC-off's 4-rank
+ring across the islands moves in ~2.7 s at 100 Mbit/s, while full on "two" (data 1)
+reduces none and sends a micro-batch's activations (4 x 32 x 192 fp32, 96 KiB) across in
+~8 ms. The slow island's memory bandwidth is halved with its compute in both meshes: a CPU
+quota slows every op, and the probe measured roce's layer 2.0-2.2x slower than ib's.
+The batch (36 x 32 tokens, divisible by 4 and 6 data ranks) sets compute against those
+bytes: more tokens favour the split and dilute NIC-off (the two targets pull it in opposite
+directions). Priced at the meshes' nominal speeds (``--plan-only``): on "two" full 0.83 s,
+partition-off 1.32x and NIC-off 4.1x slower; on "three" 1.26x and 5.3x.
 
 ``--plan-only`` (no root, seconds): the same rows priced for the GPT-7.5B shape (36 layers,
 hidden 4096, 32 heads, seq 2048, bf16, batch 512) on meshes/paper-ib-roce-4x8.yaml and
@@ -61,7 +67,14 @@ import tempfile
 import benchlib
 
 from holmes_jax.core.config import load_config
-from holmes_jax.planner.plans import make_plan, plan_overrides, predict_config, specs_from_config
+from holmes_jax.planner.placement import Calibration
+from holmes_jax.planner.plans import (
+    make_plan,
+    plan_overrides,
+    predict_config,
+    specs_from_config,
+    topology_blocks,
+)
 from holmes_jax.planner.topology import Topology, load_topology
 
 MESH_DIR = f"{benchlib.ROOT}/meshes"
@@ -74,12 +87,12 @@ PAPER_MESHES = {
     "paper-8x8": f"{MESH_DIR}/paper-ib-roce-8x8.yaml",
 }
 EMULATED = [
-    "model.num_layers=6",
-    "model.hidden_size=256",
+    "model.num_layers=12",
+    "model.hidden_size=192",
     "model.num_heads=4",
-    "model.seq_len=64",
+    "model.seq_len=32",
     "model.tied_embeddings=false",
-    "train.global_batch_size=24",
+    "train.global_batch_size=36",
     "data.max_bytes=400000",
     "train.eval_every=0",
     "train.eval_batches=1",
@@ -106,21 +119,36 @@ def log(msg: str) -> None:
     print(f"bench_ablation: {msg}", file=sys.stderr, flush=True)
 
 
-def fast_twin(topology: Topology) -> Topology:
-    """Every island at the fastest island's device speed and link, the inter-island links
-    too: the homogeneous reference of ``topology``."""
+def fast_twin(
+    topology: Topology, calibration: Calibration | None = None
+) -> tuple[Topology, Calibration | None]:
+    """The homogeneous reference of ``topology``: every island at the fastest island's
+    device speed and link, the inter-island links too; and ``calibration`` (a profile's,
+    which measures each island by name) with every island at that island's measured speed
+    and reduction links, else the twin would keep the slow island's measured speed."""
     best = max(topology.islands, key=lambda i: (i.peak_tflops, i.link.bandwidth_gbps))
     islands = tuple(
         dataclasses.replace(i, link=best.link, peak_tflops=best.peak_tflops)
         for i in topology.islands
     )
-    return dataclasses.replace(
+    twin = dataclasses.replace(
         topology,
         name=f"{topology.name}-fast",
         islands=islands,
         inter_island_default=best.link,
         inter_island_overrides=(),
     )
+    if calibration is None:
+        return twin, None
+    per_island = {}
+    for field, table in (
+        ("island_flops", calibration.island_flops),
+        ("data_ops", calibration.data_ops),
+    ):
+        per_island[field] = (
+            {i.name: table[best.name] for i in islands} if best.name in table else {}
+        )
+    return twin, dataclasses.replace(calibration, **per_island)
 
 
 def ablation_rows(
@@ -130,7 +158,9 @@ def ablation_rows(
     ``base`` on ``mesh`` (or ``topology``, e.g. a profile's) with every component on, then
     each turned off (module doc)."""
     cfg = load_config(None, base + FULL + [f"parallel.mesh={mesh}"])
-    plan = make_plan(cfg, topology or load_topology(mesh), calibration=calibration)
+    topology = topology or load_topology(mesh)
+    sync = topology_blocks(topology)  # CPU islands: priced and run with blocking collectives
+    plan = make_plan(cfg, topology, calibration=calibration, sync_collectives=sync)
     full = plan_overrides(plan) + FULL
     tensor = plan.layout.tensor
     naive = [
@@ -173,11 +203,13 @@ def price_rows(base: list[str], mesh: str, calibration=None, sync: bool = False)
     out = {}
     for name, extra in rows.items():
         cfg = row_config(base, mesh, extra)
-        topo = fast_twin(topology) if name == "homogeneous" else topology
-        step = predict_config(cfg, topo, calibration, sync_collectives=sync).step_s
+        topo, cal = (
+            fast_twin(topology, calibration) if name == "homogeneous" else (topology, calibration)
+        )
+        step = predict_config(cfg, topo, cal, sync_collectives=sync).step_s
         entry = {"predicted_ms": round(step * 1e3, 2), "overrides": extra}
         if sync and name == "overlap-off":  # what a GPU would do with the same row
-            gpu = predict_config(cfg, topo, calibration).step_s
+            gpu = predict_config(cfg, topo, cal).step_s
             entry["gpu_predicted_ms"] = round(gpu * 1e3, 2)
         model, run = specs_from_config(cfg)
         tokens = run.global_batch_size * model.seq_len
@@ -253,13 +285,12 @@ def measure(args, folder: str) -> dict:
         rows = ablation_rows(EMULATED, mesh, calibration, topology)
         table = {}
         for name, extra in rows.items():
-            run_mesh = mesh
-            topo = topology
+            run_mesh, topo, cal = mesh, topology, calibration
             if name == "homogeneous":
                 run_mesh = write_fast_mesh(mesh, fast)
-                topo = fast_twin(topology)
+                topo, cal = fast_twin(topology, calibration)
             cfg = row_config(EMULATED, run_mesh, extra)
-            predicted = predict_config(cfg, topo, calibration, sync_collectives=True).step_s
+            predicted = predict_config(cfg, topo, cal, sync_collectives=True).step_s
             records = benchlib.emulated_run(
                 run_mesh, EMULATED + extra, args.steps, folder, f"{label}-{name}", "bench_ablation"
             )

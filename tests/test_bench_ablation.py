@@ -50,13 +50,42 @@ def test_rows_load_and_differ_where_the_component_matters(bench, label):
     assert uniform.layers_per_stage is None
     priced = bench.price_rows(bench.EMULATED, mesh, sync=True)
     t = {name: r["predicted_ms"] for name, r in priced.items()}
-    # The slow island gets fewer layers; the fast twin beats the real cluster; gradients on
-    # the 100 Mbit/s link cost more than activations on it.
+    # The slow island gets fewer layers, and the split the planner chose for blocking
+    # collectives beats the even one as run; the fast twin (the same plan on the cluster
+    # at its fastest) beats the real cluster; gradients on the 100 Mbit/s link cost more
+    # than activations on it.
     assert t["homogeneous"] < t["full"] < t["partition-off"]
     assert t["nic-off"] > 2 * t["full"]
     assert "gpu_predicted_ms" in priced["overlap-off"]
-    share = bench.summary(priced, "predicted_ms")["shares"]
+    summary = bench.summary(priced, "predicted_ms")
+    share = summary["shares"]
     assert abs(sum(share.values()) - 1) < 1e-2 and share["nic"] > share["partition"] > 0
+    if label == "two":  # what EMULATED is chosen for: the targets, with a margin to measure
+        assert summary["full_over_partition_off"] >= 1.25
+        assert summary["nic_off_over_full"] >= 3
+
+
+def test_the_fast_twin_runs_every_island_at_the_fastest_measured_speed(bench):
+    """A profile measures each island by name: the twin takes the fastest island's
+    measurement for all of them, so it prices as if the slow island were never slow."""
+    from holmes_jax.planner.placement import Calibration
+    from holmes_jax.planner.plans import predict_config
+    from holmes_jax.planner.topology import load_topology
+
+    mesh = bench.EMULATED_MESHES["two"]
+    topology = load_topology(mesh)
+    cfg = bench.row_config(bench.EMULATED, mesh, bench.ablation_rows(bench.EMULATED, mesh)["full"])
+    fast = Calibration(island_flops={"ib": (2e10, 1e10), "roce": (2e10, 1e10)})
+    slow = Calibration(island_flops={"ib": (2e10, 1e10), "roce": (1e10, 5e9)})
+
+    def step(topo, calibration):
+        return predict_config(cfg, topo, calibration, sync_collectives=True).step_s
+
+    twin, twin_calibration = bench.fast_twin(topology, slow)
+    assert twin_calibration.island_flops == fast.island_flops
+    assert step(twin, twin_calibration) == pytest.approx(step(*bench.fast_twin(topology, fast)))
+    assert step(twin, twin_calibration) < step(topology, slow)
+    assert bench.fast_twin(topology) == (twin, None)
 
 
 def test_shares_and_ranking_arithmetic(bench):

@@ -83,6 +83,8 @@ def make_plan(
     method: str = "optimal",
     calibration: Calibration | None = None,
     keep_degrees: bool = False,
+    *,
+    sync_collectives: bool = False,
 ) -> Plan:
     """Plan a config on a topology: search everything, or keep the config's degrees.
 
@@ -93,6 +95,8 @@ def make_plan(
       calibration: device speed (e.g. from a profile).
       keep_degrees: use ``parallel.replica/stages/data/tensor/microbatches`` (``data: 0`` = the
         remaining devices) and only choose the split.
+      sync_collectives: collectives block the device (CPU runtimes): the split is the one
+        of :func:`lockstep_split`, and the prediction is priced as trained that way.
 
     Raises:
       ConfigError: impossible degrees for the topology or nothing fits in memory.
@@ -118,8 +122,31 @@ def make_plan(
             plan = best_policy_plan(topology, model, run, layout, method, calibration)
         else:
             plan = plan_for_layout(topology, model, run, layout, method, calibration)
+    if sync_collectives:
+        plan = lockstep_split(cfg, topology, plan, calibration)
     by = schedule_alternatives(topology, model, run, plan, method, calibration)
     return dataclasses.replace(plan, by_schedule=by)
+
+
+def lockstep_split(
+    cfg: Config, topology: Topology, plan: Plan, calibration: Calibration | None = None
+) -> Plan:
+    """``plan`` or another split of its placement (:func:`alternatives`), whichever is
+    fastest with blocking collectives, its prediction priced as trained (:func:`as_trained`).
+
+    The searches rank splits by the closed form, which lets a send overlap the receiver's
+    work; blocking sends run the ticks in lockstep, where the closed form's best split can
+    be slower than the even one (e.g. 10 layers on 4 stages of
+    meshes/emu-4host-2island-slow-compute.yaml, hidden 256, 24 x 32 tokens).
+    Ties keep ``plan``.
+    """
+    others = [p for p in alternatives(cfg, topology, plan, calibration).values() if p]
+    priced = [as_trained(cfg, topology, p, calibration, sync_collectives=True) for p in others]
+    best = as_trained(cfg, topology, plan, calibration, sync_collectives=True)
+    for candidate in priced:
+        if candidate.predicted_step_s < best.predicted_step_s:
+            best = candidate
+    return best
 
 
 def plan_overrides(plan: Plan) -> list[str]:
