@@ -53,6 +53,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from holmes_jax.cluster.distributed import barrier
 from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, pack, unpack
 from holmes_jax.core.config import Config
 from holmes_jax.planner.grid import island_batch_rows
@@ -61,6 +62,7 @@ from holmes_jax.runtime.data import BatchSampler
 from holmes_jax.runtime.diloco import due_fragments, in_warmup
 
 PROBE_S = 1.0  # seconds to wait for a peer's /status at start
+COMPILE_WAIT_S = 3600  # several processes: how long they wait for the slowest to compile
 OUTER_DIR = "outer"  # beside the step directories of checkpoint.dir
 OUTER_META = ("round", "tokens", "lineage", "parent", "fork_tokens")
 
@@ -187,6 +189,9 @@ class IslandSync:
     def peer_ahead(self) -> bool:
         """Whether a live peer is past round 0 (process 0 asks, every process learns):
         then this island heals from it (:meth:`start`) and reads no checkpoint."""
+        if jax.process_count() > 1:  # compiled, then in step: the first collectives follow
+            self.program.compile_layout_conversions()
+            barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
         live = self._live_round() if self.main else 0
         return bool(self._broadcast(np.bool_(live > 0)))
 
@@ -351,23 +356,26 @@ class IslandSync:
         """The fp32 parameters (master under bf16), logical layout, whole, on every host."""
         logical = self.program.to_logical(state)
         tree = logical.master if logical.master is not None else logical.params
-        out = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            out[_leaf_key(path)] = np.asarray(_gather(leaf), np.float32)
-        return out
+        host = _gather(tree)
+        return {_leaf_key(p): np.asarray(v, np.float32) for p, v in _flat(host)}
 
     def _with_global(self, state, glob: dict[str, np.ndarray] | None, step: int | None):
         """``state`` with parameters and master set to ``glob`` (process 0's, broadcast);
         with ``step``, the optimizer's step counts set to it too."""
         logical = self.program.to_logical(state)
         tree = logical.master if logical.master is not None else logical.params
-
-        def leaf(path, old):
-            host = glob[_leaf_key(path)] if self.main else np.zeros(old.shape, np.float32)
-            host = self._broadcast(host)
-            return jax.make_array_from_callback(old.shape, old.sharding, lambda i: host[i])
-
-        new = jax.tree_util.tree_map_with_path(leaf, tree)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        if self.main:
+            host = [glob[_leaf_key(path)] for path, _ in leaves]
+        else:
+            host = [np.zeros(old.shape, np.float32) for _, old in leaves]
+        host = self._broadcast(host)  # one collective for the whole model
+        new = treedef.unflatten(
+            [
+                jax.make_array_from_callback(old.shape, old.sharding, lambda i, h=h: h[i])
+                for (_, old), h in zip(leaves, host, strict=True)
+            ]
+        )
         params = jax.tree.map(lambda n, p: n.astype(p.dtype), new, logical.params)
         master = new if logical.master is not None else None
         logical = logical.replace(params=params, master=master)
@@ -379,11 +387,13 @@ class IslandSync:
         return self.program.from_logical(logical)
 
     def _broadcast(self, value):
+        """Process 0's ``value`` (an array or a list of arrays) on every process."""
         if jax.process_count() == 1:
             return value
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.broadcast_one_to_all(value))
+        out = multihost_utils.broadcast_one_to_all(value)
+        return [np.asarray(v) for v in out] if isinstance(value, list) else np.asarray(out)
 
 
 def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
@@ -414,13 +424,17 @@ def _zeros(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: np.zeros_like(v) for k, v in tree.items()}
 
 
-def _gather(leaf) -> np.ndarray:
-    """A whole array on this host (gathered across processes where it is sharded)."""
-    if leaf.is_fully_addressable:
-        return np.asarray(jax.device_get(leaf))
+def _gather(tree):
+    """``tree`` whole on this host (one gather across processes where it is sharded)."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def _flat(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def _with_counts(opt_state, step: int):

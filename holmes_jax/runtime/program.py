@@ -327,6 +327,16 @@ class Program:
         with self.context():
             return self._from_logical(state)
 
+    def compile_layout_conversions(self) -> None:
+        """Compile :meth:`to_logical` and :meth:`from_logical` now, ahead of their first call
+        (a multi-process caller then waits for every process before the first run: a new
+        program's first collective waits only 30 s for its peers)."""
+        if self.pipelined:
+            with self.context():
+                self._to_logical = self._to_logical.lower(self.abstract_state).compile()
+                logical = self.abstract_logical_state
+                self._from_logical = self._from_logical.lower(logical).compile()
+
     def apply_gradients(self, state: TrainState, grads) -> TrainState:
         """One optimizer step from given pipeline-layout gradients (for tests and tools).
 
