@@ -12,6 +12,7 @@ per island, the outer sync between them over HTTP (:mod:`holmes_jax.runtime.isla
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -177,12 +178,14 @@ def test_a_silent_peer_is_dropped_and_the_island_trains_on(alone):
 
 
 def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
-    """Stopped after step 4 (an outer step) and resumed from its checkpoint with the outer
-    state saved beside it (global model, momentum 0.9, round): the losses after the resume
-    are the uninterrupted run's."""
-    history, _, _ = alone
-    first = run(alone_config(tmp_path / "run"), stop_at_step=4)
-    assert [r["step"] for r in first][-1] == 4
+    """Resumed from the uninterrupted run's checkpoint at step 4 (an outer step) with the
+    outer state saved beside it (global model, momentum 0.9, round): the losses after the
+    resume are the uninterrupted run's."""
+    history, run_dir, _ = alone
+    src, dst = run_dir / "island0" / "checkpoints", tmp_path / "run" / "island0" / "checkpoints"
+    shutil.copytree(src / "4", dst / "4")  # the uninterrupted run's checkpoint at step 4
+    (dst / "outer").mkdir()
+    shutil.copy(src / "outer" / "4.npz", dst / "outer" / "4.npz")
     rest = run(alone_config(tmp_path / "run"))
     assert [r["step"] for r in rest] == [5, 6, 7, 8]
     for got, want in zip(rest, history[4:], strict=True):
