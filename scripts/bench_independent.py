@@ -314,7 +314,12 @@ def main(argv=None) -> int:
         run_dir = os.path.join(folder, row)
         cmd = launch_cmd(row, args, run_dir, at.get(row))
         log(f"{row}: {' '.join(cmd[2:])}")
-        events[row] = ev = parse_events(run_logged(cmd, os.path.join(folder, f"{row}.log")))
+        try:
+            lines = run_logged(cmd, os.path.join(folder, f"{row}.log"))
+        except RuntimeError as e:
+            print(f"error: {row}: {e}", file=sys.stderr)
+            return 1
+        events[row] = ev = parse_events(lines)
         table[row] = {
             "step_ms": round(step_seconds(ev.steps[SURVIVOR]) * 1e3, 1),
             "final_eval_loss": round(final_eval_loss(run_dir, row), 4),
