@@ -185,6 +185,11 @@ def check_args(args) -> list[str]:
     for flag, value in (("--quorum-timeout", args.quorum_timeout), ("--outage", args.outage)):
         if not 0 < value < 1e6:
             raise ConfigError(f"{flag}={value:g}: must be a number of seconds > 0")
+    if args.keep_logs and os.path.isdir(args.keep_logs) and os.listdir(args.keep_logs):
+        raise ConfigError(
+            f"--keep-logs={args.keep_logs}: must be a new or empty folder (a run directory "
+            "that holds records moves to <dir>-2, and its metrics would be the old ones)"
+        )
     if any(r in FAULT_ROWS for r in rows) and "independent" not in rows:
         rows.insert(0, "independent")  # the no-fault rates and loss to compare with
     return [r for r in ROWS if r in rows]

@@ -30,6 +30,7 @@ def bench():
 
 def _args(**kw):
     base = dict(steps=300, inner_steps=10, quorum_timeout=10.0, outage=30.0, rows="kill")
+    base["keep_logs"] = None
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -48,6 +49,8 @@ def test_argument_checks_are_one_line_errors_and_faults_bring_their_baseline(ben
         ):
             bench.check_args(_args(**kw))
     assert bench.main(["--steps", "5"]) == 2  # before any root check or run
+    with pytest.raises(ConfigError, match=r"^--keep-logs=.*: must be a new or empty folder"):
+        bench.check_args(_args(keep_logs=ROOT))
 
 
 def test_rows_launch_what_they_say_and_their_overrides_load(bench):
