@@ -9,6 +9,8 @@ The entry point: it parses the command line and calls
         [--cpu-quota auto|on|off] [--no-latency] -- ...
     python -m holmes_jax.launch --verbose --mesh ...   # with gloo's and jax's own chatter
     python -m holmes_jax.launch --max-restarts 3 --fail-host roce-0@20:+30 --mesh ... -- ...
+    sudo python -m holmes_jax.launch --emulate --independent-islands --cut-islands 40:+30 \
+        --mesh meshes/emu-4host-2island-slow.yaml -- ...
     sudo python -m holmes_jax.launch --mesh meshes/emu-4host-2island.yaml --emulate \\
         --program probe -- --set train.global_batch_size=8 --out runs/probe/emu.json
     python -m holmes_jax.launch --print-env --mesh meshes/paper-ib-roce-4x8.yaml --host roce-0
@@ -107,6 +109,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "(sets diloco.mode=independent, diloco.island and diloco.peers for each)",
     )
     parser.add_argument(
+        "--cut-islands",
+        metavar="STEP:+SECONDS",
+        help="with --emulate, fault injection: once any job reaches STEP, drop every packet "
+        "between islands, both ways, for SECONDS, then restore the links",
+    )
+    parser.add_argument(
         "--verbose",
         action="store_true",
         help="also show library chatter (gloo's connection reports, jax's error echoes)",
@@ -174,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cpu_quota=args.cpu_quota,
             latency=not args.no_latency,
             independent=args.independent_islands,
+            cut_islands=args.cut_islands,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -50,6 +50,7 @@ NETNS_ETC = "/etc/netns"
 SUBNET = "10.77"  # island i is 10.77.i.0/24 (private; exists only inside the namespaces)
 MTU = 65520  # fewer, larger packets: per-packet cost, not bytes, dominates on small machines
 QUANTUM = 65536  # htb bytes per round; explicit to keep tc quiet at Gbit rates
+CUT_PREF = "50"  # --cut-islands' blackhole rules: before the delaying wire's (100) and main
 _STALE = re.compile(rf"^{PREFIX}(\d+)-(r|\d+)$")
 
 
@@ -112,6 +113,20 @@ class NetworkPlan:
             bridges = [b for b, _ in self.bridges]
             cmds += delay.routing_commands(r, bridges, SUBNET, MTU)
         return cmds
+
+    def cut_commands(self, restore: bool = False) -> list[list[str]]:
+        """Rules in the router that drop every packet between two islands, both ways
+        (``restore``: the commands that delete them). Links inside an island stay up:
+        even a delayed island's own traffic, routed through the router, matches no rule."""
+        op = "del" if restore else "add"
+        islands = range(len(self.bridges))
+        return [
+            ["ip", "-n", self.router, "rule", op, "pref", CUT_PREF]
+            + ["from", f"{SUBNET}.{i}.0/24", "to", f"{SUBNET}.{j}.0/24", "blackhole"]
+            for i in islands
+            for j in islands
+            if i != j
+        ]
 
     def teardown_commands(self) -> list[list[str]]:
         """Deleting the namespaces deletes every veth and bridge inside them."""
@@ -300,6 +315,18 @@ class EmulatedNetwork:
                 except RuntimeError:
                     pass
             shutil.rmtree(os.path.join(self._etc, ns), ignore_errors=True)
+
+    def cut_islands(self) -> None:
+        """Drop every packet between islands, both ways, until :meth:`restore_islands`."""
+        for cmd in self.plan.cut_commands():
+            self._run(cmd)
+
+    def restore_islands(self) -> None:
+        """Undo :meth:`cut_islands`; ignores a network already taken down."""
+        if not self._created:
+            return
+        for cmd in self.plan.cut_commands(restore=True):
+            self._run(cmd)
 
     def exec_prefix(self, host: str) -> list[str]:
         """Prepend to a command to run it inside ``host``'s namespace."""

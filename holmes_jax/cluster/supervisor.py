@@ -23,7 +23,8 @@ seconds since the failure, the checkpoint step it resumed from and the steps los
 
 Fault injection (:class:`Fault`, ``--fail-host HOST@STEP[:permanent|:+SECONDS]``): once
 the job reports step STEP or later, the host's worker gets SIGKILL, once per fault. The
-host then stays away for SECONDS (``permanent``: for good).
+host then stays away for SECONDS (``permanent``: for good). ``on_step`` sees every step
+line too (``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
 
 Hosts that stay away (``rejoin_timeout_s``, ``--rejoin-timeout``): before a restart the
 supervisor waits up to that long for every away host to come back. Those still away are
@@ -48,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from holmes_jax.cluster import island_jobs
+from holmes_jax.cluster import island_jobs, linkcut
 from holmes_jax.cluster.launcher import (
     DEFAULT_GRACE_S,
     EMULATED_PORT,
@@ -134,6 +135,7 @@ class Supervisor:
         told to run without them).
       max_restarts: restarts allowed after failures; 0 runs the job once.
       faults: the ``--fail-host`` faults.
+      on_step: called with every step process 0 reports (under the supervisor's lock).
       rejoin_timeout_s: how long a restart waits for an away host before leaving it out.
       grace_s, out, verbose: as :class:`~holmes_jax.cluster.launcher.Launch`'s.
     """
@@ -144,12 +146,14 @@ class Supervisor:
         *,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         faults: Sequence[Fault] = (),
+        on_step: Callable[[int], None] | None = None,
         rejoin_timeout_s: float = DEFAULT_REJOIN_S,
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
     ):
         self.make_workers = make_workers
+        self.on_step = on_step
         self.max_restarts = max_restarts
         self.faults = list(faults)
         self.rejoin_timeout_s = rejoin_timeout_s
@@ -198,6 +202,8 @@ class Supervisor:
 
     def _on_step(self, step: int) -> None:
         self.step = step
+        if self.on_step is not None:
+            self.on_step(step)
         launch = self.current
         if not self._announced and self._failed_at is not None:
             self._announced = True
@@ -365,6 +371,7 @@ def launch(
     cpu_quota: str = "auto",
     latency: bool = True,
     independent: bool = False,
+    cut_islands: str | None = None,
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -388,6 +395,8 @@ def launch(
       latency: with ``emulate``, delay packets between islands by the topology's latency.
       independent: one job per island, each supervised on its own, as independent DiLoCo
         islands (:mod:`holmes_jax.cluster.island_jobs`).
+      cut_islands: with ``emulate``, ``STEP:+SECONDS``: cut the links between islands
+        (:mod:`holmes_jax.cluster.linkcut`).
 
     Returns:
       The exit code of the last attempt (see :meth:`Launch.run`); 130 when stopped before
@@ -399,6 +408,14 @@ def launch(
     topology = load_topology(mesh_path)
     hosts = [h for isl in topology.islands for h in isl.hosts]
     faults = [parse_fault(spec, hosts) for spec in fail_hosts]
+    cut = linkcut.parse_cut(cut_islands) if cut_islands is not None else None
+    if cut is not None and not emulate:
+        raise ConfigError(
+            f"--cut-islands={cut_islands}: only with --emulate (the cut is a rule in the "
+            "emulated router)"
+        )
+    if cut is not None and len(topology.islands) < 2:
+        raise ConfigError(f"--cut-islands={cut_islands}: topology '{topology.name}' has one island")
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts={max_restarts}: must be >= 0 (0 = no restarts)")
     if not rejoin_timeout_s >= 0 or math.isinf(rejoin_timeout_s):
@@ -416,6 +433,7 @@ def launch(
         )
     handlers = {}
     supervisors: list[Supervisor] = []
+    cutter: list[linkcut.IslandCutter] = []  # with --cut-islands, once the network is up
 
     def on_signal(signum, frame):
         if not supervisors:
@@ -438,6 +456,7 @@ def launch(
 
         supervisor = Supervisor(
             make_workers, max_restarts=max_restarts, faults=job.faults, grace_s=grace_s,
+            on_step=cutter[0].on_step if cutter else None,
             out=out, verbose=verbose, rejoin_timeout_s=rejoin_timeout_s,
         )  # fmt: skip
         supervisors.append(supervisor)
@@ -477,7 +496,16 @@ def launch(
 
             summary = _emulation_summary(topology, len(plan.hosts), scale, plan.delays, quotas)
             print(f"launch: {summary}", file=out or sys.stdout, flush=True)
-            return run_jobs(coordinator, peer_address, groups.wrap(network.exec_prefix))
+            if cut is not None:
+                say = lambda line: print(f"launch: {line}", file=out or sys.stdout, flush=True)  # noqa: E731
+                cutter.append(
+                    linkcut.IslandCutter(cut, network.cut_islands, network.restore_islands, say)
+                )
+            try:
+                return run_jobs(coordinator, peer_address, groups.wrap(network.exec_prefix))
+            finally:
+                if cutter:
+                    cutter[0].restore()
     except _Stop:
         return 130
     finally:

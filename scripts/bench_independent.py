@@ -1,0 +1,355 @@
+"""Benchmark: independent DiLoCo islands against spmd DiLoCo, and under faults (root).
+
+    sudo .venv/bin/python scripts/bench_independent.py [--steps 300] [--inner-steps 10] \\
+        [--quorum-timeout 10] [--outage 30] [--seed 0] [--rows spmd,independent,kill,cut] \\
+        [--keep-logs DIR]
+
+On ``meshes/emu-4host-2island-slow.yaml`` (``launch --emulate``: 1 Gbit/s inside each island,
+10 Mbit/s between them), the quickstart model, data 2 per island, ``H = --inner-steps``:
+
+- spmd: one program, ``diloco.enabled=true``, ``parallel.replica=2``;
+- independent: ``launch --independent-islands`` (one job per island, outer sync over HTTP);
+- kill: independent, island roce killed at a seeded random step S and back ``--outage``
+  seconds later (``--fail-host roce-0@S:+30 --max-restarts 1``); ib is the survivor;
+- cut: independent, the links between the islands cut at a seeded random step for
+  ``--outage`` seconds (``--cut-islands S:+30``); both islands are survivors.
+
+Every run is ``python -m holmes_jax.launch`` in a subprocess whose output lines this script
+time-stamps as they arrive (one clock for every event). Step time: the wall time between
+process 0's ``step N`` lines from step 2 to the last, per step (outer syncs included).
+Under a fault: the survivor's step rate during the outage (from the kill to the returning
+island's first outer step; for the cut, while the links are down) against its rate over
+the same steps of the independent run without faults; the seconds from the returning
+island's start (the kill plus ``--outage``: the supervisor starts it when its time away
+ends) to its first outer step (for the cut: from the restore to the first outer step both
+islands take part in), and the heal time the island reports; the final eval loss (mean of
+the islands') against the run without faults.
+
+Targets: survivor rate >= 0.9 of no-fault; a returning island in an outer step within
+30 s of its start; final eval loss within 3% of no-fault (at 300 steps).
+Prints one JSON line; progress and the runs' output go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import benchlib
+
+from holmes_jax.core.errors import ConfigError
+
+MESH = f"{benchlib.ROOT}/meshes/emu-4host-2island-slow.yaml"
+QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
+ROWS = ("spmd", "independent", "kill", "cut")
+FAULT_ROWS = ("kill", "cut")
+SURVIVOR, RETURNING = "ib-0", "roce-0"  # process 0 of island 0 / of island 1 (killed)
+TARGETS = {"survivor_rate_ratio": 0.9, "rejoin_s": 30.0, "loss_ratio": 1.03}
+# The quickstart model, one stage, data 2 per island; a step line per step, eval at the end.
+COMMON = [
+    "parallel.stages=1",
+    "parallel.data=2",
+    "parallel.microbatches=1",
+    "parallel.layers_per_stage=null",
+    "data.max_bytes=2000000",
+    "logging.progress=plain",
+    "logging.log_every=1",
+    "checkpoint.every=0",
+    "diloco.enabled=true",
+]
+
+_HOST_LINE = re.compile(r"^\[(\S+?)\s*\] (.*)$")
+_STEP = re.compile(r"step (\d+)(?: \||$)")
+_ROUND = re.compile(r"diloco: outer step after step (\d+): round (\d+), islands \[([\d, ]*)\]")
+_HEALED = re.compile(r"diloco: healed from a live peer in ([0-9.]+) s")
+_KILL = re.compile(r"--fail-host \S+: SIGKILL to (\S+) at step (\d+)")
+_CUT = re.compile(r"--cut-islands \S+: links between islands cut at step (\d+)")
+_RESTORED = re.compile(r"--cut-islands \S+: links between islands restored")
+
+
+def log(msg: str) -> None:
+    print(f"bench_independent: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Events:
+    """What a run's time-stamped launcher output says (times in the bench's clock, s)."""
+
+    steps: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # host -> (t, step)
+    rounds: list[tuple[float, str, int, tuple[int, ...]]] = field(default_factory=list)
+    heals: list[tuple[float, str, float]] = field(default_factory=list)  # (t, host, seconds)
+    kills: list[tuple[float, str, int]] = field(default_factory=list)  # (t, host, step)
+    cut: float | None = None
+    restored: float | None = None
+
+
+def parse_events(lines: list[tuple[float, str]]) -> Events:
+    """:class:`Events` from ``(time, line)`` pairs of ``launch``'s output (pure)."""
+    ev = Events()
+    for t, line in lines:
+        if m := _HOST_LINE.match(line):
+            host, text = m[1], m[2]
+            if s := _STEP.match(text):
+                ev.steps.setdefault(host, []).append((t, int(s[1])))
+            elif r := _ROUND.search(text):
+                islands = tuple(int(i) for i in r[3].split(",") if i.strip())
+                ev.rounds.append((t, host, int(r[1]), islands))
+            elif h := _HEALED.search(text):
+                ev.heals.append((t, host, float(h[1])))
+        elif line.startswith("launch: "):
+            if k := _KILL.search(line):
+                ev.kills.append((t, k[1], int(k[2])))
+            elif _CUT.search(line):
+                ev.cut = t
+            elif _RESTORED.search(line):
+                ev.restored = t
+    return ev
+
+
+def step_seconds(points: list[tuple[float, int]], first: int = 2) -> float:
+    """Wall seconds per step from step ``first`` to the last step (pure).
+
+    Raises:
+      ValueError: fewer than two steps from ``first`` on.
+    """
+    pts = sorted((s, t) for t, s in points if s >= first)
+    if len(pts) < 2 or pts[-1][0] == pts[0][0]:
+        raise ValueError(f"fewer than two steps from step {first}: {pts}")
+    return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+
+
+def window_rate(
+    points: list[tuple[float, int]], t0: float, t1: float
+) -> tuple[float, int, int] | None:
+    """Steps per second between the first and last step reported in ``[t0, t1]``, and
+    those two steps; None with fewer than two steps there (pure)."""
+    inside = [(t, s) for t, s in points if t0 <= t <= t1]
+    if len(inside) < 2 or inside[-1][0] == inside[0][0]:
+        return None
+    (ta, a), (tb, b) = inside[0], inside[-1]
+    return (b - a) / (tb - ta), a, b
+
+
+def steps_rate(points: list[tuple[float, int]], a: int, b: int) -> float:
+    """Steps per second from step ``a`` to step ``b`` (the first report of each; pure)."""
+    first: dict[int, float] = {}
+    for t, s in points:
+        first.setdefault(s, t)
+    if a not in first or b not in first or b <= a:
+        raise ValueError(f"steps {a}..{b} are not both reported")
+    return (b - a) / (first[b] - first[a])
+
+
+def first_round(ev: Events, after: float, host: str | None = None, both: bool = False):
+    """Time of the first outer step after ``after`` (by ``host``; ``both``: with every
+    island); None when there is none (pure)."""
+    for t, h, _step, islands in ev.rounds:
+        if t > after and (host is None or h == host) and (not both or len(islands) >= 2):
+            return t
+    return None
+
+
+def fault_steps(steps: int, seed: int) -> dict[str, int]:
+    """The seeded random step of each fault, in the run's second fifth to half (pure)."""
+    rng = random.Random(seed)
+    lo, hi = max(2, steps // 5), max(2, steps // 2)
+    return {row: rng.randint(lo, hi) for row in FAULT_ROWS}
+
+
+def check_args(args) -> list[str]:
+    """The rows to run, the independent baseline added for a fault row.
+
+    Raises:
+      ConfigError: one line naming the flag, its value and the rule.
+    """
+    rows = [r for r in args.rows.split(",") if r]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        raise ConfigError(f"--rows={args.rows}: must be a comma list of {', '.join(ROWS)}")
+    if args.inner_steps < 1:
+        raise ConfigError(f"--inner-steps={args.inner_steps}: must be >= 1")
+    if args.steps < max(10, 3 * args.inner_steps):
+        raise ConfigError(
+            f"--steps={args.steps}: must be >= 10 and >= 3 x --inner-steps "
+            f"({3 * args.inner_steps}), so a fault has outer steps around it"
+        )
+    for flag, value in (("--quorum-timeout", args.quorum_timeout), ("--outage", args.outage)):
+        if not 0 < value < 1e6:
+            raise ConfigError(f"{flag}={value:g}: must be a number of seconds > 0")
+    if args.keep_logs and os.path.isdir(args.keep_logs) and os.listdir(args.keep_logs):
+        raise ConfigError(
+            f"--keep-logs={args.keep_logs}: must be a new or empty folder (a run directory "
+            "that holds records moves to <dir>-2, and its metrics would be the old ones)"
+        )
+    if any(r in FAULT_ROWS for r in rows) and "independent" not in rows:
+        rows.insert(0, "independent")  # the no-fault rates and loss to compare with
+    return [r for r in ROWS if r in rows]
+
+
+def launch_cmd(row: str, args, run_dir: str, fault_step: int | None) -> list[str]:
+    """The ``python -m holmes_jax.launch`` command of a row (pure)."""
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", MESH, "--emulate"]
+    sets = COMMON + [
+        f"parallel.mesh={MESH}",
+        f"diloco.inner_steps={args.inner_steps}",
+        f"train.steps={args.steps}",
+        f"train.eval_every={args.steps}",
+        f"train.run_dir={run_dir}",
+    ]
+    if row == "spmd":
+        sets.append("parallel.replica=2")
+    else:
+        cmd.append("--independent-islands")
+        sets.append(f"diloco.quorum_timeout_s={args.quorum_timeout:g}")
+    if row == "kill":
+        cmd += ["--fail-host", f"{RETURNING}@{fault_step}:+{args.outage:g}", "--max-restarts", "1"]
+    elif row == "cut":
+        cmd += ["--cut-islands", f"{fault_step}:+{args.outage:g}"]
+    cmd += ["--", "--config", QUICKSTART]
+    return cmd + [a for s in sets for a in ("--set", s)]
+
+
+def run_logged(cmd: list[str], path: str) -> list[tuple[float, str]]:
+    """Run ``cmd``; every output line time-stamped as it arrives, echoed to stderr and
+    written to ``path``.
+
+    Raises:
+      RuntimeError: a non-zero exit.
+    """
+    lines = []
+    with open(path, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=benchlib.ROOT
+        )
+        for raw in p.stdout:
+            t, line = time.monotonic(), raw.rstrip("\n")
+            lines.append((t, line))
+            f.write(f"{t:.3f} {line}\n")
+            print(line, file=sys.stderr, flush=True)
+        code = p.wait()
+    if code:
+        raise RuntimeError(f"'{' '.join(cmd[:8])} ...' exited with code {code} (log: {path})")
+    return lines
+
+
+def final_eval_loss(run_dir: str, row: str) -> float:
+    """The last ``eval_loss`` in the run's metrics; for independent rows the mean of the
+    islands' (``<run_dir>/<island>/metrics.jsonl``)."""
+    paths = [os.path.join(run_dir, "metrics.jsonl")]
+    if row != "spmd":
+        paths = [os.path.join(run_dir, isl, "metrics.jsonl") for isl in ("ib", "roce")]
+    losses = []
+    for path in paths:
+        with open(path) as f:
+            evals = [json.loads(x)["eval_loss"] for x in f if '"eval_loss"' in x]
+        if not evals:
+            raise RuntimeError(f"{path}: no eval_loss")
+        losses.append(evals[-1])
+    return statistics.fmean(losses)
+
+
+def fault_row(row: str, ev: Events, base: Events, outage: float) -> dict:
+    """The outage numbers of a fault row against the run without faults (pure)."""
+    if row == "kill":
+        if not ev.kills:
+            raise RuntimeError("kill: no --fail-host line in the output")
+        t_kill, _host, step = ev.kills[0]
+        start = t_kill + outage  # the supervisor starts the island when its time away ends
+        back = first_round(ev, start, host=RETURNING)
+        end = back if back is not None else max(t for t, _ in ev.steps[SURVIVOR])
+        survivors, heal = [SURVIVOR], [s for t, h, s in ev.heals if h == RETURNING and t > t_kill]
+        out = {"fault_step": step, "rejoin_s": None if back is None else round(back - start, 1)}
+        out["heal_s"] = heal[0] if heal else None
+    else:
+        if ev.cut is None or ev.restored is None:
+            raise RuntimeError("cut: no cut or restore line in the output")
+        start, end = ev.cut, ev.restored
+        back = first_round(ev, ev.restored, both=True)
+        survivors = [SURVIVOR, RETURNING]
+        out = {"rejoin_s": None if back is None else round(back - ev.restored, 1)}
+    ratios = {}
+    for host in survivors:
+        got = window_rate(ev.steps.get(host, []), start if row == "cut" else t_kill, end)
+        if got is None:
+            ratios[host] = None
+            continue
+        rate, a, b = got
+        ratios[host] = round(rate / steps_rate(base.steps[host], a, b), 3)
+    known = [r for r in ratios.values() if r is not None]
+    out["survivor_rate_ratio"] = min(known) if known else None
+    out["survivor_rate_ratio_by_host"] = ratios
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="steps of every run")
+    parser.add_argument("--inner-steps", type=int, default=10, help="DiLoCo's H (default 10)")
+    parser.add_argument(
+        "--quorum-timeout", type=float, default=10.0, help="diloco.quorum_timeout_s (s)"
+    )
+    parser.add_argument("--outage", type=float, default=30.0, help="seconds down per fault")
+    parser.add_argument("--seed", type=int, default=0, help="draws the fault steps")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
+    parser.add_argument("--keep-logs", help="keep the runs' logs and metrics in this folder")
+    args = parser.parse_args(argv)
+    try:
+        rows = check_args(args)
+        from holmes_jax.cluster.netns import check_privileges
+
+        check_privileges()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_independent_")
+    os.makedirs(folder, exist_ok=True)
+    at = fault_steps(args.steps, args.seed)
+    table, events = {}, {}
+    for row in rows:
+        run_dir = os.path.join(folder, row)
+        cmd = launch_cmd(row, args, run_dir, at.get(row))
+        log(f"{row}: {' '.join(cmd[2:])}")
+        try:
+            lines = run_logged(cmd, os.path.join(folder, f"{row}.log"))
+        except RuntimeError as e:
+            print(f"error: {row}: {e}", file=sys.stderr)
+            return 1
+        events[row] = ev = parse_events(lines)
+        table[row] = {
+            "step_ms": round(step_seconds(ev.steps[SURVIVOR]) * 1e3, 1),
+            "final_eval_loss": round(final_eval_loss(run_dir, row), 4),
+        }
+        if row in FAULT_ROWS:
+            table[row].update(fault_row(row, ev, events["independent"], args.outage))
+            ratio = table[row]["final_eval_loss"] / table["independent"]["final_eval_loss"]
+            table[row]["loss_vs_no_fault"] = round(ratio, 4)
+    result = {
+        "mesh": os.path.basename(MESH),
+        "steps": args.steps,
+        "inner_steps": args.inner_steps,
+        "quorum_timeout_s": args.quorum_timeout,
+        "outage_s": args.outage,
+        "seed": args.seed,
+        "rows": table,
+        "targets": TARGETS,
+    }
+    if "spmd" in table and "independent" in table:
+        result["independent_over_spmd_step"] = round(
+            table["independent"]["step_ms"] / table["spmd"]["step_ms"], 3
+        )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

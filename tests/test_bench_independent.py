@@ -1,0 +1,118 @@
+"""scripts/bench_independent.py without root: its argument checks, the launch commands of
+its rows (their overrides load through the real loader), and the pure helpers that read
+step rates, outages and heal times from a time-stamped launcher log."""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from holmes_jax.core.config import load_config
+from holmes_jax.core.errors import ConfigError
+from tests.common import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = os.path.join(ROOT, "scripts", "bench_independent.py")
+    sys.path.insert(0, os.path.dirname(path))  # its benchlib
+    try:
+        spec = importlib.util.spec_from_file_location("bench_independent", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return module
+
+
+def _args(**kw):
+    base = dict(steps=300, inner_steps=10, quorum_timeout=10.0, outage=30.0, rows="kill")
+    base["keep_logs"] = None
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_argument_checks_are_one_line_errors_and_faults_bring_their_baseline(bench):
+    assert bench.check_args(_args()) == ["independent", "kill"]
+    assert bench.check_args(_args(rows="cut,spmd")) == ["spmd", "independent", "cut"]
+    for kw, message in [
+        (dict(rows="kill,nope"), "--rows=kill,nope: must be a comma list of spmd"),
+        (dict(inner_steps=0), "--inner-steps=0: must be >= 1"),
+        (dict(steps=20), "--steps=20: must be >= 10 and >= 3 x --inner-steps (30)"),
+        (dict(outage=0.0), "--outage=0: must be a number of seconds > 0"),
+        (dict(quorum_timeout=-1.0), "--quorum-timeout=-1: must be a number"),
+    ]:
+        with pytest.raises(
+            ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
+        ):
+            bench.check_args(_args(**kw))
+    assert bench.main(["--steps", "5"]) == 2  # before any root check or run
+    with pytest.raises(ConfigError, match=r"^--keep-logs=.*: must be a new or empty folder"):
+        bench.check_args(_args(keep_logs=ROOT))
+
+
+def test_rows_launch_what_they_say_and_their_overrides_load(bench):
+    at = bench.fault_steps(300, seed=0)
+    assert at == bench.fault_steps(300, seed=0) and all(60 <= s <= 150 for s in at.values())
+    kill = bench.launch_cmd("kill", _args(), "/r", 77)
+    assert kill[kill.index("--fail-host") + 1] == "roce-0@77:+30"
+    assert "--independent-islands" in kill and "--emulate" in kill
+    cut = bench.launch_cmd("cut", _args(), "/r", 88)
+    assert cut[cut.index("--cut-islands") + 1] == "88:+30" and "--fail-host" not in cut
+    spmd = bench.launch_cmd("spmd", _args(), "/r", None)
+    assert "--independent-islands" not in spmd
+    for cmd, extra in [(spmd, []), (kill, ["diloco.mode=independent", "diloco.island=1",
+                                             "diloco.peers=[a:1,b:1]"])]:  # fmt: skip
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        cfg = load_config(bench.QUICKSTART, sets + extra)
+        assert cfg.diloco.enabled and cfg.diloco.inner_steps == 10 and cfg.train.steps == 300
+    assert load_config(bench.QUICKSTART, [c for i, c in enumerate(spmd) if spmd[i - 1] == "--set"]
+                       ).parallel.replica == 2  # fmt: skip
+
+
+# A kill run: ib steps 1 per second, slower (0.5 s) while roce is away; roce killed at
+# step 10 (t = 10), back at t = 40 (outage 30), healed, in an outer step at t = 52.
+KILL_LOG = (
+    [(float(s), f"[ib-0  ] step {s} | loss 3.0") for s in range(1, 11)]
+    + [(10.1, "launch: --fail-host roce-0@10:+30: SIGKILL to roce-0 at step 10, away for 30 s")]
+    + [(10.0 + 2 * k, f"[ib-0  ] step {10 + k} | loss 2.9") for k in range(1, 25)]
+    + [(49.0, "[roce-0] diloco: healed from a live peer in 3.5 s: round 3, the global model")]
+    + [(52.0, "[roce-0] diloco: outer step after step 30: round 4, islands [0, 1]")]
+    + [(5.0, "[roce-0] diloco: outer step after step 5: round 1, islands [0, 1]")]
+)
+
+
+def test_kill_outage_rates_and_heal_times_from_the_log(bench):
+    ev = bench.parse_events(KILL_LOG)
+    assert ev.kills == [(10.1, "roce-0", 10)] and ev.heals == [(49.0, "roce-0", 3.5)]
+    assert [r[2:] for r in ev.rounds] == [(30, (0, 1)), (5, (0, 1))]
+    assert bench.step_seconds([(1.0, 1), (2.0, 2), (4.0, 3), (7.0, 4)]) == pytest.approx(2.5)
+    with pytest.raises(ValueError):
+        bench.step_seconds([(1.0, 1)])
+    assert bench.window_rate(ev.steps["ib-0"], 10.1, 52.0) == (0.5, 11, 31)
+    assert bench.window_rate(ev.steps["ib-0"], 100, 200) is None
+    base = bench.parse_events([(float(s), f"[ib-0] step {s}") for s in range(1, 50)])
+    row = bench.fault_row("kill", ev, base, outage=30.0)
+    assert row["fault_step"] == 10 and row["heal_s"] == 3.5
+    assert row["rejoin_s"] == pytest.approx(52.0 - 40.1)  # from its start: kill + outage
+    assert row["survivor_rate_ratio"] == pytest.approx(0.5)  # 0.5 steps/s against 1
+
+
+def test_cut_window_is_the_cut_and_rejoin_needs_both_islands(bench):
+    lines = [(float(t), f"[{h}] step {t}") for t in range(1, 40) for h in ("ib-0", "roce-0")]
+    lines += [
+        (10.0, "launch: --cut-islands 10:+20: links between islands cut at step 10 for 20 s"),
+        (30.0, "launch: --cut-islands 10:+20: links between islands restored after 20.0 s"),
+        (31.0, "[ib-0] diloco: outer step after step 30: round 3, islands [0]"),
+        (33.5, "[ib-0] diloco: outer step after step 32: round 4, islands [0, 1]"),
+    ]
+    ev = bench.parse_events(lines)
+    assert (ev.cut, ev.restored) == (10.0, 30.0)
+    slow = [(10 + (t - 10) * 1.25 if t > 10 else t, s) for t, s in ev.steps["roce-0"]]  # roce 0.8x
+    ev.steps["roce-0"] = slow
+    row = bench.fault_row("cut", ev, bench.parse_events(lines), outage=20.0)
+    assert row["rejoin_s"] == 3.5
+    assert row["survivor_rate_ratio_by_host"]["ib-0"] == 1.0
+    assert row["survivor_rate_ratio"] == pytest.approx(0.8)  # the slower survivor
