@@ -375,8 +375,8 @@ class DilocoConfig:
     island: int = -1
     # independent: every island's outer-sync address "host:port", by island index
     peers: tuple[str, ...] = ()
-    # independent: the outer sync runs in the background during the next H inner steps;
-    # its result is merged one round late (global + the local progress since the send)
+    # independent: after the warm-up, the outer sync runs in the background during the next
+    # H inner steps; its result is merged one round late (global + the progress since)
     overlap: bool = False
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -22,8 +22,9 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
   and device as parameters and master; the AdamW moments and step count are kept, as
   under ``spmd``. So with nothing failing, fp32 and equal shares, the islands train what
   ``spmd`` trains.
-- Overlap (``diloco.overlap``): the round goes out in a background thread while the next
-  H inner steps run; at the next round boundary its result ``g`` is merged one round late,
+- Overlap (``diloco.overlap``): after the warm-up (whose averaging rounds stay in step)
+  each round goes out in a background thread while the next H inner steps run; at the
+  next round boundary its result ``g`` is merged one round late,
   ``θ ← g + (θ − θ_sent)`` (the local progress since the send is kept), and the next
   round sends ``Δ = θ_sent − θ``, the progress of those H steps. After the last step the
   round in flight is awaited and adopted, so the run ends on the global model.
@@ -265,12 +266,13 @@ class IslandSync:
         theta = self._theta(state)
         tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
         self.last_step = step
-        if self.d.overlap:
+        if self.d.overlap and not average:  # warm-up averaging stays in step
             return self._overlapped(state, step, theta, tokens, average)
         glob = None
         if self.main:
             before = self.sync.round
             glob = self.sync.sync(theta, tokens, average=average)
+            self.snap = glob  # the next inner steps start from it
             late = "" if self.sync.round > before else " (late: adopted the latest global)"
             self.say(f"{self._round_line(step, average)}{late}")
         return self._with_global(state, glob, None)
