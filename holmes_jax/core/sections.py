@@ -375,20 +375,25 @@ class DilocoConfig:
     island: int = -1
     # independent: every island's outer-sync address "host:port", by island index
     peers: tuple[str, ...] = ()
-    # independent: after the warm-up, the outer sync runs in the background during the next
-    # H inner steps; its result is merged one round late (global + the progress since)
-    overlap: bool = False
+    # independent: after the warm-up, each outer sync runs in the background during the next
+    # overlap_steps inner steps, then merges (global + the progress since); 0 = in step
+    overlap_steps: int = 0
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         _positive(self, "diloco", ("inner_steps", "fragments"))
         if self.quorum_timeout_s <= 0:
             raise ConfigError(f"diloco.quorum_timeout_s={self.quorum_timeout_s}: must be > 0")
+        if not 0 <= self.overlap_steps < self.inner_steps:
+            raise ConfigError(
+                f"diloco.overlap_steps={self.overlap_steps}: must be in [0, diloco.inner_steps="
+                f"{self.inner_steps}) (a round merges before the next is sent; 0 = in step)"
+            )
         if self.mode == "independent":
             self._validate_independent()
-        elif self.overlap:
+        elif self.overlap_steps:
             raise ConfigError(
-                "diloco.overlap=true: needs diloco.mode=independent (the spmd outer step is "
-                "one collective inside the program)"
+                f"diloco.overlap_steps={self.overlap_steps}: needs diloco.mode=independent "
+                "(the spmd outer step is one collective inside the program)"
             )
         if self.outer_lr <= 0:
             raise ConfigError(f"diloco.outer_lr={self.outer_lr}: must be > 0")

@@ -22,19 +22,18 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
   and device as parameters and master; the AdamW moments and step count are kept, as
   under ``spmd``. So with nothing failing, fp32 and equal shares, the islands train what
   ``spmd`` trains.
-- Overlap (``diloco.overlap``): after the warm-up (whose averaging rounds stay in step)
-  each round goes out in a background thread while the next H inner steps run; at the
-  next round boundary its result ``g`` is merged one round late,
-  ``θ ← g + (θ − θ_sent)`` (the local progress since the send is kept), and the next
-  round sends ``Δ = θ_sent − θ``, the progress of those H steps. After the last step the
-  round in flight is awaited and adopted, so the run ends on the global model.
+- Overlap (``diloco.overlap_steps`` = τ > 0): after the warm-up (whose averaging rounds
+  stay in step) each round goes out in a background thread while the next τ inner steps
+  run; after them its result ``g`` is merged, ``θ ← g + (θ − θ_sent)`` (the progress since
+  the send is kept), and the next round sends ``Δ = g − θ``, the progress since ``g``.
+  After the last step the round is awaited and adopted, so the run ends on the global model.
 - Start (:meth:`IslandSync.start`): a job that finds a live peer past round 0 heals from
   it: it adopts the global model, outer momentum and round bit for bit (no checkpoint
   read) and goes on at the step that round ended, with fresh AdamW moments and its step
   count set there. Otherwise it starts from its own state: fresh, as round 0 of the
   global model, or from its own checkpoint with the outer state saved beside it
   (:meth:`IslandSync.save_outer`), so resuming across an outer step is exact (with
-  ``diloco.overlap`` the round in flight at the save is not part of it).
+  ``diloco.overlap_steps`` a round in flight at the save is not part of it).
 
 Several processes per island: the whole parameters are gathered to every process and
 only process 0 talks to the peers; the new global model is broadcast back.
@@ -165,9 +164,11 @@ class IslandSync:
         self.main = jax.process_index() == 0
         self.sync: OuterSync | None = None
         self.last_step = 0  # the step of this island's last round
-        self.snap: dict[str, np.ndarray] = {}  # overlap: θ when the last round was sent
+        self.snap: dict[str, np.ndarray] = {}  # the global model the inner steps started from
+        self.sent: dict[str, np.ndarray] = {}  # overlap: θ when the round in flight was sent
         self.pending: threading.Thread | None = None  # overlap: the round in flight
         self.result: Any = None  # overlap: its new global model (or its error)
+        self.merge_at: int | None = None  # overlap: the step after which it is merged
 
     @property
     def name(self) -> str:
@@ -259,15 +260,19 @@ class IslandSync:
     # ---- the outer step ---------------------------------------------------------------
 
     def after_step(self, state, step: int):
-        """The outer step when one follows inner step ``step`` (else ``state`` as is)."""
+        """The outer step when one follows inner step ``step``, and with
+        ``diloco.overlap_steps`` the merge of the round sent that many steps before (else
+        ``state`` as is)."""
+        if self.merge_at is not None and step >= self.merge_at:
+            state = self._merge(state, step)
         if not due_fragments(step, self.d.inner_steps, 1, self.d.warmup_steps):
             return state
         average = in_warmup(step, self.d.warmup_steps)
         theta = self._theta(state)
         tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
         self.last_step = step
-        if self.d.overlap and not average:  # warm-up averaging stays in step
-            return self._overlapped(state, step, theta, tokens, average)
+        if self.d.overlap_steps and not average:  # warm-up averaging stays in step
+            return self._send_overlapped(state, step, theta, tokens)
         glob = None
         if self.main:
             before = self.sync.round
@@ -277,34 +282,36 @@ class IslandSync:
             self.say(f"{self._round_line(step, average)}{late}")
         return self._with_global(state, glob, None)
 
-    def _overlapped(self, state, step: int, theta, tokens: int, average: bool):
-        """The delayed merge: wait for the round sent H steps ago (it had those steps to
-        travel), take ``θ ← global + (θ − θ_sent)``, send this round's ``Δ = θ_sent − θ``
-        in the background. After the last step the round is awaited and adopted."""
+    def _send_overlapped(self, state, step: int, theta, tokens: int):
+        """Send ``Δ = θ_base − θ`` (the progress since the last merge) in the background;
+        the merge follows ``overlap_steps`` steps later, or now after the last step."""
+        if self.main:
+            self.sent = theta
+            delta = {k: self.snap[k] - theta[k] for k in theta}
+            self.pending = threading.Thread(target=self._send, args=(delta, tokens), daemon=True)
+            self.pending.start()
+        self.merge_at = step + self.d.overlap_steps
+        if step >= self.cfg.train.steps:  # the end: one global model, nothing in flight
+            return self._merge(state, step)
+        return state
+
+    def _merge(self, state, step: int):
+        """``θ ← g + (θ − θ_sent)``: the round's global model plus the progress since its
+        send; the next round's progress counts from ``g``."""
+        theta = self._theta(state)
         merged = None
         if self.main:
-            line = f"diloco: round after step {step} sent in the background"
-            if self.pending is not None:
-                merged = self._await_pending()
-                merged = {k: merged[k] + (theta[k] - self.snap[k]) for k in theta}
-                line = f"{self._round_line(step, average)} merged (one round late); next sent"
-            delta = {k: self.snap[k] - theta[k] for k in theta}
-            self.snap = merged or theta
-            self.pending = threading.Thread(
-                target=self._send, args=(delta, tokens, average), daemon=True
-            )
-            self.pending.start()
-            if step >= self.cfg.train.steps:  # the end: one global model, nothing in flight
-                merged = self._await_pending()
-                line = f"{self._round_line(step, average)}: the last round, awaited"
-            self.say(line)
-        if not self._broadcast(np.bool_(merged is not None)):
-            return state
+            glob = self._await_pending()
+            merged = {k: glob[k] + (theta[k] - self.sent[k]) for k in theta}
+            self.snap = glob
+            sent = self.merge_at - self.d.overlap_steps
+            self.say(f"{self._round_line(step, False)} (sent after step {sent}, merged now)")
+        self.merge_at = None
         return self._with_global(state, merged, None)
 
-    def _send(self, delta, tokens: int, average: bool) -> None:
+    def _send(self, delta, tokens: int) -> None:
         try:
-            self.result = self.sync.sync_delta(delta, tokens, average=average)
+            self.result = self.sync.sync_delta(delta, tokens)
         except BaseException as err:  # noqa: BLE001 (raised in the training thread)
             self.result = err
 

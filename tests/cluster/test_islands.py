@@ -223,22 +223,24 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
 
 
 class _Sync:
-    """OuterSync's surface for IslandSync: each round ``global ← global − Δ`` (lr 1)."""
+    """OuterSync's surface for IslandSync: each round ``global ← global − Δ + 10`` (the +10
+    stands for the other islands' progress)."""
 
     def __init__(self, glob):
         self.cond, self.round, self.members = threading.Condition(), 0, {0, 1}
         self.glob, self.sent = dict(glob), []
 
     def sync_delta(self, delta, tokens, average=False):
-        self.sent.append(delta)
-        self.glob = {k: self.glob[k] - delta[k] for k in self.glob}
+        self.sent.append(float(delta["w"][0]))
+        self.glob = {k: self.glob[k] - delta[k] + 10 for k in self.glob}
         self.round += 1
         return dict(self.glob)
 
 
-def test_overlap_merges_each_round_one_round_late():
-    """The delayed merge on numbers: at each round boundary θ ← g + (θ − θ_sent) with g
-    the result of the round sent H steps before; Δ = θ_sent − θ; the last round adopted."""
+def test_overlap_merges_each_round_after_its_overlap_steps():
+    """H = 2, overlap_steps = 1, on numbers: the round sent after step 2 merges after step
+    3 as θ ← g + (θ − θ_sent); the next Δ is the progress since g; the last round is
+    awaited and adopted."""
     cfg = load_config(
         None,
         [
@@ -246,7 +248,7 @@ def test_overlap_merges_each_round_one_round_late():
             "diloco.mode=independent",
             "diloco.island=0",
             "diloco.peers=[127.0.0.1:1,127.0.0.1:2]",
-            "diloco.overlap=true",
+            "diloco.overlap_steps=1",
             "train.steps=6",
         ],
     )
@@ -256,11 +258,13 @@ def test_overlap_merges_each_round_one_round_late():
     island.snap = {"w": np.zeros(1, np.float32)}
     island._theta = lambda state: {"w": np.asarray([state], np.float32)}
     island._with_global = lambda state, glob, step: float(glob["w"][0])
-    # θ after the inner steps: 1 at step 2, the merged θ + 1 at steps 4 and 6
-    state = island.after_step(1.0, 2)  # sends Δ = 0 − 1; nothing to merge yet
-    assert state == 1.0 and island.pending is not None
-    state = island.after_step(state + 1.0, 4)  # g1 = 1; θ = 1 + (2 − 1) = 2; Δ = 1 − 2
-    assert state == 2.0
-    state = island.after_step(state + 1.0, 6)  # g2 = 2; θ = 2 + (3 − 2); Δ = 2 − 3; last
-    assert [float(d["w"][0]) for d in island.sync.sent] == [-1.0, -1.0, -1.0]
-    assert state == 3.0 and island.pending is None  # g3 = 3 adopted at the end
+    got = [island.after_step(1.0, 2)]  # sends Δ = 0 − 1, in flight: θ unchanged
+    got.append(island.after_step(1.5, 3))  # g1 = 11: θ = 11 + (1.5 − 1)
+    got.append(island.after_step(12.5, 4))  # sends Δ = 11 − 12.5
+    got.append(island.after_step(13.0, 5))  # g2 = 22.5: θ = 22.5 + (13 − 12.5)
+    got.append(island.after_step(24.0, 6))  # sends Δ = 22.5 − 24; the last: g3 = 34 adopted
+    assert island.sync.sent == [-1.0, -1.5, -1.5]
+    assert got == [1.0, 11.5, 12.5, 23.0, 34.0]
+    assert island.pending is None and island.merge_at is None
+    with pytest.raises(ConfigError, match=r"diloco.overlap_steps=2: must be in \[0, diloco"):
+        load_config(None, [*DILOCO, "diloco.mode=independent", "diloco.overlap_steps=2"])
