@@ -42,6 +42,24 @@ TINY_RUN = (
 )
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as module ``name`` (scripts/ on the path while it loads,
+    for its ``benchlib``; registered in ``sys.modules``, where its dataclasses look)."""
+    import importlib.util
+    import sys
+
+    folder = os.path.join(ROOT, "scripts")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
 def as_flags(overrides) -> list[str]:
     """``["a=1", "b=2"]`` -> ``["--set", "a=1", "--set", "b=2"]`` for the CLIs."""
     return [arg for item in overrides for arg in ("--set", item)]

@@ -2,7 +2,6 @@
 the planner prices it; ``--plan-only`` runs in seconds and its rows keep the relations the
 cost model implies (not its numbers)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,20 +9,12 @@ import sys
 
 import pytest
 
-from tests.common import ROOT
+from tests.common import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = os.path.join(ROOT, "scripts", "bench_ablation.py")
-    sys.path.insert(0, os.path.dirname(path))  # its benchlib
-    try:
-        spec = importlib.util.spec_from_file_location("bench_ablation", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(os.path.dirname(path))
-    return module
+    return load_script("bench_ablation")
 
 
 @pytest.mark.parametrize("label", ["two", "three"])

@@ -3,29 +3,17 @@ its rows (their overrides load through the real loader), and the pure helpers th
 step rates, outages and heal times from a time-stamped launcher log."""
 
 import argparse
-import importlib.util
-import os
-import sys
 
 import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
-from tests.common import ROOT
+from tests.common import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = os.path.join(ROOT, "scripts", "bench_independent.py")
-    sys.path.insert(0, os.path.dirname(path))  # its benchlib
-    try:
-        spec = importlib.util.spec_from_file_location("bench_independent", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(os.path.dirname(path))
-    return module
+    return load_script("bench_independent")
 
 
 def _args(**kw):
