@@ -284,7 +284,7 @@ class OuterSync:
         for k, d in delta.items():
             arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
         meta["scales"] = scales
-        return json.loads(self._request(j, "POST", "/delta", pack(meta, arrays)))
+        return json.loads(self._request(j, "POST", "/delta", pack(meta, arrays), long=True))
 
     def _join_via(self, j: int, weight: bool = True) -> None:
         """Join the leader that island ``j`` follows (or ``j``); with ``weight`` this
@@ -297,7 +297,7 @@ class OuterSync:
             arrays = dict(self.glob) if meta["weight"] else {}
         for target in (status["leader"], j):
             try:
-                body = self._request(target, "POST", "/join", pack(meta, arrays))
+                body = self._request(target, "POST", "/join", pack(meta, arrays), long=True)
                 self._adopt(*unpack(body))
                 return
             except Unreachable:

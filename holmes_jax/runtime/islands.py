@@ -205,6 +205,7 @@ class IslandSync:
         peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
         cfg = SyncConfig.from_diloco(self.d)
         took = 0.0
+        theta = None if heal else self._theta(state)  # a gather: every process takes part
         if self.main and heal:
             self.sync = OuterSync(self.share.island, peers, cfg, None)
             began = time.monotonic()
@@ -212,7 +213,6 @@ class IslandSync:
             took = time.monotonic() - began
             self.snap = dict(self.sync.glob)
         elif self.main:
-            theta = self._theta(state)
             saved = load_outer(resumed_from, step) if resumed_from else None
             if resumed_from and saved is None:
                 self.say(
