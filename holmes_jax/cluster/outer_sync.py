@@ -165,6 +165,7 @@ class OuterSync:
         self.open: dict[int, tuple[Shards, int]] = {}  # round+1: island -> (Δ fp32, tokens)
         self.first_arrival: float | None = None
         self.average = False  # the open round is a warm-up averaging round
+        self.active = 0  # requests being served
         self.joined: set[int] = set()  # joined during the open round
         self.dead: set[int] = set()  # reported dead during the open round
         self.results: dict[int, bytes] = {}  # the last rounds' packed states
@@ -190,8 +191,13 @@ class OuterSync:
         self.thread = threading.Thread(target=serve, daemon=True)
         self.thread.start()
 
-    def close(self) -> None:
-        """Stop serving (the island is gone to its peers)."""
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop serving (the island is gone to its peers), after up to ``grace_s`` seconds
+        for the requests being served to finish (peers fetching the last result)."""
+        end = time.monotonic() + grace_s
+        with self.cond:
+            while self.active and time.monotonic() < end:
+                self.cond.wait(min(0.1, end - time.monotonic()))
         self.server.shutdown()
         self.server.server_close()
 
@@ -263,7 +269,7 @@ class OuterSync:
             conn.request(method, path, body, {"X-Island": str(self.island)})
             resp = conn.getresponse()
             data = resp.read()
-        except OSError as err:
+        except (OSError, http.client.HTTPException) as err:  # refused, timed out, cut short
             raise Unreachable(j) from err
         finally:
             conn.close()
@@ -450,6 +456,16 @@ class OuterSync:
         self.merged.add(meta["lineage"])
 
     def _serve(self, req: BaseHTTPRequestHandler, method: str) -> None:
+        with self.cond:
+            self.active += 1
+        try:
+            self._handle(req, method)
+        finally:
+            with self.cond:
+                self.active -= 1
+                self.cond.notify_all()
+
+    def _handle(self, req: BaseHTTPRequestHandler, method: str) -> None:
         peer = int(req.headers.get("X-Island", "-1"))
         if peer in self.cut:
             req.send_error(503)

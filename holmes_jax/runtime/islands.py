@@ -356,8 +356,8 @@ class IslandSync:
 
     def close(self) -> None:
         """Stop serving (the peers see this island as gone)."""
-        if self.sync is not None:
-            self.sync.close()
+        if self.sync is not None:  # peers still fetching the last result get it
+            self.sync.close(grace_s=self.d.quorum_timeout_s)
 
     # ---- device <-> host --------------------------------------------------------------
 
