@@ -136,6 +136,13 @@ def unpack(body: bytes) -> tuple[dict, Shards]:
     return meta, arrays
 
 
+def split_state(arrays: Shards) -> tuple[Shards, Shards]:
+    """A packed state's arrays (:meth:`OuterSync.snapshot`) -> (global, momentum)."""
+    glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
+    mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+    return glob, mom
+
+
 class Unreachable(Exception):
     """A peer did not answer (refused, timed out, or its link is cut)."""
 
@@ -353,14 +360,18 @@ class OuterSync:
         with self.cond:
             if self.ready and meta["round"] < self.round and meta["lineage"] == self.lineage:
                 return
-            self.glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
-            self.mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+            self.glob, self.mom = split_state(arrays)
             for key in ("round", "tokens", "lineage", "parent", "fork_tokens", "leader"):
                 setattr(self, key, meta[key])
             self.members, self.merged = set(meta["members"]), set(meta["merged"])
             self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
             self.ready = True
             self.cond.notify_all()
+
+    def snapshot(self) -> bytes:
+        """This island's whole state, packed (:func:`pack`; :func:`split_state` reads it)."""
+        with self.cond:
+            return self._state_body()
 
     # ---- the leader's side -------------------------------------------------------------
 

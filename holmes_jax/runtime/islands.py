@@ -54,7 +54,7 @@ import numpy as np
 from etils import epath
 
 from holmes_jax.cluster.distributed import barrier
-from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, pack, unpack
+from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, split_state, unpack
 from holmes_jax.core.config import Config
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
@@ -329,20 +329,18 @@ class IslandSync:
         return f"diloco: {kind} step after step {step}: round {rounds}, islands {members}"
 
     def save_outer(self, directory: str, step: int) -> None:
-        """Process 0: the outer state (global model, momentum, round, tokens, lineage) beside
-        checkpoint ``step``, as ``<directory>/outer/<step>.npz`` (written whole, then
-        renamed), so a resume without a live peer continues the global model exactly."""
+        """Process 0: the outer state (:meth:`OuterSync.snapshot`: global model, momentum,
+        round, tokens, lineage) beside checkpoint ``step``, as ``<directory>/outer/<step>.npz``
+        (written whole, then renamed), so a resume without a live peer continues the global
+        model exactly."""
         if not self.main:
             return
-        with self.sync.cond:
-            arrays = {f"g/{k}": v for k, v in self.sync.glob.items()}
-            arrays.update({f"m/{k}": v for k, v in self.sync.mom.items()})
-            meta = {k: getattr(self.sync, k) for k in OUTER_META}
+        body = self.sync.snapshot()
         folder = epath.Path(directory) / OUTER_DIR
         folder.mkdir(parents=True, exist_ok=True)
         part = folder / f"{step}.npz.partial"
         with part.open("wb") as f:
-            f.write(pack(meta, arrays))
+            f.write(body)
         part.rename(folder / f"{step}.npz")
 
     def eval_params(self, state):
@@ -419,9 +417,7 @@ def load_outer(directory: str, step: int):
     if not path.exists():
         return None
     meta, arrays = unpack(path.read_bytes())
-    glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
-    mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
-    return (glob, mom), meta
+    return split_state(arrays), {k: meta[k] for k in OUTER_META}
 
 
 def _address(peer: str) -> tuple[str, int]:
