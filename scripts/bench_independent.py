@@ -1,18 +1,23 @@
 """Benchmark: independent DiLoCo islands against spmd DiLoCo, and under faults (root).
 
     sudo .venv/bin/python scripts/bench_independent.py [--steps 300] [--inner-steps 10] \\
-        [--quorum-timeout 10] [--outage 30] [--seed 0] [--rows spmd,independent,kill,cut] \\
-        [--keep-logs DIR]
+        [--quorum-timeout 10] [--outage 30] [--seed 0] [--overlap-steps 5] \\
+        [--rows spmd,independent,overlap,kill,cut,unequal] [--keep-logs DIR]
 
 On ``meshes/emu-4host-2island-slow.yaml`` (``launch --emulate``: 1 Gbit/s inside each island,
 10 Mbit/s between them), the quickstart model, data 2 per island, ``H = --inner-steps``:
 
 - spmd: one program, ``diloco.enabled=true``, ``parallel.replica=2``;
 - independent: ``launch --independent-islands`` (one job per island, outer sync over HTTP);
+- overlap: independent with ``diloco.overlap_steps = --overlap-steps`` (each round travels
+  during the next inner steps and merges after them);
 - kill: independent, island roce killed at a seeded random step S and back ``--outage``
   seconds later (``--fail-host roce-0@S:+30 --max-restarts 1``); ib is the survivor;
 - cut: independent, the links between the islands cut at a seeded random step for
-  ``--outage`` seconds (``--cut-islands S:+30``); both islands are survivors.
+  ``--outage`` seconds (``--cut-islands S:+30``); both islands are survivors;
+- unequal: independent on ``meshes/emu-4host-2island-slow-compute.yaml`` (roce at half
+  ib's CPU quota, 100 Mbit/s between), a 24-row global batch so the planner's shares are
+  exactly 16 and 8 rows.
 
 Every run is ``python -m holmes_jax.launch`` in a subprocess whose output lines this script
 time-stamps as they arrive (one clock for every event). Step time: the wall time between
@@ -25,8 +30,17 @@ ends) to its first outer step (for the cut: from the restore to the first outer 
 islands take part in), and the heal time the island reports; the final eval loss (mean of
 the islands') against the run without faults.
 
+The inner step alone: the median wall time between consecutive steps (an outer step is
+one slow interval in H, so the median is the step without it); ``over_inner`` is a row's
+mean step over it. The overlap row's loss is set against the independent (in-step) row's.
+Unequal islands: each island alone does ``rows / inner step`` rows per second (its CPU
+quota, not the other island, bounds its speed); together they do ``24 rows / mean step``
+of the slower island; ``joint_over_sum`` is the second over the sum of the first.
+
 Targets: survivor rate >= 0.9 of no-fault; a returning island in an outer step within
-30 s of its start; final eval loss within 3% of no-fault (at 300 steps).
+30 s of its start; final eval loss within 3% of no-fault (at 300 steps); with overlap,
+the step <= 1.05x the inner step alone (at H = 50) and the loss within 1% of in-step;
+unequal islands >= 0.9x the sum of what each does alone.
 Prints one JSON line; progress and the runs' output go to stderr.
 """
 
@@ -49,11 +63,20 @@ import benchlib
 from holmes_jax.core.errors import ConfigError
 
 MESH = f"{benchlib.ROOT}/meshes/emu-4host-2island-slow.yaml"
+UNEQUAL_MESH = f"{benchlib.ROOT}/meshes/emu-4host-2island-slow-compute.yaml"
+UNEQUAL_BATCH = 24  # 12 units of data 2: shares 8 and 4 units at compute 2:1
 QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
-ROWS = ("spmd", "independent", "kill", "cut")
+ROWS = ("spmd", "independent", "overlap", "kill", "cut", "unequal")
 FAULT_ROWS = ("kill", "cut")
 SURVIVOR, RETURNING = "ib-0", "roce-0"  # process 0 of island 0 / of island 1 (killed)
-TARGETS = {"survivor_rate_ratio": 0.9, "rejoin_s": 30.0, "loss_ratio": 1.03}
+TARGETS = {
+    "survivor_rate_ratio": 0.9,
+    "rejoin_s": 30.0,
+    "loss_ratio": 1.03,
+    "overlap_over_inner": 1.05,
+    "overlap_loss_ratio": 1.01,
+    "unequal_joint_over_sum": 0.9,
+}
 # The quickstart model, one stage, data 2 per island; a step line per step, eval at the end.
 COMMON = [
     "parallel.stages=1",
@@ -74,6 +97,7 @@ _HEALED = re.compile(r"diloco: healed from a live peer in ([0-9.]+) s")
 _KILL = re.compile(r"--fail-host \S+: SIGKILL to (\S+) at step (\d+)")
 _CUT = re.compile(r"--cut-islands \S+: links between islands cut at step (\d+)")
 _RESTORED = re.compile(r"--cut-islands \S+: links between islands restored")
+_ROWS_OF = re.compile(r"diloco: independent island \S+ \(\d+ of \d+\): rows (\d+)-(\d+) of")
 
 
 def log(msg: str) -> None:
@@ -90,6 +114,7 @@ class Events:
     kills: list[tuple[float, str, int]] = field(default_factory=list)  # (t, host, step)
     cut: float | None = None
     restored: float | None = None
+    rows: dict[str, int] = field(default_factory=dict)  # host -> rows of the global batch
 
 
 def parse_events(lines: list[tuple[float, str]]) -> Events:
@@ -105,6 +130,8 @@ def parse_events(lines: list[tuple[float, str]]) -> Events:
                 ev.rounds.append((t, host, int(r[1]), islands))
             elif h := _HEALED.search(text):
                 ev.heals.append((t, host, float(h[1])))
+            elif w := _ROWS_OF.search(text):
+                ev.rows[host] = int(w[2]) - int(w[1]) + 1
         elif line.startswith("launch: "):
             if k := _KILL.search(line):
                 ev.kills.append((t, k[1], int(k[2])))
@@ -125,6 +152,41 @@ def step_seconds(points: list[tuple[float, int]], first: int = 2) -> float:
     if len(pts) < 2 or pts[-1][0] == pts[0][0]:
         raise ValueError(f"fewer than two steps from step {first}: {pts}")
     return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+
+
+def inner_step_seconds(points: list[tuple[float, int]], first: int = 2) -> float:
+    """The median wall seconds between consecutive steps from step ``first`` (pure): the
+    inner step alone, an outer step being one slow interval in every H.
+
+    Raises:
+      ValueError: fewer than two consecutive steps from ``first`` on.
+    """
+    at = {s: t for t, s in sorted(points) if s >= first}
+    gaps = [at[s + 1] - at[s] for s in at if s + 1 in at]
+    if not gaps:
+        raise ValueError(f"no two consecutive steps from step {first}: {sorted(at)}")
+    return statistics.median(gaps)
+
+
+def unequal_row(ev: Events, batch: int) -> dict:
+    """What two islands of unequal speed do together against the sum of what each does
+    alone, in rows of the global batch per second (pure).
+
+    Raises:
+      RuntimeError: an island's rows or steps are missing from the output.
+    """
+    hosts = (SURVIVOR, RETURNING)
+    if any(h not in ev.rows or h not in ev.steps for h in hosts):
+        raise RuntimeError(f"unequal: rows or steps missing for {hosts} in the output")
+    alone = {h: ev.rows[h] / inner_step_seconds(ev.steps[h]) for h in hosts}
+    joint = batch / max(step_seconds(ev.steps[h]) for h in hosts)
+    return {
+        "rows": {h: ev.rows[h] for h in hosts},
+        "inner_step_ms": {h: round(inner_step_seconds(ev.steps[h]) * 1e3, 1) for h in hosts},
+        "alone_rows_per_s": {h: round(r, 2) for h, r in alone.items()},
+        "joint_rows_per_s": round(joint, 2),
+        "joint_over_sum": round(joint / sum(alone.values()), 3),
+    }
 
 
 def window_rate(
@@ -177,6 +239,11 @@ def check_args(args) -> list[str]:
         raise ConfigError(f"--rows={args.rows}: must be a comma list of {', '.join(ROWS)}")
     if args.inner_steps < 1:
         raise ConfigError(f"--inner-steps={args.inner_steps}: must be >= 1")
+    if "overlap" in rows and not 0 < args.overlap_steps < args.inner_steps:
+        raise ConfigError(
+            f"--overlap-steps={args.overlap_steps}: must be > 0 and below --inner-steps "
+            f"({args.inner_steps}) for the overlap row"
+        )
     if args.steps < max(10, 3 * args.inner_steps):
         raise ConfigError(
             f"--steps={args.steps}: must be >= 10 and >= 3 x --inner-steps "
@@ -190,16 +257,17 @@ def check_args(args) -> list[str]:
             f"--keep-logs={args.keep_logs}: must be a new or empty folder (a run directory "
             "that holds records moves to <dir>-2, and its metrics would be the old ones)"
         )
-    if any(r in FAULT_ROWS for r in rows) and "independent" not in rows:
-        rows.insert(0, "independent")  # the no-fault rates and loss to compare with
+    if any(r in FAULT_ROWS + ("overlap",) for r in rows) and "independent" not in rows:
+        rows.insert(0, "independent")  # the no-fault / in-step rates and loss to compare with
     return [r for r in ROWS if r in rows]
 
 
 def launch_cmd(row: str, args, run_dir: str, fault_step: int | None) -> list[str]:
     """The ``python -m holmes_jax.launch`` command of a row (pure)."""
-    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", MESH, "--emulate"]
+    mesh = UNEQUAL_MESH if row == "unequal" else MESH
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", mesh, "--emulate"]
     sets = COMMON + [
-        f"parallel.mesh={MESH}",
+        f"parallel.mesh={mesh}",
         f"diloco.inner_steps={args.inner_steps}",
         f"train.steps={args.steps}",
         f"train.eval_every={args.steps}",
@@ -210,6 +278,10 @@ def launch_cmd(row: str, args, run_dir: str, fault_step: int | None) -> list[str
     else:
         cmd.append("--independent-islands")
         sets.append(f"diloco.quorum_timeout_s={args.quorum_timeout:g}")
+    if row == "overlap":
+        sets.append(f"diloco.overlap_steps={args.overlap_steps}")
+    elif row == "unequal":
+        sets.append(f"train.global_batch_size={UNEQUAL_BATCH}")
     if row == "kill":
         cmd += ["--fail-host", f"{RETURNING}@{fault_step}:+{args.outage:g}", "--max-restarts", "1"]
     elif row == "cut":
@@ -300,6 +372,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--outage", type=float, default=30.0, help="seconds down per fault")
     parser.add_argument("--seed", type=int, default=0, help="draws the fault steps")
+    parser.add_argument(
+        "--overlap-steps", type=int, default=5, help="diloco.overlap_steps of the overlap row"
+    )
     parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
     parser.add_argument("--keep-logs", help="keep the runs' logs and metrics in this folder")
     args = parser.parse_args(argv)
@@ -329,6 +404,15 @@ def main(argv=None) -> int:
             "step_ms": round(step_seconds(ev.steps[SURVIVOR]) * 1e3, 1),
             "final_eval_loss": round(final_eval_loss(run_dir, row), 4),
         }
+        if row in ("independent", "overlap"):
+            inner = inner_step_seconds(ev.steps[SURVIVOR])
+            table[row]["inner_step_ms"] = round(inner * 1e3, 1)
+            table[row]["over_inner"] = round(step_seconds(ev.steps[SURVIVOR]) / inner, 3)
+        if row == "overlap":
+            ratio = table[row]["final_eval_loss"] / table["independent"]["final_eval_loss"]
+            table[row]["loss_vs_in_step"] = round(ratio, 4)
+        elif row == "unequal":
+            table[row].update(unequal_row(ev, UNEQUAL_BATCH))
         if row in FAULT_ROWS:
             table[row].update(fault_row(row, ev, events["independent"], args.outage))
             ratio = table[row]["final_eval_loss"] / table["independent"]["final_eval_loss"]
@@ -339,6 +423,7 @@ def main(argv=None) -> int:
         "inner_steps": args.inner_steps,
         "quorum_timeout_s": args.quorum_timeout,
         "outage_s": args.outage,
+        "overlap_steps": args.overlap_steps,
         "seed": args.seed,
         "rows": table,
         "targets": TARGETS,

@@ -18,6 +18,7 @@ def bench():
 
 def _args(**kw):
     base = dict(steps=300, inner_steps=10, quorum_timeout=10.0, outage=30.0, rows="kill")
+    base["overlap_steps"] = 5
     base["keep_logs"] = None
     return argparse.Namespace(**{**base, **kw})
 
@@ -104,3 +105,41 @@ def test_cut_window_is_the_cut_and_rejoin_needs_both_islands(bench):
     assert row["rejoin_s"] == 3.5
     assert row["survivor_rate_ratio_by_host"]["ib-0"] == 1.0
     assert row["survivor_rate_ratio"] == pytest.approx(0.8)  # the slower survivor
+
+
+def test_overlap_and_unequal_rows_launch_what_they_say(bench):
+    assert bench.check_args(_args(rows="overlap", overlap_steps=5)) == ["independent", "overlap"]
+    with pytest.raises(ConfigError, match=r"^--overlap-steps=10: must be > 0 and below"):
+        bench.check_args(_args(rows="overlap", overlap_steps=10))
+    for row in ("overlap", "unequal"):
+        cmd = bench.launch_cmd(row, _args(overlap_steps=5), "/r", None)
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        extra = ["diloco.mode=independent", "diloco.island=0", "diloco.peers=[a:1,b:1]"]
+        cfg = load_config(bench.QUICKSTART, sets + extra)
+        if row == "overlap":
+            assert cfg.diloco.overlap_steps == 5 and cmd[cmd.index("--mesh") + 1] == bench.MESH
+        else:
+            assert cmd[cmd.index("--mesh") + 1] == cfg.parallel.mesh == bench.UNEQUAL_MESH
+            assert cfg.train.global_batch_size == bench.UNEQUAL_BATCH
+
+
+def test_unequal_islands_together_against_each_alone(bench):
+    # ib: 16 rows, 1 s a step; roce: 8 rows, 1 s a step; an outer step every 5 steps costs
+    # roce 0.5 s and ib waits for it: 19 steps of 24 rows in 21 s against 24 rows/s alone.
+    lines = [
+        (0.0, "[ib-0  ] diloco: independent island ib (0 of 2): rows 0-15 of the 24-row g"),
+        (0.0, "[roce-0] diloco: independent island roce (1 of 2): rows 16-23 of the 24-r"),
+    ]
+    for host in ("ib-0  ", "roce-0"):
+        t = 0.0
+        for s in range(1, 22):
+            t += 1.0 + (0.5 if s % 5 == 1 and s > 1 else 0.0)
+            lines.append((t, f"[{host}] step {s} | loss 3.0"))
+    ev = bench.parse_events(lines)
+    assert ev.rows == {"ib-0": 16, "roce-0": 8}
+    assert bench.inner_step_seconds(ev.steps["ib-0"]) == 1.0
+    row = bench.unequal_row(ev, 24)
+    assert row["alone_rows_per_s"] == {"ib-0": 16.0, "roce-0": 8.0}
+    assert row["joint_over_sum"] == pytest.approx(19 / 21, abs=1e-3)  # steps 2-21 in 21 s
+    with pytest.raises(RuntimeError, match="rows or steps missing"):
+        bench.unequal_row(bench.parse_events(lines[2:]), 24)
