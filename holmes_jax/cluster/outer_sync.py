@@ -147,6 +147,40 @@ class Unreachable(Exception):
     """A peer did not answer (refused, timed out, or its link is cut)."""
 
 
+def call(
+    address: tuple[str, int],
+    method: str,
+    path: str,
+    body: bytes = b"",
+    timeout: float = 1.0,
+    headers: dict[str, str] | None = None,
+) -> bytes | None:
+    """One request to a peer's server: the body of its 200 reply, or None when the peer
+    refused, timed out, cut the reply short or answered anything but 200."""
+    conn = http.client.HTTPConnection(*address, timeout=timeout)
+    try:
+        conn.request(method, path, body, headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+    return data if resp.status == 200 else None
+
+
+def live_round(peers: dict[int, tuple[str, int]], me: int, timeout: float) -> int:
+    """The highest round a live, ready peer other than island ``me`` reports (0: none)."""
+    best = 0
+    for j, address in peers.items():
+        if j == me or (data := call(address, "GET", "/status", timeout=timeout)) is None:
+            continue
+        status = json.loads(data)
+        if status.get("ready"):
+            best = max(best, int(status["round"]))
+    return best
+
+
 class OuterSync:
     """One island's end of the protocol (module doc): an HTTP server on ``peers[island]``
     and the client calls of :meth:`sync` and :meth:`join`.
@@ -269,18 +303,9 @@ class OuterSync:
     def _request(self, j: int, method: str, path: str, body: bytes = b"", long=False) -> bytes:
         if j in self.cut:
             raise Unreachable(j)
-        host, port = self.peers[j]
         wait = self.cfg.quorum_timeout_s + 2 * self.cfg.probe_s if long else self.cfg.probe_s
-        conn = http.client.HTTPConnection(host, port, timeout=wait)
-        try:
-            conn.request(method, path, body, {"X-Island": str(self.island)})
-            resp = conn.getresponse()
-            data = resp.read()
-        except (OSError, http.client.HTTPException) as err:  # refused, timed out, cut short
-            raise Unreachable(j) from err
-        finally:
-            conn.close()
-        if resp.status != 200:
+        data = call(self.peers[j], method, path, body, wait, {"X-Island": str(self.island)})
+        if data is None:
             raise Unreachable(j)
         return data
 

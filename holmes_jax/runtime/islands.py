@@ -42,11 +42,9 @@ only process 0 talks to the peers; the new global model is broadcast back.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import jax
@@ -54,7 +52,7 @@ import numpy as np
 from etils import epath
 
 from holmes_jax.cluster.distributed import barrier
-from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, split_state, unpack
+from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, live_round, split_state, unpack
 from holmes_jax.core.config import Config
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
@@ -194,7 +192,8 @@ class IslandSync:
         if jax.process_count() > 1:  # compiled, then in step: the first collectives follow
             self.program.compile_layout_conversions()
             barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
-        live = self._live_round() if self.main else 0
+        peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
+        live = live_round(peers, self.share.island, PROBE_S) if self.main else 0
         return bool(self._broadcast(np.bool_(live > 0)))
 
     def start(self, state, step: int, heal: bool, resumed_from: str | None) -> tuple[Any, int]:
@@ -239,23 +238,6 @@ class IslandSync:
             f"{step} with fresh AdamW moments"
         )
         return state, step
-
-    def _live_round(self) -> int:
-        """The highest round a live, ready peer reports (0: none)."""
-        best = 0
-        for i, peer in enumerate(self.d.peers):
-            if i == self.share.island:
-                continue
-            host, port = _address(peer)
-            try:
-                url = f"http://{host}:{port}/status"
-                with urllib.request.urlopen(url, timeout=PROBE_S) as resp:
-                    status = json.loads(resp.read())
-            except OSError:
-                continue
-            if status.get("ready"):
-                best = max(best, int(status["round"]))
-        return best
 
     # ---- the outer step ---------------------------------------------------------------
 
