@@ -1,11 +1,12 @@
 """Benchmark: Holmes placement vs naive data parallelism on an emulated 2-island network.
 
     sudo .venv/bin/python scripts/bench_islands.py [--steps 6] [--keep-logs DIR] \\
-        [--set model.hidden_size=512] [--only holmes,fast]
+        [--set model.hidden_size=512] [--only holmes,fast] [--links 100mbit-20ms]
 
 Four single-device hosts in two islands, each a process in its own network namespace
 (``launch --emulate``). Links are 1 Gbit/s inside each island and 100 Mbit/s between them
-(meshes/emu-4host-2island.yaml), real gloo traffic through ``tc htb``. The model's
+(meshes/emu-4host-2island.yaml; ``--links 100mbit-20ms``: with 20 ms of round trip between
+the islands, meshes/emu-4host-2island-20ms.yaml), real gloo traffic through ``tc htb``. The model's
 gradients (13 MB fp32) are ~400x one micro-batch's activations (32 KiB), so where the
 gradient traffic flows decides the step time. Variants, a few steps each:
 
@@ -49,6 +50,7 @@ from holmes_jax.planner.plans import predict_config, specs_from_config  # noqa: 
 from holmes_jax.planner.topology import load_topology  # noqa: E402
 
 SLOW = f"{benchlib.ROOT}/meshes/emu-4host-2island.yaml"
+LINKS = {"100mbit": SLOW, "100mbit-20ms": f"{benchlib.ROOT}/meshes/emu-4host-2island-20ms.yaml"}
 FAST = f"{benchlib.ROOT}/meshes/emu-4host-2island-fast.yaml"
 MODEL = [
     "model.num_layers=4",
@@ -156,8 +158,17 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--only", default="holmes,naive,fast,zb", help="comma-separated variants to run"
     )
+    parser.add_argument(
+        "--links",
+        default="100mbit",
+        choices=sorted(LINKS),
+        help="the link between the islands of variants a, b, d (default 100mbit: 100 µs)",
+    )
     args = parser.parse_args(argv)
     MODEL.extend(args.set)
+    slow_mesh = LINKS[args.links]
+    for name, (mesh, extra) in VARIANTS.items():
+        VARIANTS[name] = (slow_mesh if mesh == SLOW else mesh, extra)
     for name in set(VARIANTS) - set(args.only.split(",")):
         del VARIANTS[name]
     if args.steps < 6:
@@ -174,15 +185,15 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    slow = load_topology(SLOW)
+    slow = load_topology(slow_mesh)
     folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_islands_")
     os.makedirs(folder, exist_ok=True)
     cfgs = {name: config(args.steps, extra, mesh) for name, (mesh, extra) in VARIANTS.items()}
     # The probe times a stage at its plan's micro-batch: naive data parallel runs 2
     # sequences of 4 layers per device, the Holmes plans 1 sequence of 2 layers.
-    profiled = {"slow": probe_launch(SLOW, HOLMES, folder, "slow")}
+    profiled = {"slow": probe_launch(slow_mesh, HOLMES, folder, "slow")}
     if "naive" in VARIANTS:
-        profiled["naive"] = probe_launch(SLOW, NAIVE, folder, "naive")
+        profiled["naive"] = probe_launch(slow_mesh, NAIVE, folder, "naive")
     if "fast" in VARIANTS:
         profiled["fast"] = probe_launch(FAST, HOLMES, folder, "fast")
     which = {"holmes": "slow", "naive": "naive", "fast": "fast", "zb": "slow"}
@@ -190,7 +201,7 @@ def main(argv=None) -> int:
         name: predicted_step(cfg, *profiled[which[name]][:2]) for name, cfg in cfgs.items()
     }
 
-    holmes_cfg = config(args.steps, HOLMES, SLOW)
+    holmes_cfg = config(args.steps, HOLMES, slow_mesh)
     one_measured, one_predicted = single_process(
         holmes_cfg, slow, calibrate(holmes_cfg, slow), args.steps
     )
@@ -203,13 +214,14 @@ def main(argv=None) -> int:
     ratio = lambda a, b: measured[a] / measured[b] if a in measured and b in measured else 0.0
     b_a, a_c = ratio("naive", "holmes"), ratio("holmes", "fast")
     errors = {k: (predicted[k] - measured[k]) / measured[k] for k in measured}
-    model, _ = specs_from_config(config(args.steps, HOLMES, SLOW))
+    model, _ = specs_from_config(config(args.steps, HOLMES, slow_mesh))
     act = 1 * model.seq_len * model.hidden_size * 4  # one micro-batch of 1 row, fp32
     result = {
         "bench": "islands",
         "topology": {
             "intra_island_mbit": slow.islands[0].link.bandwidth_gbps * 1e3,
             "inter_island_mbit": slow.inter_island_default.bandwidth_gbps * 1e3,
+            "inter_island_rtt_ms": slow.inter_island_default.latency_us * 2e-3,
             "hosts": slow.num_hosts,
         },
         "model": {
