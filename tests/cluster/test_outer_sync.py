@@ -2,6 +2,7 @@
 in one process: several islands on localhost ports, fake numpy shards, no jax."""
 
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -133,6 +134,61 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
     want_g, _ = expected(*before, thetas, [1, 2, 3])
     assert all(same(n.glob, back.glob) for n in everyone) and nodes[0].members == {0, 1, 2}
     np.testing.assert_allclose(back.glob[KEYS[1]], want_g[KEYS[1]], rtol=1e-6)
+
+
+def slow_relay(target, bytes_per_s):
+    """A TCP relay to ``target`` that carries what a client sends at ``bytes_per_s`` (the
+    replies at full speed): a slow link in one process. Returns its address."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pump(src, dst, chunk, pause):
+        try:
+            while data := src.recv(chunk):
+                dst.sendall(data)
+                time.sleep(pause)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def serve():
+        while True:
+            client, _ = listener.accept()
+            server = socket.create_connection(target)
+            threading.Thread(target=pump, args=(client, server, 4096, 4096 / bytes_per_s),
+                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=pump, args=(server, client, 1 << 16, 0), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()
+
+
+def test_slow_uploads_and_late_rounds_are_not_a_dead_leader(islands):
+    # Island 1 reaches the leader over a slow link: its 48-KB delta takes ~0.5 s to upload.
+    # Island 2 arrives 1.2 s late, so island 1 then waits ~0.7 s for the result. Both are
+    # several times the 0.1-s probe timeout and under the 2-s quorum timeout.
+    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=2.0, probe_s=0.1)
+    peers = free_ports(3)
+    rng = np.random.default_rng(3)
+    glob = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in KEYS}
+    mom = {k: np.zeros_like(v) for k, v in glob.items()}
+    via = [peers, {**peers, 0: slow_relay(peers[0], 100_000)}, peers]
+    nodes = [OuterSync(i, via[i], cfg, (glob, mom)) for i in range(3)]
+    islands[1].extend(nodes)
+    thetas = [inner(n, 15 + i) for i, n in enumerate(nodes)]
+
+    def late(node, theta, delay):
+        time.sleep(delay)
+        return node.sync(theta, 1)
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(late, n, t, 1.2 * (i == 2)) for i, (n, t) in
+                   enumerate(zip(nodes, thetas, strict=True))]  # fmt: skip
+        [f.result(timeout=30) for f in futures]
+    assert all(n.round == 1 and n.lineage == "root" and same(n.glob, nodes[0].glob) for n in nodes)
+    assert nodes[0].members == {0, 1, 2}
+    want_g, _ = expected(glob, mom, thetas, [1, 1, 1])
+    np.testing.assert_allclose(nodes[1].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6, atol=1e-6)
 
 
 def test_leader_death_survivors_agree(islands):
