@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_independent.py [--steps 300] [--inner-steps 10] \\
         [--quorum-timeout 10] [--outage 30] [--seed 0] [--overlap-steps 5] \\
-        [--rows spmd,independent,overlap,kill,cut,unequal] [--keep-logs DIR]
+        [--rows spmd,independent,overlap,kill,cut,unequal] [--set KEY=VALUE] [--keep-logs DIR]
 
 On ``meshes/emu-4host-2island-slow.yaml`` (``launch --emulate``: 1 Gbit/s inside each island,
 10 Mbit/s between them), the quickstart model, data 2 per island, ``H = --inner-steps``:
@@ -287,7 +287,16 @@ def launch_cmd(row: str, args, run_dir: str, fault_step: int | None) -> list[str
     elif row == "cut":
         cmd += ["--cut-islands", f"{fault_step}:+{args.outage:g}"]
     cmd += ["--", "--config", QUICKSTART]
-    return cmd + [a for s in sets for a in ("--set", s)]
+    return cmd + [a for s in sets + list(args.set) for a in ("--set", s)]
+
+
+def tokens_per_step(row: str, args) -> int:
+    """The tokens of one global batch of ``row``, ``--set`` overrides included."""
+    from holmes_jax.core.config import load_config
+
+    cfg = load_config(QUICKSTART, list(args.set))
+    batch = UNEQUAL_BATCH if row == "unequal" else cfg.train.global_batch_size
+    return batch * cfg.model.seq_len
 
 
 def run_logged(cmd: list[str], path: str) -> list[tuple[float, str]]:
@@ -376,6 +385,14 @@ def main(argv=None) -> int:
         "--overlap-steps", type=int, default=5, help="diloco.overlap_steps of the overlap row"
     )
     parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every row, after the bench's own (repeatable), e.g. "
+        "diloco.warmup_steps=50",
+    )
     parser.add_argument("--keep-logs", help="keep the runs' logs and metrics in this folder")
     args = parser.parse_args(argv)
     try:
@@ -400,8 +417,10 @@ def main(argv=None) -> int:
             print(f"error: {row}: {e}", file=sys.stderr)
             return 1
         events[row] = ev = parse_events(lines)
+        step = step_seconds(ev.steps[SURVIVOR])
         table[row] = {
-            "step_ms": round(step_seconds(ev.steps[SURVIVOR]) * 1e3, 1),
+            "step_ms": round(step * 1e3, 1),
+            "tokens_per_s": round(tokens_per_step(row, args) / step),
             "final_eval_loss": round(final_eval_loss(run_dir, row), 4),
         }
         if row in ("independent", "overlap"):
@@ -425,6 +444,7 @@ def main(argv=None) -> int:
         "outage_s": args.outage,
         "overlap_steps": args.overlap_steps,
         "seed": args.seed,
+        "set": args.set,
         "rows": table,
         "targets": TARGETS,
     }

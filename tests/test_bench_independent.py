@@ -18,7 +18,7 @@ def bench():
 
 def _args(**kw):
     base = dict(steps=300, inner_steps=10, quorum_timeout=10.0, outage=30.0, rows="kill")
-    base["overlap_steps"] = 5
+    base["overlap_steps"], base["set"] = 5, []
     base["keep_logs"] = None
     return argparse.Namespace(**{**base, **kw})
 
@@ -143,3 +143,11 @@ def test_unequal_islands_together_against_each_alone(bench):
     assert row["joint_over_sum"] == pytest.approx(19 / 21, abs=1e-3)  # steps 2-21 in 21 s
     with pytest.raises(RuntimeError, match="rows or steps missing"):
         bench.unequal_row(bench.parse_events(lines[2:]), 24)
+
+
+def test_overrides_reach_every_row_and_its_tokens(bench):
+    args = _args(set=["diloco.warmup_steps=50", "model.seq_len=64"])
+    cmd = bench.launch_cmd("overlap", args, "/r", None)
+    assert cmd[-4:] == ["--set", "diloco.warmup_steps=50", "--set", "model.seq_len=64"]
+    assert bench.tokens_per_step("overlap", args) == 32 * 64
+    assert bench.tokens_per_step("unequal", args) == bench.UNEQUAL_BATCH * 64
