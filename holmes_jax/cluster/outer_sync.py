@@ -17,10 +17,23 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   its tokens since the last round to its leader, then long-polls the leader for the
   result. The leader waits for every member of round r−1, but at most ``quorum_timeout_s``
   after the first delta arrived; whoever delivered by then participates. Result:
-  ``Δ̄ = Σ tokens_i·decode(Δ_i) / Σ tokens_i`` in fp32; Nesterov ``m ← μm + Δ̄``,
-  ``global ← global − lr(Δ̄ + μm)`` (:func:`nesterov`); a warm-up round (``sync(...,
-  average=True)``) takes ``global ← global − Δ̄`` and keeps ``m``. A delta that arrives late, or for
-  a round already closed, is dropped: its island adopts the latest result.
+  ``Δ̄ = Σ tokens_i·decode(Δ_i) / Σ tokens_i`` in fp32, encoded in ``outer_dtype`` too;
+  every member, the leader included, takes the step with its decoded value ``D``:
+  Nesterov ``m ← μm + D``, ``global ← global − lr(D + μm)`` (:func:`nesterov`); a warm-up
+  round (``sync(..., average=True)``) takes ``global ← global − D`` and keeps ``m``. A
+  member that still holds the state the round started from (its lineage, round and tokens
+  match) fetches only the step (``D`` and the round's meta), half the whole state's
+  bytes; the same arithmetic on the same state keeps the members equal bit for bit.
+  Anyone else gets the whole state. A delta that arrives late, or for a round already
+  closed, is dropped: its island adopts the latest state.
+* **Lockstep.** A member acknowledges the result once it has it (``GET /ack``); the
+  leader's own call returns when every other participant has, or after
+  ``quorum_timeout_s``. So the members start their next inner steps together and a
+  delta reaches the leader within its upload time of the leader's own. Without it the
+  leader, which transfers nothing, runs ahead by its members' download time: at 10 Mbit/s
+  (the quickstart model, before the step-only results) a member's 6.5-MB delta took 5 s
+  up and the 13-MB state 10 s down, its next delta arrived 15 s after the leader's, and a
+  10-s quorum timeout dropped it from every round.
 * **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
   takes the lowest reachable member as leader, itself last, and tells it which members it
   found dead so that the new leader does not wait for them.
@@ -48,7 +61,8 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   before that round closes; it is a member from the next round on.
 
 HTTP (one JSON meta plus numpy arrays per body, :func:`pack`): ``GET /status``,
-``POST /delta``, ``GET /result?round=r``, ``POST /join``.
+``POST /delta``, ``GET /result?round=r[&have=<lineage;round;tokens>]``, ``GET /ack?round=r``,
+``POST /join``.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import io
 import json
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -209,7 +224,9 @@ class OuterSync:
         self.active = 0  # requests being served
         self.joined: set[int] = set()  # joined during the open round
         self.dead: set[int] = set()  # reported dead during the open round
-        self.results: dict[int, bytes] = {}  # the last rounds' packed states
+        self.step: tuple[str, bytes] | None = None  # the last round's (base key, packed step)
+        self.took: dict[int, set[int]] = {}  # the last rounds' participants but this island
+        self.fetched: dict[int, set[int]] = {}  # round -> islands that acknowledged its result
         if state is not None:
             self.glob = {k: np.asarray(v, np.float32) for k, v in state[0].items()}
             self.mom = {k: np.asarray(v, np.float32) for k, v in state[1].items()}
@@ -273,14 +290,16 @@ class OuterSync:
             if leader == self.island:
                 if not self._accept(self.island, want, delta, tokens, dead, lineage, average):
                     continue
-                self._await_result(want)
+                if self._await_result(want):
+                    self._await_fetched(want)
                 continue
             try:
                 meta = self._post_delta(leader, want, delta, tokens, dead, lineage, average)
                 if meta.get("refused"):  # another lineage or a closed round: join it
                     self._join_via(leader)
                     continue
-                self._adopt(*unpack(self._get(leader, f"/result?round={want}", long=True)))
+                self._fetch_result(leader, want)
+                self._acknowledge(leader, want)
             except Unreachable:
                 dead.add(leader)
                 self._fail_over(dead)
@@ -314,6 +333,30 @@ class OuterSync:
 
     def _status(self, j: int) -> dict:
         return json.loads(self._get(j, "/status"))
+
+    def _fetch_result(self, j: int, want: int) -> None:
+        """Round ``want``'s result from leader ``j``: only the step when this island still
+        holds the state the round started from, else the whole state."""
+        with self.cond:
+            have = urllib.parse.quote(self._key())
+        meta, arrays = unpack(self._get(j, f"/result?round={want}&have={have}", long=True))
+        if meta.get("kind") != "step":
+            self._adopt(meta, arrays)
+            return
+        with self.cond:
+            if self._key() == urllib.parse.unquote(have):  # unchanged while it travelled
+                self._apply(meta, arrays)
+                self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
+                self.cond.notify_all()
+                return
+        self._adopt(*unpack(self._get(j, f"/result?round={want}", long=True)))
+
+    def _acknowledge(self, j: int, want: int) -> None:
+        """Tell leader ``j`` this island has round ``want``'s result (lost: it waits less)."""
+        try:
+            self._get(j, f"/ack?round={want}")
+        except Unreachable:
+            pass
 
     def _post_delta(self, j, want, delta, tokens, dead, lineage, average=False) -> dict:
         meta = {"island": self.island, "round": want, "tokens": tokens, "dead": sorted(dead)}
@@ -451,30 +494,62 @@ class OuterSync:
                 self.cond.wait(min(wait, end - now))
             return True
 
+    def _await_fetched(self, want: int) -> None:
+        """Wait until the other participants of round ``want`` have acknowledged its result,
+        at most ``quorum_timeout_s`` (module doc, Round r)."""
+        end = time.monotonic() + self.cfg.quorum_timeout_s
+        with self.cond:
+            while self.took.get(want, set()) - self.fetched.get(want, set()):
+                now = time.monotonic()
+                if now >= end:
+                    return
+                self.cond.wait(end - now)
+
     def _close_round(self) -> None:
-        """Average the delivered deltas token-weighted, take the Nesterov step, name the next
-        round's members and leader (lock held)."""
+        """Average the delivered deltas token-weighted, encode the mean in
+        ``outer_dtype``, apply its decoded value (:meth:`_apply`, as every member will),
+        name the next round's members and leader (lock held)."""
         weights = {i: max(t, 0) for i, (_, t) in self.open.items()}
         total = sum(weights.values())
+        base, arrays, scales = self._key(), {}, {}
         for k in self.glob:
             if total > 0:
                 avg = sum(weights[i] * d[k] for i, (d, _) in self.open.items()) / total
             else:
                 avg = sum(d[k] for d, _ in self.open.values()) / len(self.open)
-            avg = avg.astype(np.float32)
-            lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-            if self.average:  # warm-up: plain averaging, the momentum kept for later
-                self.glob[k] = self.glob[k] - avg
-            else:
-                self.glob[k], self.mom[k] = nesterov(self.glob[k], self.mom[k], avg, lr, mu)
-        self.round += 1
-        self.tokens += total
+            arrays[k], scales[k] = encode(avg.astype(np.float32), self.cfg.outer_dtype)
+        meta = {"round": self.round + 1, "tokens": self.tokens + total, "average": self.average}
+        meta.update(scales=scales, lr=self.cfg.outer_lr, mu=self.cfg.outer_momentum)
         self.members = set(self.open) | self.joined
         self.leader = min(self.members)
+        meta.update(leader=self.leader, members=sorted(self.members))
+        self._apply(meta, arrays)
+        self.step = (base, pack({**meta, "kind": "step"}, arrays))
+        self.took[self.round] = set(self.open) - {self.island}
         self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
-        self.results[self.round] = self._state_body()
-        self.results.pop(self.round - 4, None)
+        for old in (self.took, self.fetched):
+            old.pop(self.round - 4, None)
         self.cond.notify_all()
+
+    def _apply(self, meta: dict, arrays: Shards) -> None:
+        """Take a round's step (:meth:`_close_round`'s ``meta`` and encoded mean delta) from
+        this island's state of the round before: the same arithmetic on every member, so
+        they stay equal bit for bit (lock held)."""
+        for k, payload in arrays.items():
+            avg = decode(payload, meta["scales"][k])
+            if meta["average"]:  # warm-up: plain averaging, the momentum kept for later
+                self.glob[k] = self.glob[k] - avg
+            else:
+                self.glob[k], self.mom[k] = nesterov(
+                    self.glob[k], self.mom[k], avg, meta["lr"], meta["mu"]
+                )
+        self.round, self.tokens, self.leader = meta["round"], meta["tokens"], meta["leader"]
+        self.members = set(meta["members"])
+
+    def _key(self) -> str:
+        """What names this island's global model: lineage, round and tokens (a merge
+        changes the tokens), as sent with ``/result?have=`` (lock held)."""
+        return f"{self.lineage};{self.round};{self.tokens}"
 
     def _merge(self, meta: dict, arrays: Shards) -> None:
         """Merge a joiner's lineage token-weighted into this one, once (lock held)."""
@@ -522,16 +597,25 @@ class OuterSync:
             ok = self._accept(*args, meta["lineage"], meta.get("average", False))
             self._reply(req, json.dumps({"refused": not ok}).encode())
         elif path == "/result":
-            want = int(query.removeprefix("round="))
+            args = urllib.parse.parse_qs(query)
+            want, have = int(args["round"][0]), args.get("have", [""])[0]
             closed = self._await_result(want)
             with self.cond:
-                body = self.results.get(want) if closed else None
-                if closed and body is None:  # closed long ago: the latest state
+                body = None
+                if closed and self.round == want and self.step and self.step[0] == have:
+                    body = self.step[1]  # the asker holds the round's start: the step only
+                elif closed:  # else the whole state, of the latest round
                     body = self._state_body()
             if body is None:
                 req.send_error(504)
             else:
                 self._reply(req, body)
+        elif path == "/ack":
+            want = int(urllib.parse.parse_qs(query)["round"][0])
+            with self.cond:
+                self.fetched.setdefault(want, set()).add(peer)
+                self.cond.notify_all()
+            self._reply(req, b"{}")
         elif path == "/join":
             meta, arrays = unpack(body)
             with self.cond:

@@ -4,12 +4,13 @@ in one process: several islands on localhost ports, fake numpy shards, no jax.""
 import socket
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, decode, encode
+from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, call, decode, encode, unpack
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 
@@ -91,11 +92,18 @@ def test_codec_bounds():
 
 
 def test_round_agrees_and_is_token_weighted(islands):
-    nodes, _ = islands[0](3)
+    nodes, peers = islands[0](3)
     glob, mom = start_state()
     thetas = [inner(n, 10 + i) for i, n in enumerate(nodes)]
     tokens = [100, 300, 600]
+    start = urllib.parse.quote(nodes[1]._key())
     out = sync_all(nodes, thetas, tokens)
+    # a member that holds the round's start fetches the mean delta only: half the state
+    step = call(peers[0], "GET", f"/result?round=1&have={start}", timeout=5)
+    whole = call(peers[0], "GET", "/result?round=1", timeout=5)
+    assert unpack(step)[0]["kind"] == "step" and unpack(step)[1].keys() == set(KEYS)
+    nbytes = lambda body: sum(a.nbytes for a in unpack(body)[1].values())  # noqa: E731
+    assert len(unpack(whole)[1]) == 2 * len(KEYS) and 2 * nbytes(step) == nbytes(whole)
     want_g, want_m = expected(glob, mom, thetas, tokens)
     for n, g in zip(nodes, out, strict=True):
         assert same(g, nodes[0].glob) and same(n.mom, nodes[0].mom) and n.round == 1
@@ -136,16 +144,17 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
     np.testing.assert_allclose(back.glob[KEYS[1]], want_g[KEYS[1]], rtol=1e-6)
 
 
-def slow_relay(target, bytes_per_s):
-    """A TCP relay to ``target`` that carries what a client sends at ``bytes_per_s`` (the
-    replies at full speed): a slow link in one process. Returns its address."""
+def slow_relay(target, up, down=None):
+    """A TCP relay to ``target`` that carries what a client sends at ``up`` bytes a second
+    and the replies at ``down`` (None: at full speed): a slow link in one process.
+    Returns its address."""
     listener = socket.create_server(("127.0.0.1", 0))
 
-    def pump(src, dst, chunk, pause):
+    def pump(src, dst, rate):
         try:
-            while data := src.recv(chunk):
+            while data := src.recv(4096 if rate else 1 << 16):
                 dst.sendall(data)
-                time.sleep(pause)
+                time.sleep(len(data) / rate if rate else 0)
         except OSError:
             pass
         finally:
@@ -155,12 +164,18 @@ def slow_relay(target, bytes_per_s):
         while True:
             client, _ = listener.accept()
             server = socket.create_connection(target)
-            threading.Thread(target=pump, args=(client, server, 4096, 4096 / bytes_per_s),
-                             daemon=True).start()  # fmt: skip
-            threading.Thread(target=pump, args=(server, client, 1 << 16, 0), daemon=True).start()
+            threading.Thread(target=pump, args=(client, server, up), daemon=True).start()
+            threading.Thread(target=pump, args=(server, client, down), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return listener.getsockname()
+
+
+def big_state(seed=3):
+    """48 KB of global model: transfers that take a visible time through a slow relay."""
+    rng = np.random.default_rng(seed)
+    glob = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in KEYS}
+    return glob, {k: np.zeros_like(v) for k, v in glob.items()}
 
 
 def test_slow_uploads_and_late_rounds_are_not_a_dead_leader(islands):
@@ -169,9 +184,7 @@ def test_slow_uploads_and_late_rounds_are_not_a_dead_leader(islands):
     # several times the 0.1-s probe timeout and under the 2-s quorum timeout.
     cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=2.0, probe_s=0.1)
     peers = free_ports(3)
-    rng = np.random.default_rng(3)
-    glob = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in KEYS}
-    mom = {k: np.zeros_like(v) for k, v in glob.items()}
+    glob, mom = big_state()
     via = [peers, {**peers, 0: slow_relay(peers[0], 100_000)}, peers]
     nodes = [OuterSync(i, via[i], cfg, (glob, mom)) for i in range(3)]
     islands[1].extend(nodes)
@@ -189,6 +202,26 @@ def test_slow_uploads_and_late_rounds_are_not_a_dead_leader(islands):
     assert nodes[0].members == {0, 1, 2}
     want_g, _ = expected(glob, mom, thetas, [1, 1, 1])
     np.testing.assert_allclose(nodes[1].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6, atol=1e-6)
+
+
+def test_members_stay_in_step_when_their_download_is_slow(islands):
+    # Island 1's link to the leader: ~0.8 s up (48-KB delta) and ~1.2 s down (96-KB global
+    # and momentum) a round. Were the leader to go on as soon as it has the result, island
+    # 1's next delta would reach it ~2 s after the leader's own, past the 1.5-s quorum
+    # timeout, and be dropped; in step it is ~0.8 s behind.
+    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=1.5, probe_s=0.3)
+    peers = free_ports(2)
+    via = [peers, {**peers, 0: slow_relay(peers[0], 60_000, 80_000)}]
+    nodes = [OuterSync(i, via[i], cfg, big_state()) for i in range(2)]
+    islands[1].extend(nodes)
+
+    def rounds(node):  # each island goes on as soon as its sync returns
+        return [(node.sync(inner(node, 20 + r), 1), sorted(node.members))[1] for r in range(2)]
+
+    with ThreadPoolExecutor(2) as pool:
+        members = [f.result(timeout=60) for f in [pool.submit(rounds, n) for n in nodes]]
+    assert members == [[[0, 1]] * 2] * 2 and same(nodes[0].glob, nodes[1].glob)
+    assert [(n.round, n.tokens, n.lineage) for n in nodes] == [(2, 4, "root")] * 2
 
 
 def test_leader_death_survivors_agree(islands):
