@@ -52,13 +52,18 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   joiner adopts the merged state and sends its pending delta to the primary's open round;
   the rest of its group, refused by their old leader (another lineage now), join too and
   adopt. Nothing trained on either side is lost.
-* **Late.** A delta refused because its round closed: the island re-joins its leader (a
-  member again from the next round) and adopts the latest state; that delta is dropped.
+* **Late.** A delta refused because its round closed: the island re-joins its leader and
+  adopts the latest state (that delta is dropped), then waits, without a delta, for the
+  round open at its join to close and takes its result; the leader's close waits for its
+  acknowledgement as for a participant's (Lockstep). So it starts its next inner steps
+  with the others and is a member from the round after. Without the wait it started its
+  inner steps a download behind the leader and was late again every round.
 * **Restart.** An island restarted without state (:meth:`OuterSync.join`) asks any live
   peer for its leader and joins it with weight 0: it adopts ``global``, ``momentum``,
-  ``round`` bit for bit (no checkpoint read). It takes no part in the round open at its
-  join (weight 0, the same as a zero pseudo-gradient with no tokens) unless it delivers
-  before that round closes; it is a member from the next round on.
+  ``round`` bit for bit (no checkpoint read). Then it waits, as a late island does, for
+  the round open at its join (it contributes nothing to it: a zero pseudo-gradient with
+  no tokens) and takes that round's result in step with the leader; it is a member from
+  the next round on.
 
 HTTP (one JSON meta plus numpy arrays per body, :func:`pack`): ``GET /status``,
 ``POST /delta``, ``GET /result?round=r[&have=<lineage;round;tokens>]``, ``GET /ack?round=r``,
@@ -227,6 +232,7 @@ class OuterSync:
         self.step: tuple[str, bytes] | None = None  # the last round's (base key, packed step)
         self.took: dict[int, set[int]] = {}  # the last rounds' participants but this island
         self.fetched: dict[int, set[int]] = {}  # round -> islands that acknowledged its result
+        self.awaiting: set[int] = set()  # joined to take the open round's result in step
         if state is not None:
             self.glob = {k: np.asarray(v, np.float32) for k, v in state[0].items()}
             self.mom = {k: np.asarray(v, np.float32) for k, v in state[1].items()}
@@ -296,7 +302,7 @@ class OuterSync:
             try:
                 meta = self._post_delta(leader, want, delta, tokens, dead, lineage, average)
                 if meta.get("refused"):  # another lineage or a closed round: join it
-                    self._join_via(leader)
+                    self._join_via(leader, then_next=bool(meta.get("late")))
                     continue
                 self._fetch_result(leader, want)
                 self._acknowledge(leader, want)
@@ -311,7 +317,7 @@ class OuterSync:
                 if j == self.island:
                     continue
                 try:
-                    self._join_via(j, weight=False)
+                    self._join_via(j, weight=False, then_next=True)
                     return
                 except Unreachable:
                     continue
@@ -367,23 +373,45 @@ class OuterSync:
         meta["scales"] = scales
         return json.loads(self._request(j, "POST", "/delta", pack(meta, arrays), long=True))
 
-    def _join_via(self, j: int, weight: bool = True) -> None:
+    def _join_via(self, j: int, weight: bool = True, then_next: bool = False) -> None:
         """Join the leader that island ``j`` follows (or ``j``); with ``weight`` this
-        island's progress since its fork is merged, else it only adopts."""
+        island's progress since its fork is merged (another lineage's), else it only
+        adopts. ``then_next``: then wait, without a delta, for the round open at the join
+        to close and take its result in step with the others (:meth:`_await_next`)."""
         status = self._status(j)
         with self.cond:
-            meta = {"island": self.island, "lineage": self.lineage, "weight": 0}
+            meta = {"island": self.island, "lineage": self.lineage, "next": then_next}
             meta.update(parent=self.parent, fork_tokens=self.fork_tokens, tokens=self.tokens)
-            meta["weight"] = int(weight and self.ready)  # 1: merge my progress since the fork
+            # 1: merge my progress since the fork (nothing to merge within one lineage)
+            meta["weight"] = int(weight and self.ready and status["lineage"] != self.lineage)
             arrays = dict(self.glob) if meta["weight"] else {}
         for target in (status["leader"], j):
             try:
                 body = self._request(target, "POST", "/join", pack(meta, arrays), long=True)
                 self._adopt(*unpack(body))
-                return
             except Unreachable:
                 continue
+            if then_next:
+                self._await_next()
+            return
         raise Unreachable(j)
+
+    def _await_next(self) -> None:
+        """After a join: the result of the round open at the join, acknowledged, so this
+        island's next inner steps start with its leader's (module doc, Restart). Waits as
+        long as the leader answers; returns if it does not (the next round fails over)."""
+        while True:
+            with self.cond:
+                want, leader = self.round + 1, self.leader
+            try:
+                self._fetch_result(leader, want)
+                self._acknowledge(leader, want)
+                return
+            except Unreachable:  # the round is still open (a long phase), or the leader died
+                try:
+                    self._status(leader)
+                except Unreachable:
+                    return
 
     def _heal_if_split(self) -> None:
         with self.cond:
@@ -525,8 +553,9 @@ class OuterSync:
         meta.update(leader=self.leader, members=sorted(self.members))
         self._apply(meta, arrays)
         self.step = (base, pack({**meta, "kind": "step"}, arrays))
-        self.took[self.round] = set(self.open) - {self.island}
+        self.took[self.round] = (set(self.open) | self.awaiting) - {self.island}
         self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
+        self.awaiting = set()
         for old in (self.took, self.fetched):
             old.pop(self.round - 4, None)
         self.cond.notify_all()
@@ -595,7 +624,9 @@ class OuterSync:
             delta = {k: decode(v, meta["scales"][k]) for k, v in arrays.items()}
             args = (meta["island"], meta["round"], delta, meta["tokens"], meta["dead"])
             ok = self._accept(*args, meta["lineage"], meta.get("average", False))
-            self._reply(req, json.dumps({"refused": not ok}).encode())
+            with self.cond:  # late: for a round of this lineage already closed
+                late = not ok and meta["lineage"] == self.lineage and meta["round"] <= self.round
+            self._reply(req, json.dumps({"refused": not ok, "late": late}).encode())
         elif path == "/result":
             args = urllib.parse.parse_qs(query)
             want, have = int(args["round"][0]), args.get("have", [""])[0]
@@ -623,8 +654,14 @@ class OuterSync:
                     req.send_error(503)
                     return
                 self._merge(meta, arrays)
-                # between rounds a member at once; during one, it is not waited for
-                (self.joined if self.open else self.members).add(meta["island"])
+                # between rounds a member at once; during one, or when it waits for the
+                # next result (then in step: the round's close waits for its ack), not
+                # waited for until the round after
+                (self.joined if self.open or meta["next"] else self.members).add(meta["island"])
+                if meta["next"]:  # a restart may still be a member: it sends no delta now
+                    self.members.discard(meta["island"])
+                    self.awaiting.add(meta["island"])
+                    self.cond.notify_all()
                 out = self._state_body()
             self._reply(req, out)
         else:

@@ -129,12 +129,20 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
     for r in range(2):
         sync_all(nodes[:2], [inner(n, 20 + r) for n in nodes[:2]], [1, 1])
     assert time.monotonic() - t0 < TIMEOUT and nodes[1].round == 3
-    # restart island 2 without state: it adopts global and momentum from a live peer
+    # restart island 2 without state: it adopts global and momentum from a live peer, then
+    # waits without a delta for the round open at its join and takes its result in step
     back = OuterSync(2, peers, CFG, None)
     made.append(back)
-    back.join()
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(back.join)
+        while not back.ready:
+            time.sleep(0.01)
+        assert same(back.glob, nodes[0].glob) and back.round == nodes[0].round == 3
+        sync_all(nodes[:2], [inner(n, 25 + i) for i, n in enumerate(nodes[:2])], [1, 1])
+        joining.result(timeout=10)
     assert same(back.glob, nodes[0].glob) and same(back.mom, nodes[0].mom)
-    assert back.round == nodes[0].round and back.lineage == nodes[0].lineage
+    assert back.round == nodes[0].round == 4 and back.lineage == nodes[0].lineage
+    assert nodes[0].took[4] == {1, 2}  # the leader's round waited for the joiner's ack too
     everyone = [nodes[0], nodes[1], back]
     before = dict(nodes[0].glob), dict(nodes[0].mom)
     thetas = [inner(n, 30 + i) for i, n in enumerate(everyone)]
@@ -222,6 +230,49 @@ def test_members_stay_in_step_when_their_download_is_slow(islands):
         members = [f.result(timeout=60) for f in [pool.submit(rounds, n) for n in nodes]]
     assert members == [[[0, 1]] * 2] * 2 and same(nodes[0].glob, nodes[1].glob)
     assert [(n.round, n.tokens, n.lineage) for n in nodes] == [(2, 4, "root")] * 2
+
+
+def test_a_late_member_skips_a_round_and_is_in_step_after(islands):
+    # Island 1's delta for round 1 comes 0.8 s after the leader's, past the 0.5-s quorum
+    # timeout: refused, it rejoins and waits for round 2 without a delta, then both go on
+    # together (1 s of inner steps each) and round 3 has both.
+    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=0.5, probe_s=0.3)
+    nodes, _ = islands[0](2, cfg)
+    seen = {0: [], 1: []}
+
+    def run(node, start):
+        time.sleep(start)
+        for r in range(3 if node.island == 0 else 2):
+            node.sync(inner(node, 30 + r), 1)
+            seen[node.island].append((node.round, sorted(node.members)))
+            time.sleep(1.0)
+
+    with ThreadPoolExecutor(2) as pool:
+        [f.result(timeout=30) for f in [pool.submit(run, n, 0.8 * n.island) for n in nodes]]
+    assert seen[1] == [(2, [0, 1]), (3, [0, 1])]  # skipped round 2's delta, took its result
+    assert seen[0] == [(1, [0]), (2, [0, 1]), (3, [0, 1])]
+    assert nodes[0].took[2] == {1} and nodes[0].took[3] == {1}  # in step: the leader waited
+    assert same(nodes[0].glob, nodes[1].glob) and nodes[0].tokens == nodes[1].tokens == 4
+
+
+def test_a_member_restarted_between_rounds_is_not_waited_for(islands):
+    # Island 1 dies after round 1 and is back before round 2: still a member, but it sends
+    # no delta for the round open at its join, so the leader must not wait 5 s for one.
+    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=5.0, probe_s=0.3)
+    (a, b), peers = islands[0](2, cfg)
+    sync_all([a, b], [inner(a, 1), inner(b, 2)], [1, 1])
+    b.close()
+    back = OuterSync(1, peers, cfg, None)
+    islands[1].append(back)
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(back.join)
+        while not back.ready:
+            time.sleep(0.01)
+        began = time.monotonic()
+        a.sync(inner(a, 3), 1)
+        assert time.monotonic() - began < 2.0
+        joining.result(timeout=10)
+    assert back.round == a.round == 2 and same(back.glob, a.glob) and a.members == {0, 1}
 
 
 def test_leader_death_survivors_agree(islands):
