@@ -178,11 +178,12 @@ def unequal_row(ev: Events, batch: int) -> dict:
     hosts = (SURVIVOR, RETURNING)
     if any(h not in ev.rows or h not in ev.steps for h in hosts):
         raise RuntimeError(f"unequal: rows or steps missing for {hosts} in the output")
-    alone = {h: ev.rows[h] / inner_step_seconds(ev.steps[h]) for h in hosts}
+    inner = {h: inner_step_seconds(ev.steps[h]) for h in hosts}
+    alone = {h: ev.rows[h] / inner[h] for h in hosts}
     joint = batch / max(step_seconds(ev.steps[h]) for h in hosts)
     return {
         "rows": {h: ev.rows[h] for h in hosts},
-        "inner_step_ms": {h: round(inner_step_seconds(ev.steps[h]) * 1e3, 1) for h in hosts},
+        "inner_step_ms": {h: round(inner[h] * 1e3, 1) for h in hosts},
         "alone_rows_per_s": {h: round(r, 2) for h, r in alone.items()},
         "joint_rows_per_s": round(joint, 2),
         "joint_over_sum": round(joint / sum(alone.values()), 3),
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
         if row in ("independent", "overlap"):
             inner = inner_step_seconds(ev.steps[SURVIVOR])
             table[row]["inner_step_ms"] = round(inner * 1e3, 1)
-            table[row]["over_inner"] = round(step_seconds(ev.steps[SURVIVOR]) / inner, 3)
+            table[row]["over_inner"] = round(step / inner, 3)
         if row == "overlap":
             ratio = table[row]["final_eval_loss"] / table["independent"]["final_eval_loss"]
             table[row]["loss_vs_in_step"] = round(ratio, 4)

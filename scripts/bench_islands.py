@@ -6,9 +6,9 @@
 Four single-device hosts in two islands, each a process in its own network namespace
 (``launch --emulate``). Links are 1 Gbit/s inside each island and 100 Mbit/s between them
 (meshes/emu-4host-2island.yaml; ``--links 100mbit-20ms``: with 20 ms of round trip between
-the islands, meshes/emu-4host-2island-20ms.yaml), real gloo traffic through ``tc htb``. The model's
-gradients (13 MB fp32) are ~400x one micro-batch's activations (32 KiB), so where the
-gradient traffic flows decides the step time. Variants, a few steps each:
+the islands, meshes/emu-4host-2island-20ms.yaml), real gloo traffic through ``tc htb``.
+The model's gradients (13 MB fp32) are ~400x one micro-batch's activations (32 KiB), so
+where the gradient traffic flows decides the step time. Variants, a few steps each:
 
 - (a) holmes: 2 stages (one per island) x data 2, 1F1B, 4 micro-batches;
 - (b) naive: data parallel 4 across both islands (``parallel.enforce_islands=false``);

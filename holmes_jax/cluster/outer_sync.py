@@ -30,10 +30,8 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   leader's own call returns when every other participant has, or after
   ``quorum_timeout_s``. So the members start their next inner steps together and a
   delta reaches the leader within its upload time of the leader's own. Without it the
-  leader, which transfers nothing, runs ahead by its members' download time: at 10 Mbit/s
-  (the quickstart model, before the step-only results) a member's 6.5-MB delta took 5 s
-  up and the 13-MB state 10 s down, its next delta arrived 15 s after the leader's, and a
-  10-s quorum timeout dropped it from every round.
+  leader, which transfers nothing, would run ahead by its members' download time, and a
+  member whose download plus upload exceeds the quorum timeout would miss every round.
 * **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
   takes the lowest reachable member as leader, itself last, and tells it which members it
   found dead so that the new leader does not wait for them.
@@ -56,8 +54,8 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   adopts the latest state (that delta is dropped), then waits, without a delta, for the
   round open at its join to close and takes its result; the leader's close waits for its
   acknowledgement as for a participant's (Lockstep). So it starts its next inner steps
-  with the others and is a member from the round after. Without the wait it started its
-  inner steps a download behind the leader and was late again every round.
+  with the others and is a member from the round after. Without the wait it would start
+  its inner steps a download behind the leader and be late again every round.
 * **Restart.** An island restarted without state (:meth:`OuterSync.join`) asks any live
   peer for its leader and joins it with weight 0: it adopts ``global``, ``momentum``,
   ``round`` bit for bit (no checkpoint read). Then it waits, as a late island does, for
@@ -344,15 +342,16 @@ class OuterSync:
         """Round ``want``'s result from leader ``j``: only the step when this island still
         holds the state the round started from, else the whole state."""
         with self.cond:
-            have = urllib.parse.quote(self._key())
-        meta, arrays = unpack(self._get(j, f"/result?round={want}&have={have}", long=True))
+            have = self._key()
+        query = f"round={want}&have={urllib.parse.quote(have)}"
+        meta, arrays = unpack(self._get(j, f"/result?{query}", long=True))
         if meta.get("kind") != "step":
             self._adopt(meta, arrays)
             return
         with self.cond:
-            if self._key() == urllib.parse.unquote(have):  # unchanged while it travelled
+            if self._key() == have:  # unchanged while it travelled
                 self._apply(meta, arrays)
-                self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
+                self._clear_round()
                 self.cond.notify_all()
                 return
         self._adopt(*unpack(self._get(j, f"/result?round={want}", long=True)))
@@ -460,7 +459,7 @@ class OuterSync:
             for key in ("round", "tokens", "lineage", "parent", "fork_tokens", "leader"):
                 setattr(self, key, meta[key])
             self.members, self.merged = set(meta["members"]), set(meta["merged"])
-            self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
+            self._clear_round()
             self.ready = True
             self.cond.notify_all()
 
@@ -554,7 +553,7 @@ class OuterSync:
         self._apply(meta, arrays)
         self.step = (base, pack({**meta, "kind": "step"}, arrays))
         self.took[self.round] = (set(self.open) | self.awaiting) - {self.island}
-        self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
+        self._clear_round()
         self.awaiting = set()
         for old in (self.took, self.fetched):
             old.pop(self.round - 4, None)
@@ -574,6 +573,10 @@ class OuterSync:
                 )
         self.round, self.tokens, self.leader = meta["round"], meta["tokens"], meta["leader"]
         self.members = set(meta["members"])
+
+    def _clear_round(self) -> None:
+        """No round open: no deltas, arrivals, joiners or dead reported (lock held)."""
+        self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
 
     def _key(self) -> str:
         """What names this island's global model: lineage, round and tokens (a merge

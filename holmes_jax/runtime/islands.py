@@ -159,6 +159,7 @@ class IslandSync:
     def __init__(self, cfg: Config, program, share: Share, say):
         self.cfg, self.program, self.share, self.say = cfg, program, share, say
         self.d = cfg.diloco
+        self.peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
         self.main = jax.process_index() == 0
         self.sync: OuterSync | None = None
         self.last_step = 0  # the step of this island's last round
@@ -192,8 +193,7 @@ class IslandSync:
         if jax.process_count() > 1:  # compiled, then in step: the first collectives follow
             self.program.compile_layout_conversions()
             barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
-        peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
-        live = live_round(peers, self.share.island, PROBE_S) if self.main else 0
+        live = live_round(self.peers, self.share.island, PROBE_S) if self.main else 0
         return bool(self._broadcast(np.bool_(live > 0)))
 
     def start(self, state, step: int, heal: bool, resumed_from: str | None) -> tuple[Any, int]:
@@ -201,12 +201,11 @@ class IslandSync:
         global model and momentum; else the outer state saved with checkpoint ``step`` in
         ``resumed_from`` (:meth:`save_outer`), or the global model starts from ``state``.
         Returns the state and step to train from."""
-        peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
         cfg = SyncConfig.from_diloco(self.d)
         took = 0.0
         theta = None if heal else self._theta(state)  # a gather: every process takes part
         if self.main and heal:
-            self.sync = OuterSync(self.share.island, peers, cfg, None)
+            self.sync = OuterSync(self.share.island, self.peers, cfg, None)
             began = time.monotonic()
             self.sync.join()
             took = time.monotonic() - began
@@ -220,7 +219,7 @@ class IslandSync:
                 )
             outer, meta = saved or ((theta, _zeros(theta)), {})
             self.snap = theta
-            self.sync = OuterSync(self.share.island, peers, cfg, outer)
+            self.sync = OuterSync(self.share.island, self.peers, cfg, outer)
             self.sync.round = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
             for key, value in meta.items():  # round, tokens, lineage, parent, fork_tokens
                 setattr(self.sync, key, value)
