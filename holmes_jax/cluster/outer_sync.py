@@ -27,11 +27,15 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   Anyone else gets the whole state. A delta that arrives late, or for a round already
   closed, is dropped: its island adopts the latest state.
 * **Lockstep.** A member acknowledges the result once it has it (``GET /ack``); the
-  leader's own call returns when every other participant has, or after
-  ``quorum_timeout_s``. So the members start their next inner steps together and a
-  delta reaches the leader within its upload time of the leader's own. Without it the
-  leader, which transfers nothing, would run ahead by its members' download time, and a
-  member whose download plus upload exceeds the quorum timeout would miss every round.
+  leader's own call returns when every other participant has, or when none has been sent
+  anything for ``quorum_timeout_s``: the wait lasts while a result is being written to
+  one of them and at most the timeout after the last was. So the members start their next
+  inner steps together and a delta reaches the leader within its upload time of the
+  leader's own. Without it the leader, which transfers nothing, would run ahead by its
+  members' download time, and a member whose download plus upload exceeds the quorum
+  timeout would miss every round. Replies go out in 64-KiB writes, each within
+  ``quorum_timeout_s`` or the request ends, so a peer that dies or is cut off in the
+  middle of a download is silent, and not waited for, after that long.
 * **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
   takes the lowest reachable member as leader, itself last, and tells it which members it
   found dead so that the new leader does not wait for them.
@@ -50,18 +54,21 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   joiner adopts the merged state and sends its pending delta to the primary's open round;
   the rest of its group, refused by their old leader (another lineage now), join too and
   adopt. Nothing trained on either side is lost.
-* **Late.** A delta refused because its round closed: the island re-joins its leader and
-  adopts the latest state (that delta is dropped), then waits, without a delta, for the
-  round open at its join to close and takes its result; the leader's close waits for its
-  acknowledgement as for a participant's (Lockstep). So it starts its next inner steps
-  with the others and is a member from the round after. Without the wait it would start
-  its inner steps a download behind the leader and be late again every round.
+* **Late.** A delta refused because its round closed (dropped): the island re-joins its
+  leader, which registers it for the round open at the join and answers without state
+  (``POST /join`` with ``next``). The island then fetches that round's result, the whole
+  state (its own is not the round's start), and acknowledges it; the leader's close waits
+  for that acknowledgement as for a participant's (Lockstep). So it starts its next inner
+  steps with the others and is a member from the round after. Without the wait it would
+  start its inner steps a download behind the leader and be late again every round.
 * **Restart.** An island restarted without state (:meth:`OuterSync.join`) asks any live
-  peer for its leader and joins it with weight 0: it adopts ``global``, ``momentum``,
-  ``round`` bit for bit (no checkpoint read). Then it waits, as a late island does, for
-  the round open at its join (it contributes nothing to it: a zero pseudo-gradient with
-  no tokens) and takes that round's result in step with the leader; it is a member from
-  the next round on.
+  peer for its leader and joins it as a late island does: registered for the round open
+  at its join, to which it contributes nothing (a zero pseudo-gradient with no tokens), it
+  fetches that round's result as the whole state and adopts ``global``, ``momentum``,
+  ``round`` bit for bit (no checkpoint read), in step with the leader; it is a member
+  from the next round on. The state is sent once, after the round closes: one sent at
+  the join would be a round old on arrival, and the island would need the round's step
+  as well.
 
 HTTP (one JSON meta plus numpy arrays per body, :func:`pack`): ``GET /status``,
 ``POST /delta``, ``GET /result?round=r[&have=<lineage;round;tokens>]``, ``GET /ack?round=r``,
@@ -70,9 +77,12 @@ HTTP (one JSON meta plus numpy arrays per body, :func:`pack`): ``GET /status``,
 
 from __future__ import annotations
 
+import array
+import fcntl
 import http.client
 import io
 import json
+import termios
 import threading
 import time
 import urllib.parse
@@ -83,6 +93,8 @@ import ml_dtypes
 import numpy as np
 
 INT8_MAX = 127.0
+CHUNK = 1 << 16  # bytes per write of a reply: each must pass within the socket timeout
+DRAIN_POLL_S = 0.02  # how often a reply's unsent bytes are read while it drains
 Shards = dict[str, np.ndarray]  # "<leaf path>#<shard>" -> array
 
 
@@ -161,6 +173,25 @@ def split_state(arrays: Shards) -> tuple[Shards, Shards]:
     return glob, mom
 
 
+def _drain(sock, timeout: float) -> bool:
+    """Wait until the peer has received what was written to ``sock`` (Linux: the socket's
+    send queue is empty; elsewhere at once): the kernel's buffer holds megabytes, seconds
+    of a slow link. False if the queue made no progress for ``timeout`` seconds."""
+    if not hasattr(termios, "TIOCOUTQ"):
+        return True
+    left, last, since = array.array("i", [0]), -1, time.monotonic()
+    while True:
+        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, left)
+        now = time.monotonic()
+        if left[0] == 0:
+            return True
+        if left[0] != last:
+            last, since = left[0], now
+        elif now - since >= timeout:
+            return False
+        time.sleep(DRAIN_POLL_S)
+
+
 class Unreachable(Exception):
     """A peer did not answer (refused, timed out, or its link is cut)."""
 
@@ -231,6 +262,8 @@ class OuterSync:
         self.took: dict[int, set[int]] = {}  # the last rounds' participants but this island
         self.fetched: dict[int, set[int]] = {}  # round -> islands that acknowledged its result
         self.awaiting: set[int] = set()  # joined to take the open round's result in step
+        self.sending: dict[int | None, int] = {}  # island -> results being written to it
+        self.sent_at: dict[int | None, float] = {}  # island -> when the last one was
         if state is not None:
             self.glob = {k: np.asarray(v, np.float32) for k, v in state[0].items()}
             self.mom = {k: np.asarray(v, np.float32) for k, v in state[1].items()}
@@ -238,6 +271,8 @@ class OuterSync:
         node = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = cfg.quorum_timeout_s  # a socket silent this long ends the request
+
             def log_message(self, *args):  # quiet
                 pass
 
@@ -342,7 +377,7 @@ class OuterSync:
         """Round ``want``'s result from leader ``j``: only the step when this island still
         holds the state the round started from, else the whole state."""
         with self.cond:
-            have = self._key()
+            have = self._key() if self.ready else ""
         query = f"round={want}&have={urllib.parse.quote(have)}"
         meta, arrays = unpack(self._get(j, f"/result?{query}", long=True))
         if meta.get("kind") != "step":
@@ -386,29 +421,29 @@ class OuterSync:
             arrays = dict(self.glob) if meta["weight"] else {}
         for target in (status["leader"], j):
             try:
-                body = self._request(target, "POST", "/join", pack(meta, arrays), long=True)
-                self._adopt(*unpack(body))
+                reply = unpack(self._request(target, "POST", "/join", pack(meta, arrays), True))
             except Unreachable:
                 continue
-            if then_next:
-                self._await_next()
+            if reply[0].get("kind") == "awaiting":  # registered: the state comes with the round
+                self._await_next(target, reply[0]["round"])
+            else:
+                self._adopt(*reply)
             return
         raise Unreachable(j)
 
-    def _await_next(self) -> None:
-        """After a join: the result of the round open at the join, acknowledged, so this
-        island's next inner steps start with its leader's (module doc, Restart). Waits as
-        long as the leader answers; returns if it does not (the next round fails over)."""
+    def _await_next(self, j: int, want: int) -> None:
+        """After a join registered at island ``j`` for round ``want`` (the round open at the
+        join): that round's result, acknowledged, so this island's next inner steps start
+        with its leader's (module doc, Restart). Waits as long as ``j`` answers; returns if
+        it does not (a later call fails over)."""
         while True:
-            with self.cond:
-                want, leader = self.round + 1, self.leader
             try:
-                self._fetch_result(leader, want)
-                self._acknowledge(leader, want)
+                self._fetch_result(j, want)
+                self._acknowledge(j, want)
                 return
             except Unreachable:  # the round is still open (a long phase), or the leader died
                 try:
-                    self._status(leader)
+                    self._status(j)
                 except Unreachable:
                     return
 
@@ -522,15 +557,20 @@ class OuterSync:
             return True
 
     def _await_fetched(self, want: int) -> None:
-        """Wait until the other participants of round ``want`` have acknowledged its result,
-        at most ``quorum_timeout_s`` (module doc, Round r)."""
-        end = time.monotonic() + self.cfg.quorum_timeout_s
+        """Wait until the other participants of round ``want`` have acknowledged its result
+        (module doc, Lockstep): while a reply to one of them is being written, and then at
+        most ``quorum_timeout_s`` after the last one was (or after the wait began)."""
+        began = time.monotonic()
         with self.cond:
-            while self.took.get(want, set()) - self.fetched.get(want, set()):
+            while waiting := self.took.get(want, set()) - self.fetched.get(want, set()):
+                if any(self.sending.get(i) for i in waiting):
+                    self.cond.wait(self.cfg.quorum_timeout_s)
+                    continue
+                last = max([began] + [self.sent_at.get(i, 0.0) for i in waiting])
                 now = time.monotonic()
-                if now >= end:
+                if now >= last + self.cfg.quorum_timeout_s:
                     return
-                self.cond.wait(end - now)
+                self.cond.wait(last + self.cfg.quorum_timeout_s - now)
 
     def _close_round(self) -> None:
         """Average the delivered deltas token-weighted, encode the mean in
@@ -643,7 +683,7 @@ class OuterSync:
             if body is None:
                 req.send_error(504)
             else:
-                self._reply(req, body)
+                self._reply(req, body, peer)
         elif path == "/ack":
             want = int(urllib.parse.parse_qs(query)["round"][0])
             with self.cond:
@@ -665,14 +705,34 @@ class OuterSync:
                     self.members.discard(meta["island"])
                     self.awaiting.add(meta["island"])
                     self.cond.notify_all()
-                out = self._state_body()
+                    # registered: it fetches that round's result (the state it needs) next
+                    out = pack({"kind": "awaiting", "round": self.round + 1})
+                else:
+                    out = self._state_body()
             self._reply(req, out)
         else:
             req.send_error(404)
 
-    @staticmethod
-    def _reply(req: BaseHTTPRequestHandler, body: bytes) -> None:
+    def _reply(self, req: BaseHTTPRequestHandler, body: bytes, peer: int | None = None) -> None:
+        """Send ``body`` in chunks, each within the socket's timeout (a stalled peer ends the
+        reply); for ``peer`` (a result's), count the reply as being written meanwhile and
+        note when it was (:meth:`_await_fetched`)."""
         req.send_response(200)
         req.send_header("Content-Length", str(len(body)))
         req.end_headers()
-        req.wfile.write(body)
+        with self.cond:
+            self.sending[peer] = self.sending.get(peer, 0) + 1
+        done = False
+        try:
+            view = memoryview(body)
+            for at in range(0, len(body), CHUNK):
+                req.wfile.write(view[at : at + CHUNK])
+            done = _drain(req.connection, self.cfg.quorum_timeout_s)
+        except OSError:  # stalled past the timeout, or closed: the peer is silent
+            req.close_connection = True
+        finally:
+            with self.cond:
+                self.sending[peer] -= 1
+                if done:  # a reply cut short is silence: the wait does not restart
+                    self.sent_at[peer] = time.monotonic()
+                self.cond.notify_all()

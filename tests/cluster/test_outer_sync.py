@@ -10,7 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, call, decode, encode, unpack
+from holmes_jax.cluster.outer_sync import (
+    OuterSync,
+    SyncConfig,
+    call,
+    decode,
+    encode,
+    pack,
+    unpack,
+)
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 
@@ -129,15 +137,15 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
     for r in range(2):
         sync_all(nodes[:2], [inner(n, 20 + r) for n in nodes[:2]], [1, 1])
     assert time.monotonic() - t0 < TIMEOUT and nodes[1].round == 3
-    # restart island 2 without state: it adopts global and momentum from a live peer, then
-    # waits without a delta for the round open at its join and takes its result in step
+    # restart island 2 without state: registered for the round open at its join (no delta),
+    # it adopts that round's global and momentum from the leader, in step with it
     back = OuterSync(2, peers, CFG, None)
     made.append(back)
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(back.join)
-        while not back.ready:
+        while 2 not in nodes[0].awaiting:
             time.sleep(0.01)
-        assert same(back.glob, nodes[0].glob) and back.round == nodes[0].round == 3
+        assert not back.ready  # no state before the round closes
         sync_all(nodes[:2], [inner(n, 25 + i) for i, n in enumerate(nodes[:2])], [1, 1])
         joining.result(timeout=10)
     assert same(back.glob, nodes[0].glob) and same(back.mom, nodes[0].mom)
@@ -154,7 +162,8 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
 
 def slow_relay(target, up, down=None):
     """A TCP relay to ``target`` that carries what a client sends at ``up`` bytes a second
-    and the replies at ``down`` (None: at full speed): a slow link in one process.
+    and the replies at ``down`` (None: at full speed): a slow link in one process, whose
+    small buffer toward ``target`` holds back the server's writes as a slow wire does.
     Returns its address."""
     listener = socket.create_server(("127.0.0.1", 0))
 
@@ -171,7 +180,9 @@ def slow_relay(target, up, down=None):
     def serve():
         while True:
             client, _ = listener.accept()
-            server = socket.create_connection(target)
+            server = socket.socket()
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+            server.connect(target)
             threading.Thread(target=pump, args=(client, server, up), daemon=True).start()
             threading.Thread(target=pump, args=(server, client, down), daemon=True).start()
 
@@ -210,6 +221,71 @@ def test_slow_uploads_and_late_rounds_are_not_a_dead_leader(islands):
     assert nodes[0].members == {0, 1, 2}
     want_g, _ = expected(glob, mom, thetas, [1, 1, 1])
     np.testing.assert_allclose(nodes[1].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6, atol=1e-6)
+
+
+def stalled_participant(leader, island):
+    """Island ``island`` delivers a delta for ``leader``'s round, asks for the result, and
+    never reads it (a cut wire). Returns its socket."""
+    meta = {"island": island, "round": leader.round + 1, "tokens": 1, "dead": []}
+    meta.update(lineage=leader.lineage, scales=dict.fromkeys(leader.glob, 1.0))
+    delta = {k: np.full_like(v, 0.01) for k, v in leader.glob.items()}
+    address, start = leader.peers[leader.island], urllib.parse.quote(leader._key())
+    assert call(address, "POST", "/delta", pack(meta, delta), 5, {"X-Island": str(island)})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(address)
+    ask = f"GET /result?round={meta['round']}&have={start} HTTP/1.0\r\nX-Island: {island}"
+    sock.sendall(f"{ask}\r\n\r\n".encode())
+    return sock
+
+
+def test_a_reply_that_stalls_ends_after_the_timeout(islands):
+    # 6 MB of state, over the kernel's send buffer (4 MB at most): the leader's write of
+    # the step to a peer that stopped reading blocks, until the socket's timeout ends it.
+    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=0.5, probe_s=0.3)
+    glob = {k: np.zeros((1024, 512), np.float32) for k in KEYS}
+    leader = OuterSync(0, free_ports(2), cfg, (glob, dict(glob)))
+    islands[1].append(leader)
+    began = time.monotonic()
+    thread = threading.Thread(target=leader.sync, args=(glob, 1), daemon=True)
+    thread.start()
+    stalled = stalled_participant(leader, 1)
+    thread.join(timeout=10)
+    stalled.close()
+    assert not thread.is_alive() and time.monotonic() - began < 3 * 0.5 + 1.0
+    assert leader.took[1] == {1} and not leader.fetched.get(1)
+
+
+def test_the_leader_waits_for_a_long_download_but_not_a_stalled_one(islands):
+    # Island 1 downloads the 300-KB step at 200 KB/s (1.5 s, 2.5x the 0.6-s quorum
+    # timeout): the leader waits for its acknowledgement, since the reply is being written
+    # all along. Island 2 delivers its delta, then stops reading its result (a cut wire):
+    # the leader's write to it stalls, ends after the timeout, and is not waited for.
+    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=0.6, probe_s=0.3)
+    peers = free_ports(3)
+    rng = np.random.default_rng(4)
+    glob = {k: rng.standard_normal((160, 160)).astype(np.float32) for k in KEYS}
+    state = (glob, {k: np.zeros_like(v) for k, v in glob.items()})
+    via = [peers, {**peers, 0: slow_relay(peers[0], None, 200_000)}]
+    nodes = [OuterSync(i, via[i], cfg, state) for i in range(2)]
+    islands[1].extend(nodes)
+    done = {}
+
+    def sync(node):
+        node.sync(inner(node, 40 + node.island), 1)
+        done[node.island] = time.monotonic()
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(sync, n) for n in nodes]
+        stalled = stalled_participant(nodes[0], 2)
+        [f.result(timeout=30) for f in futures]
+    stalled.close()
+    assert nodes[0].took[1] == {1, 2} and nodes[0].fetched[1] == {1}
+    assert done[1] - began > 1.2  # the download outlasted the timeout twice over
+    assert done[0] >= done[1] - 0.1  # and was waited for
+    assert done[0] - began < 1.5 + 2 * 0.6 + 1.0  # the stalled island was not
+    assert same(nodes[0].glob, nodes[1].glob) and nodes[1].round == 1
 
 
 def test_members_stay_in_step_when_their_download_is_slow(islands):
@@ -266,7 +342,7 @@ def test_a_member_restarted_between_rounds_is_not_waited_for(islands):
     islands[1].append(back)
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(back.join)
-        while not back.ready:
+        while 1 not in a.awaiting:
             time.sleep(0.01)
         began = time.monotonic()
         a.sync(inner(a, 3), 1)
