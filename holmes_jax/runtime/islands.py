@@ -30,10 +30,15 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
 - Start (:meth:`IslandSync.start`): a job that finds a live peer past round 0 heals from
   it: it adopts the global model, outer momentum and round bit for bit (no checkpoint
   read) and goes on at the step that round ended, with fresh AdamW moments and its step
-  count set there. Otherwise it starts from its own state: fresh, as round 0 of the
-  global model, or from its own checkpoint with the outer state saved beside it
-  (:meth:`IslandSync.save_outer`), so resuming across an outer step is exact (with
-  ``diloco.overlap_steps`` a round in flight at the save is not part of it).
+  count set there. The heal runs in the background from the moment the peer is found
+  (:meth:`IslandSync.peer_ahead`), while the job builds its state and compiles the train
+  step, so the island starts its inner steps in step with its leader. Otherwise it starts
+  from its own state: fresh, as round 0 of the global model, or from its own checkpoint
+  with the outer state saved beside it (:meth:`IslandSync.save_outer`), so resuming
+  across an outer step is exact (with ``diloco.overlap_steps`` a round in flight at the
+  save is not part of it).
+- Late: an in-step round that came back as a later round (this island's delta missed
+  its round) moves the island on to the step that round ended, as a heal does.
 
 Several processes per island: the whole parameters are gathered to every process and
 only process 0 talks to the peers; the new global model is broadcast back.
@@ -168,6 +173,8 @@ class IslandSync:
         self.pending: threading.Thread | None = None  # overlap: the round in flight
         self.result: Any = None  # overlap: its new global model (or its error)
         self.merge_at: int | None = None  # overlap: the step after which it is merged
+        self.healing: threading.Thread | None = None  # a restart: the heal, from peer_ahead on
+        self.healed: float | BaseException = 0.0  # its seconds (or its error)
 
     @property
     def name(self) -> str:
@@ -189,26 +196,49 @@ class IslandSync:
 
     def peer_ahead(self) -> bool:
         """Whether a live peer is past round 0 (process 0 asks, every process learns):
-        then this island heals from it (:meth:`start`) and reads no checkpoint."""
+        then this island heals from it and reads no checkpoint. The heal (:meth:`start`)
+        begins now, in the background, so its transfer overlaps the start-up and compile."""
         if jax.process_count() > 1:  # compiled, then in step: the first collectives follow
             self.program.compile_layout_conversions()
             barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
         live = live_round(self.peers, self.share.island, PROBE_S) if self.main else 0
+        if live > 0:
+            self.sync = self._serve(None)
+            self.healing = threading.Thread(target=self._heal, daemon=True)
+            self.healing.start()
         return bool(self._broadcast(np.bool_(live > 0)))
 
-    def start(self, state, step: int, heal: bool, resumed_from: str | None) -> tuple[Any, int]:
-        """Serve the outer sync. ``heal`` (:meth:`peer_ahead`): adopt a live peer's round,
-        global model and momentum; else the outer state saved with checkpoint ``step`` in
-        ``resumed_from`` (:meth:`save_outer`), or the global model starts from ``state``.
-        Returns the state and step to train from."""
-        cfg = SyncConfig.from_diloco(self.d)
-        took = 0.0
-        theta = None if heal else self._theta(state)  # a gather: every process takes part
-        if self.main and heal:
-            self.sync = OuterSync(self.share.island, self.peers, cfg, None)
-            began = time.monotonic()
+    def _serve(self, state) -> OuterSync:
+        return OuterSync(self.share.island, self.peers, SyncConfig.from_diloco(self.d), state)
+
+    def _heal(self) -> None:
+        began = time.monotonic()
+        try:
             self.sync.join()
-            took = time.monotonic() - began
+            self.healed = time.monotonic() - began
+        except BaseException as err:  # noqa: BLE001 (raised in the training thread)
+            self.healed = err
+
+    def start(
+        self, state, step: int, heal: bool, resumed_from: str | None, compile_step=None
+    ) -> tuple[Any, int]:
+        """Serve the outer sync. ``heal`` (:meth:`peer_ahead`): ``compile_step(state)``
+        compiles the train step (every process), then the island waits for the heal begun
+        in :meth:`peer_ahead` and adopts a live peer's round, global model and momentum,
+        in step with the peer (module doc); else the outer state saved with checkpoint
+        ``step`` in ``resumed_from`` (:meth:`save_outer`), or the global model starts from
+        ``state``. Returns the state and step to train from."""
+        took = compiled = 0.0
+        theta = None if heal else self._theta(state)  # a gather: every process takes part
+        if heal and compile_step is not None:  # compiled before the island is in step
+            began = time.perf_counter()
+            compile_step(state)
+            compiled = time.perf_counter() - began
+        if self.main and heal:
+            self.healing.join()
+            took = self.healed
+            if isinstance(took, BaseException):
+                raise took
             self.snap = dict(self.sync.glob)
         elif self.main:
             saved = load_outer(resumed_from, step) if resumed_from else None
@@ -219,7 +249,7 @@ class IslandSync:
                 )
             outer, meta = saved or ((theta, _zeros(theta)), {})
             self.snap = theta
-            self.sync = OuterSync(self.share.island, self.peers, cfg, outer)
+            self.sync = self._serve(outer)
             self.sync.round = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
             for key, value in meta.items():  # round, tokens, lineage, parent, fork_tokens
                 setattr(self.sync, key, value)
@@ -232,36 +262,41 @@ class IslandSync:
         state = self._with_global(state, glob, step)
         self.last_step = step
         self.say(
-            f"diloco: healed from a live peer in {took:.1f} s: round {rounds}, the global "
-            f"model and outer momentum adopted (no checkpoint read); training on from step "
-            f"{step} with fresh AdamW moments"
+            f"diloco: healed from a live peer in {took:.1f} s (train step compiled meanwhile in "
+            f"{compiled:.1f} s): round {rounds} taken in step with it, the global model and "
+            f"outer momentum adopted (no checkpoint read); training on from step {step} with "
+            "fresh AdamW moments"
         )
         return state, step
 
     # ---- the outer step ---------------------------------------------------------------
 
-    def after_step(self, state, step: int):
+    def after_step(self, state, step: int) -> tuple[Any, int]:
         """The outer step when one follows inner step ``step``, and with
-        ``diloco.overlap_steps`` the merge of the round sent that many steps before (else
-        ``state`` as is)."""
+        ``diloco.overlap_steps`` the merge of the round sent that many steps before.
+        Returns the state and the step count to go on from: ``step``, or later when an
+        in-step round came late and its island adopted a later round (it goes on at the
+        step that round ended, as a healed island does)."""
         if self.merge_at is not None and step >= self.merge_at:
             state = self._merge(state, step)
         if not due_fragments(step, self.d.inner_steps, 1, self.d.warmup_steps):
-            return state
+            return state, step
         average = in_warmup(step, self.d.warmup_steps)
         theta = self._theta(state)
         tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
         self.last_step = step
         if self.d.overlap_steps and not average:  # warm-up averaging stays in step
-            return self._send_overlapped(state, step, theta, tokens)
-        glob = None
+            return self._send_overlapped(state, step, theta, tokens), step
+        glob, ended = None, step
         if self.main:
-            before = self.sync.round
             glob = self.sync.sync(theta, tokens, average=average)
             self.snap = glob  # the next inner steps start from it
-            late = "" if self.sync.round > before else " (late: adopted the latest global)"
+            ended = steps_after_round(self.sync.round, self.d.inner_steps, self.d.warmup_steps)
+            late = f" (late: adopted it, on from step {ended})" if ended > step else ""
             self.say(f"{self._round_line(step, average)}{late}")
-        return self._with_global(state, glob, None)
+        ended = max(step, int(self._broadcast(np.int32(ended))))
+        self.last_step = ended
+        return self._with_global(state, glob, ended if ended > step else None), ended
 
     def _send_overlapped(self, state, step: int, theta, tokens: int):
         """Send ``Δ = θ_base − θ`` (the progress since the last merge) in the background;

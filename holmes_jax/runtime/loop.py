@@ -266,8 +266,11 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         state, started_from = init_state_from(program, cfg.checkpoint.init_from)
     if state is None:
         state = program.init(cfg.train.seed)
-    if island is not None:  # serve the outer sync (healed: at the peer's round)
-        state, start = island.start(state, start, heal, cfg.checkpoint.dir if resumed else None)
+    if island is not None:  # serve the outer sync (healed: at the peer's round, compiled first)
+        resumed_from = cfg.checkpoint.dir if resumed else None
+        batch0 = make_batch(sampler, start, program.batch_sharding)
+        compile_step = lambda s: program.compile_train_step(s, batch0)  # noqa: E731
+        state, start = island.start(state, start, heal, resumed_from, compile_step)
 
     if is_main:
         write_config(cfg)
@@ -362,7 +365,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 window_steps += 1
                 if island is not None:  # independent DiLoCo: the outer sync between jobs
                     with jax.profiler.TraceAnnotation("diloco_outer_sync"):
-                        state = island.after_step(state, step)
+                        state, step = island.after_step(state, step)
                 for fragment in program.due_fragments(step):  # DiLoCo: the outer syncs
                     with jax.profiler.TraceAnnotation("diloco_outer_sync", fragment=fragment):
                         state = program.outer_step(state, fragment, step)

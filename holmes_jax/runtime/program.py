@@ -175,6 +175,7 @@ class Program:
             else replicated(mesh)
         )
         self._init = jax.jit(self._init_state, out_shardings=self.state_sharding)
+        self._compiled_step = None  # compile_train_step's executable
         self._train_step = jax.jit(
             self._step,
             in_shardings=(self.state_sharding, self.batch_sharding),
@@ -277,13 +278,19 @@ class Program:
         """One optimizer step (DiLoCo: one inner step of every replica, nothing crossing
         ``replica``). ``state`` is donated; metrics stay on device."""
         with self.context():
+            if self._compiled_step is not None:
+                try:
+                    return self._compiled_step(state, batch)
+                except (TypeError, ValueError):  # other shapes or shardings: jit's own path
+                    self._compiled_step = None
             return self._train_step(state, batch)
 
     def compile_train_step(self, state: TrainState, batch: jax.Array) -> None:
-        """Compile the train step for these arguments without running it; a later
-        :meth:`train_step` with the same shapes and shardings reuses the executable."""
-        with self.context():
-            self._train_step.lower(state, batch).compile()
+        """Compile the train step for these arguments without running it (once); a later
+        :meth:`train_step` with the same shapes and shardings runs that executable."""
+        if self._compiled_step is None:
+            with self.context():
+                self._compiled_step = self._train_step.lower(state, batch).compile()
 
     def due_fragments(self, steps_done: int) -> list[int]:
         """DiLoCo: the fragments whose outer step is due after ``steps_done`` inner steps."""

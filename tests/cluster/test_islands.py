@@ -236,6 +236,27 @@ class _Sync:
         self.round += 1
         return dict(self.glob)
 
+    def sync(self, theta, tokens, average=False):  # in step; ``skip`` rounds closed without it
+        self.round += 1 + getattr(self, "skip", 0)
+        return dict(self.glob)
+
+
+def test_a_late_round_moves_the_island_on_to_the_step_it_adopted():
+    """H = 2, in step: a round that closed without this island's delta leaves it holding
+    a later round (round 4, which ended at step 8): it goes on from step 8, with the
+    optimizer's step counts set there, as a healed island does."""
+    job = ["diloco.mode=independent", "diloco.island=0", "diloco.peers=[127.0.0.1:1,127.0.0.1:2]"]
+    cfg, share = island_scope(load_config(None, [*DILOCO, *job]))
+    island = IslandSync(cfg, None, share, say=lambda line: None)
+    island.sync = _Sync({"w": np.zeros(1, np.float32)})
+    island._theta = lambda state: {"w": np.asarray([state], np.float32)}
+    counts = []
+    island._with_global = lambda state, glob, step: counts.append(step) or state
+    assert island.after_step(1.0, 2) == (1.0, 2)  # round 1, in step
+    island.sync.skip = 2  # rounds 2 and 3 closed without it
+    assert island.after_step(1.0, 4) == (1.0, 8) and island.sync.round == 4
+    assert counts == [None, 8] and island.last_step == 8
+
 
 def test_overlap_merges_each_round_after_its_overlap_steps():
     """H = 2, overlap_steps = 1, on numbers: the round sent after step 2 merges after step
@@ -264,7 +285,7 @@ def test_overlap_merges_each_round_after_its_overlap_steps():
     got.append(island.after_step(13.0, 5))  # g2 = 22.5: θ = 22.5 + (13 − 12.5)
     got.append(island.after_step(24.0, 6))  # sends Δ = 22.5 − 24; the last: g3 = 34 adopted
     assert island.sync.sent == [-1.0, -1.5, -1.5]
-    assert got == [1.0, 11.5, 12.5, 23.0, 34.0]
+    assert got == [(1.0, 2), (11.5, 3), (12.5, 4), (23.0, 5), (34.0, 6)]
     assert island.pending is None and island.merge_at is None
     with pytest.raises(ConfigError, match=r"diloco.overlap_steps=2: must be in \[0, diloco"):
         load_config(None, [*DILOCO, "diloco.mode=independent", "diloco.overlap_steps=2"])
