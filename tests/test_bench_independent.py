@@ -85,6 +85,7 @@ def test_kill_outage_rates_and_heal_times_from_the_log(bench):
     base = bench.parse_events([(float(s), f"[ib-0] step {s}") for s in range(1, 50)])
     row = bench.fault_row("kill", ev, base, outage=30.0)
     assert row["fault_step"] == 10 and row["heal_s"] == 3.5
+    assert row["in_step_s"] == pytest.approx(49.0 - 40.1)  # its round taken in step
     assert row["rejoin_s"] == pytest.approx(52.0 - 40.1)  # from its start: kill + outage
     assert row["survivor_rate_ratio"] == pytest.approx(0.5)  # 0.5 steps/s against 1
 
