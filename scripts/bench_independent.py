@@ -298,7 +298,8 @@ def tokens_per_step(row: str, args) -> int:
     """The tokens of one global batch of ``row``, ``--set`` overrides included."""
     from holmes_jax.core.config import load_config
 
-    cfg = load_config(QUICKSTART, list(args.set))
+    sets = [s for s in args.set if not s.startswith("diloco.")]  # need the island's job
+    cfg = load_config(QUICKSTART, sets)
     batch = UNEQUAL_BATCH if row == "unequal" else cfg.train.global_batch_size
     return batch * cfg.model.seq_len
 

@@ -147,8 +147,9 @@ def test_unequal_islands_together_against_each_alone(bench):
 
 
 def test_overrides_reach_every_row_and_its_tokens(bench):
-    args = _args(set=["diloco.warmup_steps=50", "model.seq_len=64"])
+    # diloco.overlap_steps alone is no valid config outside an island's job: tokens need none
+    args = _args(set=["diloco.overlap_steps=5", "model.seq_len=64"])
     cmd = bench.launch_cmd("overlap", args, "/r", None)
-    assert cmd[-4:] == ["--set", "diloco.warmup_steps=50", "--set", "model.seq_len=64"]
+    assert cmd[-4:] == ["--set", "diloco.overlap_steps=5", "--set", "model.seq_len=64"]
     assert bench.tokens_per_step("overlap", args) == 32 * 64
     assert bench.tokens_per_step("unequal", args) == bench.UNEQUAL_BATCH * 64

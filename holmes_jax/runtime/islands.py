@@ -274,11 +274,12 @@ class IslandSync:
     def after_step(self, state, step: int) -> tuple[Any, int]:
         """The outer step when one follows inner step ``step``, and with
         ``diloco.overlap_steps`` the merge of the round sent that many steps before.
-        Returns the state and the step count to go on from: ``step``, or later when an
-        in-step round came late and its island adopted a later round (it goes on at the
-        step that round ended, as a healed island does)."""
+        Returns the state and the step count to go on from: ``step``, or later when a
+        round came back as a later one (this island's delta missed its round): the island
+        goes on at the step that round ended (plus the steps since the send, with
+        overlap), as a healed island does."""
         if self.merge_at is not None and step >= self.merge_at:
-            state = self._merge(state, step)
+            state, step = self._merge(state, step)
         if not due_fragments(step, self.d.inner_steps, 1, self.d.warmup_steps):
             return state, step
         average = in_warmup(step, self.d.warmup_steps)
@@ -286,16 +287,24 @@ class IslandSync:
         tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
         self.last_step = step
         if self.d.overlap_steps and not average:  # warm-up averaging stays in step
-            return self._send_overlapped(state, step, theta, tokens), step
+            return self._send_overlapped(state, step, theta, tokens)
         glob, ended = None, step
         if self.main:
             glob = self.sync.sync(theta, tokens, average=average)
             self.snap = glob  # the next inner steps start from it
-            ended = steps_after_round(self.sync.round, self.d.inner_steps, self.d.warmup_steps)
-            late = f" (late: adopted it, on from step {ended})" if ended > step else ""
-            self.say(f"{self._round_line(step, average)}{late}")
+            ended = self._round_end()
+            self.say(f"{self._round_line(step, average)}{_late(step, ended)}")
+        return self._moved_on(state, glob, step, ended)
+
+    def _round_end(self) -> int:
+        """The step at which this island's current round ended."""
+        return steps_after_round(self.sync.round, self.d.inner_steps, self.d.warmup_steps)
+
+    def _moved_on(self, state, glob, step: int, ended: int) -> tuple[Any, int]:
+        """``state`` with process 0's ``glob`` and, when process 0's ``ended`` is past
+        ``step``, the step count moved on to it (the last round's step by as much)."""
         ended = max(step, int(self._broadcast(np.int32(ended))))
-        self.last_step = ended
+        self.last_step += ended - step
         return self._with_global(state, glob, ended if ended > step else None), ended
 
     def _send_overlapped(self, state, step: int, theta, tokens: int):
@@ -309,21 +318,22 @@ class IslandSync:
         self.merge_at = step + self.d.overlap_steps
         if step >= self.cfg.train.steps:  # the end: one global model, nothing in flight
             return self._merge(state, step)
-        return state
+        return state, step
 
-    def _merge(self, state, step: int):
+    def _merge(self, state, step: int) -> tuple[Any, int]:
         """``θ ← g + (θ − θ_sent)``: the round's global model plus the progress since its
         send; the next round's progress counts from ``g``."""
         theta = self._theta(state)
-        merged = None
+        merged, ended, sent = None, step, self.merge_at - self.d.overlap_steps
         if self.main:
             glob = self._await_pending()
             merged = {k: glob[k] + (theta[k] - self.sent[k]) for k in theta}
             self.snap = glob
-            sent = self.merge_at - self.d.overlap_steps
-            self.say(f"{self._round_line(step, False)} (sent after step {sent}, merged now)")
+            ended = self._round_end() + step - sent
+            line = f"{self._round_line(step, False)} (sent after step {sent}, merged now)"
+            self.say(line + _late(step, ended))
         self.merge_at = None
-        return self._with_global(state, merged, None)
+        return self._moved_on(state, merged, step, ended)
 
     def _send(self, delta, tokens: int) -> None:
         try:
@@ -417,6 +427,10 @@ class IslandSync:
 
         out = multihost_utils.broadcast_one_to_all(value)
         return [np.asarray(v) for v in out] if isinstance(value, list) else np.asarray(out)
+
+
+def _late(step: int, ended: int) -> str:
+    return f" (late: a later round adopted, on from step {ended})" if ended > step else ""
 
 
 def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:

@@ -10,6 +10,7 @@ per island, the outer sync between them over HTTP (:mod:`holmes_jax.runtime.isla
   and both end with the same global model.
 """
 
+import dataclasses
 import json
 import re
 import shutil
@@ -228,16 +229,16 @@ class _Sync:
 
     def __init__(self, glob):
         self.cond, self.round, self.members = threading.Condition(), 0, {0, 1}
-        self.glob, self.sent = dict(glob), []
+        self.glob, self.sent, self.skip = dict(glob), [], 0
 
     def sync_delta(self, delta, tokens, average=False):
         self.sent.append(float(delta["w"][0]))
         self.glob = {k: self.glob[k] - delta[k] + 10 for k in self.glob}
-        self.round += 1
+        self.round += 1 + self.skip
         return dict(self.glob)
 
     def sync(self, theta, tokens, average=False):  # in step; ``skip`` rounds closed without it
-        self.round += 1 + getattr(self, "skip", 0)
+        self.round += 1 + self.skip
         return dict(self.glob)
 
 
@@ -246,6 +247,7 @@ def test_a_late_round_moves_the_island_on_to_the_step_it_adopted():
     a later round (round 4, which ended at step 8): it goes on from step 8, with the
     optimizer's step counts set there, as a healed island does."""
     job = ["diloco.mode=independent", "diloco.island=0", "diloco.peers=[127.0.0.1:1,127.0.0.1:2]"]
+    job.append("train.steps=20")
     cfg, share = island_scope(load_config(None, [*DILOCO, *job]))
     island = IslandSync(cfg, None, share, say=lambda line: None)
     island.sync = _Sync({"w": np.zeros(1, np.float32)})
@@ -256,6 +258,13 @@ def test_a_late_round_moves_the_island_on_to_the_step_it_adopted():
     island.sync.skip = 2  # rounds 2 and 3 closed without it
     assert island.after_step(1.0, 4) == (1.0, 8) and island.sync.round == 4
     assert counts == [None, 8] and island.last_step == 8
+    # with overlap (τ = 1): the round sent after step 10 comes back as round 7 (ended at
+    # step 14), merged after step 11: on from step 15, the last round's step 14
+    island.d = dataclasses.replace(island.d, overlap_steps=1)
+    island.snap = {"w": np.zeros(1, np.float32)}
+    assert island.after_step(1.0, 10) == (1.0, 10) and island.merge_at == 11
+    assert island.after_step(1.0, 11)[1] == 15 and island.sync.round == 7
+    assert counts[-1] == 15 and island.last_step == 14
 
 
 def test_overlap_merges_each_round_after_its_overlap_steps():
