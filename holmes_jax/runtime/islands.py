@@ -37,8 +37,9 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
   with the outer state saved beside it (:meth:`IslandSync.save_outer`), so resuming
   across an outer step is exact (with ``diloco.overlap_steps`` a round in flight at the
   save is not part of it).
-- Late: an in-step round that came back as a later round (this island's delta missed
-  its round) moves the island on to the step that round ended, as a heal does.
+- Late: a round that came back as a later round (this island's delta missed its round)
+  moves the island on to the step that round ended (with overlap, plus the steps since
+  the send), as a heal does.
 
 Several processes per island: the whole parameters are gathered to every process and
 only process 0 talks to the peers; the new global model is broadcast back.
