@@ -125,7 +125,9 @@ def fast_twin(
     """The homogeneous reference of ``topology``: every island at the fastest island's
     device speed and link, the inter-island links too; and ``calibration`` (a profile's,
     which measures each island by name) with every island at that island's measured speed
-    and reduction links, else the twin would keep the slow island's measured speed."""
+    and reduction links, else the twin would keep the slow island's measured speed. The
+    collectives measured through every island (``spanning_ops``) are dropped: they ran on
+    the slow islands."""
     best = max(topology.islands, key=lambda i: (i.peak_tflops, i.link.bandwidth_gbps))
     islands = tuple(
         dataclasses.replace(i, link=best.link, peak_tflops=best.peak_tflops)
@@ -148,7 +150,7 @@ def fast_twin(
         per_island[field] = (
             {i.name: table[best.name] for i in islands} if best.name in table else {}
         )
-    return twin, dataclasses.replace(calibration, **per_island)
+    return twin, dataclasses.replace(calibration, **per_island, spanning_ops={})
 
 
 def ablation_rows(

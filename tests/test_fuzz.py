@@ -69,7 +69,8 @@ def valid_profile() -> dict:
         },
         "links": {
             "tensor": {"bandwidth_gbps": 80, "latency_us": 8},
-            "data:ib": link, "data:roce:all-gather": link, "stage": link, "stage:ib:roce": link,
+            "data:ib": link, "data:roce:all-gather": link, "data:*:reduce-scatter": link,
+            "stage": link, "stage:ib:roce": link,
         },
     }  # fmt: skip
 

@@ -41,8 +41,15 @@ from holmes_jax.planner.measurements import (
     profile_dict,
     stage_layers,
 )
-from holmes_jax.planner.placement import stage_hardware
-from holmes_jax.planner.profiles import DATA_OPS, load_profile, profile_from_dict
+from holmes_jax.planner.placement import naive_hardware, stage_hardware
+from holmes_jax.planner.profiles import (
+    DATA_OPS,
+    DATA_RING_OPS,
+    SPANNING,
+    data_key,
+    load_profile,
+    profile_from_dict,
+)
 from holmes_jax.planner.topology import load_topology
 from holmes_jax.runtime import measure
 from tests.common import ROOT, TINY_MODEL, as_flags
@@ -179,6 +186,39 @@ def test_zero1_collectives_get_their_own_measured_paths():
     plain = stage_costs(model, RunSpec(16), layout, stage_hardware(profiled, layout))
     assert np.all(costs.reduce[:, 1:] > plain.reduce[:, 1:])  # the slower measured paths
     assert np.all(costs.gather[:, 1:] > plain.gather[:, 1:])
+
+
+def test_spanning_collectives_price_the_naive_data_group():
+    """Collectives timed over one data group through every island (``data:*``), whatever
+    their shape in size (gloo's own algorithms), come back out of the naive placement as
+    the times that were measured, at the probed layout."""
+    topo = load_topology(TWO)  # 2 islands x 2 hosts x 2 devices: data 4 x tensor 2
+    m = _synthetic(topo, (1.5e9, 40e-6), (0.9e9, 120e-6))
+    sizes = m.links[0].sizes
+    measured = {  # seconds = a + S / b, S bytes per device
+        "all-reduce": (3e-3, 2e8),
+        "reduce-scatter": (5e-3, 1.5e8),
+        "all-gather": (2e-3, 3e8),
+    }
+    spanning = tuple(
+        LinkTiming(
+            data_key(SPANNING, op), "all islands", op, 4, 2, sizes, tuple(a + s / b for s in sizes)
+        )
+        for op, (a, b) in measured.items()
+    )
+    raw = profile_dict(dataclasses.replace(m, links=m.links + spanning))
+    assert {"data:*", "data:*:reduce-scatter", "data:*:all-gather"} <= set(raw["links"])
+    profiled, cal = profile_from_dict(raw, topo)
+    assert set(cal.spanning_ops) == set(DATA_RING_OPS) and cal.data_ops == {}
+    [hw] = naive_hardware(profiled, Layout(1, 4, 2, microbatches=1), cal)
+    for op, price, path in (
+        ("all-reduce", ring_allreduce_time, hw.data),
+        ("reduce-scatter", reduce_scatter_time, hw.scatter_path),
+        ("all-gather", all_gather_time, hw.gather_path),
+    ):
+        a, b = measured[op]
+        for s in sizes:
+            assert price(s, 4, *path) == pytest.approx(a + s / b, rel=1e-5), (op, s)
 
 
 def test_profile_reproduces_the_measured_fp32_layer():
@@ -318,7 +358,10 @@ def test_probe_writes_a_profile_the_planner_reads(probed, capsys):
     }
     assert set(raw["compute"]) == {"ib", "roce"}
     zero1 = {f"data:{i}:{op}" for i in ("ib", "roce") for op in DATA_OPS}
-    assert set(raw["links"]) == {"tensor", "data:ib", "data:roce", "stage:ib:roce"} | zero1
+    spanning = {"data:*", "data:*:reduce-scatter", "data:*:all-gather"}
+    assert (
+        set(raw["links"]) == {"tensor", "data:ib", "data:roce", "stage:ib:roce"} | zero1 | spanning
+    )
     numbers = [v for item in raw["compute"].values() for v in item.values()]
     assert all(math.isfinite(v) and v > 0 for v in numbers)
     for link in raw["links"].values():
@@ -336,10 +379,18 @@ def test_probe_writes_a_profile_the_planner_reads(probed, capsys):
 def test_probe_prints_table_and_progress(probed):
     code, out, err, path = probed
     assert code == 0
-    for text in ("probe of topology cpu8-two-islands", "micro-batch 1", "data:roce", "ib->roce"):
+    for text in (
+        "probe of topology cpu8-two-islands",
+        "micro-batch 1",
+        "data:roce",
+        "data:*:all-gather",
+        "ib->roce",
+    ):
         assert text in out
     assert f"wrote {path}" in out
     assert "probe: point-to-point stage 0 (ib) -> stage 1 (roce)" in err
+    for op in DATA_RING_OPS:  # 2 islands x 2 hosts x 2 devices: 2 rings of 4 ranks
+        assert f"probe: {op} over data across islands (4 ranks)" in err
 
 
 def test_probe_function_on_one_island():

@@ -24,8 +24,8 @@ from holmes_jax.core.axes import DATA, TENSOR
 from holmes_jax.core.config import Config, ModelConfig, check_devices
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, Layout, layer_fwd_flops
-from holmes_jax.planner.placement import stage_blocks
-from holmes_jax.planner.profiles import PROFILE_VERSION, link_dict
+from holmes_jax.planner.placement import naive_hops, stage_blocks
+from holmes_jax.planner.profiles import PROFILE_VERSION, SPANNING, link_dict
 from holmes_jax.planner.topology import Link, Topology
 
 KIB = 1024
@@ -59,7 +59,7 @@ class LinkTiming:
     or senders went through one host's NIC at once (1 for the per-device ``tensor`` link).
     """
 
-    key: str  # profile key: tensor | data:<island> | stage:<a>:<b>
+    key: str  # profile key: tensor | data:<island>[:<op>] | data:*[:<op>] | stage:<a>:<b>
     island: str  # where it ran ("a->b" for a p2p pair)
     op: str
     ranks: int
@@ -294,6 +294,9 @@ def _topology_link(topo: Topology, key: str) -> Link:
     if key == TENSOR:
         return topo.intra_host
     kind, *names = key.split(":")
+    if kind == DATA and names[0] == SPANNING:  # the naive ring's slowest hop
+        hops = naive_hops(topo)
+        return Link(min(h.bandwidth_gbps for h in hops), max(h.latency_us for h in hops))
     if kind == DATA:
         return next(isl.link for isl in topo.islands if isl.name == names[0])
     return topo.inter_island(*names)

@@ -54,6 +54,9 @@ class Calibration:
     island_flops: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # {island name: {"reduce-scatter" | "all-gather": per-host Link}}, from a profile.
     data_ops: Mapping[str, Mapping[str, Link]] = field(default_factory=dict)
+    # {"all-reduce" | "reduce-scatter" | "all-gather": per-host Link} of one data ring
+    # through every island in device order (a profile's data:* links); naive placement only.
+    spanning_ops: Mapping[str, Link] = field(default_factory=dict)
 
     def flops_per_s(self, topology: Topology, island: int) -> tuple[float, float]:
         """(forward, backward) FLOP/s of one device of ``island``."""
@@ -238,8 +241,16 @@ def naive_hardware(
     Where a profile timed ZeRO-1's reduce-scatter / all-gather on their own
     (``Calibration.data_ops``), the time they take beyond the island's all-reduce ring rate
     is a per-byte runtime cost (gloo's copies and reductions on shared cores), not wire
-    time: the largest such extra is added per byte to the ring. Device speed, memory and
-    memory bandwidth are the slowest island's (data parallel ranks step in lockstep).
+    time: the largest such extra is added per byte to the ring.
+
+    Where a profile timed a collective over data rings through every island
+    (``Calibration.spanning_ops``), that fit prices it instead of the hops, its NIC figure
+    shared by the t rings: the runtime's own algorithm and stalls are measured, not
+    modelled. The price reproduces the probe's times for its layout (data = the probed
+    ranks, tensor = the gcd of ``devices_per_host``) and follows the ring formula elsewhere.
+
+    Device speed, memory and memory bandwidth are the slowest island's (data parallel ranks
+    step in lockstep).
 
     Args:
       topology: the cluster (links possibly replaced by a profile).
@@ -274,14 +285,17 @@ def naive_hardware(
             )
     cal = calibration or Calibration()
     intra = (topology.intra_host.bytes_per_s, topology.intra_host.latency_s)
-    hops = [_between(topology, i, (i + 1) % n) for i in range(n)] if n > 1 else []
-    hops += [isl.link for isl in islands if isl.num_hosts > 1]
-    paths = [_per(link, t) for link in hops]
+    paths = [_per(link, t) for link in naive_hops(topology)]
     if any(isl.devices_per_host // t > 1 for isl in islands):
         paths.append(intra)
     ring = _slowest_path(paths) if layout.data > 1 else _NONE
+    spanning = {  # measured on one ring through every island; t rings share its NICs
+        op: _per(link, t) for op, link in cal.spanning_ops.items() if layout.data > 1
+    }
 
     def op_path(op: str) -> Path | None:
+        if op in spanning:
+            return spanning[op]
         extra = [  # seconds per byte beyond the island's all-reduce ring rate
             (1 / ops[op].bytes_per_s - 1 / isl.link.bytes_per_s, ops[op].latency_s)
             for isl in islands
@@ -301,13 +315,21 @@ def naive_hardware(
             memory_bytes=min(isl.memory_gb for isl in islands) * 1e9 * memory_fraction,
             mem_bw=min(isl.memory_bytes_per_s for isl in islands),
             tensor=intra,
-            data=ring,
+            data=spanning.get("all-reduce", ring),
             send=_NONE,
             scatter=op_path("reduce-scatter"),
             gather=op_path("all-gather"),
             elementwise_passes=cal.elementwise_passes,
         )
     ]
+
+
+def naive_hops(topology: Topology) -> list[Link]:
+    """The per-host links the naive placement's data rings cross (device order): between
+    consecutive islands, from the last back to the first, and every multi-host island's NIC."""
+    n = len(topology.islands)
+    hops = [_between(topology, i, (i + 1) % n) for i in range(n)] if n > 1 else []
+    return hops + [isl.link for isl in topology.islands if isl.num_hosts > 1]
 
 
 def _stage(topology, layout, cal, memory_fraction, rep, s) -> StageHardware:

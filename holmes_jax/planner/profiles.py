@@ -14,6 +14,9 @@ an unknown key is an error). The schema and the bounds: docs/planner.md, "Profil
 - A runtime may run a reduce-scatter or all-gather at nearly a whole all-reduce's cost
   (gloo on CPUs). The ``:reduce-scatter`` and ``:all-gather`` links then price ZeRO-1's
   collectives.
+- ``data:*`` and ``data:*:<op>``: the three collectives over one data ring through every
+  island (:data:`SPANNING`). They price the naive placement's data group
+  (``Calibration.spanning_ops``), whose runtime algorithm and stalls no hop captures.
 
 Bounds have one home, :mod:`holmes_jax.core.spec`. Pure Python; no jax import.
 """
@@ -48,6 +51,8 @@ from holmes_jax.planner.topology import Link, Topology, TopologyReader
 
 PROFILE_VERSION = 1
 DATA_OPS = ("reduce-scatter", "all-gather")  # collectives a profile may time on their own
+SPANNING = "*"  # the island name of a data ring through every island: data:* and data:*:<op>
+DATA_RING_OPS = ("all-reduce", *DATA_OPS)  # the collectives timed on every data ring
 _SHAPE = {  # measured_with: the key and its bound
     "hidden_size": HIDDEN,
     "seq_len": SEQ,
@@ -146,8 +151,7 @@ def profile_from_dict(
     links = top.get("links", {})
     allowed = (
         (TENSOR, STAGE)
-        + tuple(f"{DATA}:{n}" for n in names)
-        + tuple(f"{DATA}:{n}:{op}" for n in names for op in DATA_OPS)
+        + tuple(data_key(n, op) for n in (*names, SPANNING) for op in DATA_RING_OPS)
         + tuple(f"{STAGE}:{a}:{c}" for a in names for c in names if a != c)
     )
     r.mapping(links, "links", optional=allowed)
@@ -157,11 +161,13 @@ def profile_from_dict(
         for isl in topology.islands
     )
     overrides = {(a, c): link for a, c, link in topology.inter_island_overrides}
-    data_ops: dict[str, dict[str, Link]] = {}
+    data_ops = {  # islands with a ZeRO-1 collective of their own
+        n: ops
+        for n in names
+        if (ops := {o: new[k] for o in DATA_OPS if (k := data_key(n, o)) in new})
+    }
+    spanning = {o: new[k] for o in DATA_RING_OPS if (k := data_key(SPANNING, o)) in new}
     for key, link in new.items():
-        if key.startswith(f"{DATA}:") and key.count(":") == 2:
-            _, island, op = key.split(":")
-            data_ops.setdefault(island, {})[op] = link
         if key.startswith(f"{STAGE}:"):
             _, a, c = key.split(":")
             overrides[tuple(sorted((a, c)))] = link
@@ -172,7 +178,19 @@ def profile_from_dict(
         inter_island_default=new.get(STAGE, topology.inter_island_default),
         inter_island_overrides=tuple((a, c, link) for (a, c), link in sorted(overrides.items())),
     )
-    return profiled, dataclasses.replace(base, island_flops=speeds, data_ops=data_ops)
+    calibration = dataclasses.replace(
+        base,
+        island_flops=speeds,
+        data_ops=data_ops,
+        spanning_ops=spanning,
+    )
+    return profiled, calibration
+
+
+def data_key(island: str, op: str) -> str:
+    """The profile key of ``op`` over an island's data ring (``SPANNING``: every island's):
+    ``data:<island>`` for the all-reduce, ``data:<island>:<op>`` for ZeRO-1's two."""
+    return f"{DATA}:{island}" if op == "all-reduce" else f"{DATA}:{island}:{op}"
 
 
 def link_dict(link: Link) -> dict[str, float]:

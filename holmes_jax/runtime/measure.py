@@ -22,6 +22,9 @@ why each measurement is made the way it is.
      rings per NIC. ``data:<island>:reduce-scatter`` and ``:all-gather``: ZeRO-1's two.
    - ``stage:<a>:<b>``: ``ppermute`` from island a's last stage to island b's first, times
      the messages a host sends at once.
+   - ``data:*`` and ``data:*:<op>``: the three collectives over one ``data`` axis through
+     every device in topology order (``tensor`` = the gcd of ``devices_per_host``, times
+     that many rings per NIC), as the naive placement's data group runs them.
 
 With several processes each one times the islands it holds and process 0 writes. The
 library functions import jax only when they measure.
@@ -58,7 +61,7 @@ from holmes_jax.planner.measurements import (
     sizes_text,
     stage_layers,
 )
-from holmes_jax.planner.profiles import DATA_OPS
+from holmes_jax.planner.profiles import DATA_RING_OPS, SPANNING, data_key
 from holmes_jax.planner.topology import Topology
 
 _WARMUP = 2  # untimed calls: compile, then one run to settle caches and allocators
@@ -133,13 +136,14 @@ def measure(
         group = devices[off : off + isl.num_devices]
         mesh = _mesh(Degrees(1, isl.num_hosts, isl.devices_per_host), group)
         mine = any(d.process_index == me for d in group)
-        data = f"{DATA}:{isl.name}"
         for key, axis, n, share, op in (
             (TENSOR, TENSOR, isl.devices_per_host, 1, "all-reduce"),
-            (data, DATA, isl.num_hosts, isl.devices_per_host, "all-reduce"),
-            # ZeRO-1's two collectives, as issued by the trainer (a runtime may not run
-            # them as half an all-reduce each, e.g. gloo on CPUs).
-            *((f"{data}:{op}", DATA, isl.num_hosts, isl.devices_per_host, op) for op in DATA_OPS),
+            # The all-reduce, and ZeRO-1's two collectives as issued by the trainer (a
+            # runtime may not run them as half an all-reduce each, e.g. gloo on CPUs).
+            *(
+                (data_key(isl.name, op), DATA, isl.num_hosts, isl.devices_per_host, op)
+                for op in DATA_RING_OPS
+            ),
         ):
             if n < 2:
                 continue  # a one-device ring moves nothing
@@ -149,6 +153,16 @@ def measure(
             links.append(_link(key, isl.name, op, n, share, sizes, times))
 
     if len(topology.islands) > 1:
+        # One data group through every island, as the naive placement's (gloo's own
+        # algorithms and the stalls of every process in one collective are in the times).
+        t = math.gcd(*(isl.devices_per_host for isl in topology.islands))
+        n = topology.num_devices // t
+        mesh = _mesh(Degrees(1, n, t), devices)
+        for op in DATA_RING_OPS:
+            say(f"{op} over {DATA} across islands ({n} ranks), {sizes_text(sizes)}")
+            times = _time_collective(mesh, DATA, op, sizes, repeats)
+            links.append(_link(data_key(SPANNING, op), "all islands", op, n, t, sizes, times))
+
         shape = pair_shape(topology)
         mesh = _mesh(shape, devices)
         names = [isl.name for isl in topology.islands]

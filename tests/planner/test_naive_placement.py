@@ -4,9 +4,10 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import Degrees, Layout
+from holmes_jax.core.spec import Degrees, Layout, ModelSpec
 from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
 from holmes_jax.planner.plans import make_plan, predict_config, specs_from_config
+from holmes_jax.planner.pricing import RunSpec, stage_costs
 from holmes_jax.planner.search import plan_for_layout
 from holmes_jax.planner.topology import Link, load_topology, topology_from_dict
 from tests.common import config_path, mesh_path
@@ -104,6 +105,35 @@ def test_naive_zero1_paths_add_the_measured_per_byte_extra():
     assert hw.scatter_path[0] == pytest.approx(1 / (1 / hw.data[0] + extra), rel=1e-12)
     assert hw.scatter_path[1] == hw.data[1]  # 200 us inter-island > 30, 40 us
     assert hw.gather is None and hw.gather_path == hw.data  # not measured: the ring's
+
+
+def test_naive_grad_sync_follows_the_spanning_measurement():
+    """Collectives measured through every island (``Calibration.spanning_ops``) price the
+    naive data group, not the hops: twice the measured time is twice the priced reduction
+    and gather, and a faster inter-island link changes nothing. Without them the slowest
+    hop prices it."""
+    three = [island("ib", 1), island("roce", 1), island("eth", 1)]  # 6 single-device hosts
+    slow, fast = topology(three, inter_gbps=0.1), topology(three, inter_gbps=0.5)
+    model, layout = ModelSpec(4, 256, 4, 32, 512), Layout(1, 6, 1, microbatches=1)
+    run = RunSpec(12, sync_collectives=True)
+
+    def sync(topo, spanning):  # (reduce-scatter, all-gather) seconds of 4 layers' gradients
+        [hw] = naive_hardware(topo, layout, Calibration(spanning_ops=spanning))
+        costs = stage_costs(model, run, layout, [hw])
+        return costs.reduce[0, 4], costs.gather[0, 4]
+
+    measured = {op: Link(0.05, 800) for op in ("all-reduce", "reduce-scatter", "all-gather")}
+    twice = {op: Link(0.025, 1600) for op in measured}  # half the bandwidth, twice the latency
+    base = sync(slow, measured)
+    assert sync(slow, twice) == pytest.approx((2 * base[0], 2 * base[1]), rel=1e-12)
+    assert sync(fast, measured) == base
+    [hw] = naive_hardware(slow, layout, Calibration(spanning_ops=measured))
+    link = measured["all-reduce"]
+    assert hw.data == (link.bytes_per_s, link.latency_s)  # t = 1: one ring per NIC
+    # Not measured: the 100 Mbit/s inter-island hop, and a faster one prices faster.
+    [plain] = naive_hardware(slow, layout)
+    assert plain.data == pytest.approx((0.1e9 / 8, 50e-6), rel=1e-12)
+    assert sync(fast, {})[0] < sync(slow, {})[0]
 
 
 def test_naive_takes_the_slowest_island_devices():
