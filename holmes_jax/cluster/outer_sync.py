@@ -262,8 +262,8 @@ class OuterSync:
         self.took: dict[int, set[int]] = {}  # the last rounds' participants but this island
         self.fetched: dict[int, set[int]] = {}  # round -> islands that acknowledged its result
         self.awaiting: set[int] = set()  # joined to take the open round's result in step
-        self.sending: dict[int | None, int] = {}  # island -> results being written to it
-        self.sent_at: dict[int | None, float] = {}  # island -> when the last one was
+        self.sending: dict[int, int] = {}  # island -> results being written to it
+        self.sent_at: dict[int, float] = {}  # island -> when the last one was received
         if state is not None:
             self.glob = {k: np.asarray(v, np.float32) for k, v in state[0].items()}
             self.mom = {k: np.asarray(v, np.float32) for k, v in state[1].items()}
@@ -715,24 +715,35 @@ class OuterSync:
 
     def _reply(self, req: BaseHTTPRequestHandler, body: bytes, peer: int | None = None) -> None:
         """Send ``body`` in chunks, each within the socket's timeout (a stalled peer ends the
-        reply); for ``peer`` (a result's), count the reply as being written meanwhile and
-        note when it was (:meth:`_await_fetched`)."""
+        reply). For ``peer`` (a result's): count the reply as being written until the peer
+        has received it, and note when it had (:meth:`_await_fetched`)."""
         req.send_response(200)
         req.send_header("Content-Length", str(len(body)))
         req.end_headers()
+        if peer is None:
+            self._write(req, body)
+            return
         with self.cond:
             self.sending[peer] = self.sending.get(peer, 0) + 1
         done = False
         try:
-            view = memoryview(body)
-            for at in range(0, len(body), CHUNK):
-                req.wfile.write(view[at : at + CHUNK])
-            done = _drain(req.connection, self.cfg.quorum_timeout_s)
-        except OSError:  # stalled past the timeout, or closed: the peer is silent
-            req.close_connection = True
+            done = self._write(req, body) and _drain(req.connection, self.cfg.quorum_timeout_s)
         finally:
             with self.cond:
                 self.sending[peer] -= 1
                 if done:  # a reply cut short is silence: the wait does not restart
                     self.sent_at[peer] = time.monotonic()
                 self.cond.notify_all()
+
+    @staticmethod
+    def _write(req: BaseHTTPRequestHandler, body: bytes) -> bool:
+        """Write ``body`` in :data:`CHUNK`-byte pieces; False if the peer stalled past the
+        socket's timeout or closed (then the connection ends)."""
+        view = memoryview(body)
+        try:
+            for at in range(0, len(body), CHUNK):
+                req.wfile.write(view[at : at + CHUNK])
+        except OSError:
+            req.close_connection = True
+            return False
+        return True

@@ -268,8 +268,10 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         state = program.init(cfg.train.seed)
     if island is not None:  # serve the outer sync (healed: at the peer's round, compiled first)
         resumed_from = cfg.checkpoint.dir if resumed else None
-        batch0 = make_batch(sampler, start, program.batch_sharding)
-        compile_step = lambda s: program.compile_train_step(s, batch0)  # noqa: E731
+
+        def compile_step(s):  # called only by a healing island (IslandSync.start)
+            program.compile_train_step(s, make_batch(sampler, start, program.batch_sharding))
+
         state, start = island.start(state, start, heal, resumed_from, compile_step)
 
     if is_main:
