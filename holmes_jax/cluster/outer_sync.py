@@ -28,14 +28,14 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   closed, is dropped: its island adopts the latest state.
 * **Lockstep.** A member acknowledges the result once it has it (``GET /ack``); the
   leader's own call returns when every other participant has, or when none has been sent
-  anything for ``quorum_timeout_s``: the wait lasts while a result is being written to
-  one of them and at most the timeout after the last was. So the members start their next
-  inner steps together and a delta reaches the leader within its upload time of the
-  leader's own. Without it the leader, which transfers nothing, would run ahead by its
-  members' download time, and a member whose download plus upload exceeds the quorum
-  timeout would miss every round. Replies go out in 64-KiB writes, each within
-  ``quorum_timeout_s`` or the request ends, so a peer that dies or is cut off in the
-  middle of a download is silent, and not waited for, after that long.
+  anything for ``quorum_timeout_s``: the wait lasts while a result is on its way to one
+  of them (until its TCP has it) and at most the timeout after the last arrived. So the
+  members start their next inner steps together and a delta reaches the leader within its
+  upload time of the leader's own. Without it the leader, which transfers nothing, would
+  run ahead by its members' download time, and a member whose download plus upload
+  exceeds the quorum timeout would miss every round. Replies go out in 64-KiB writes,
+  each within ``quorum_timeout_s`` or the request ends, so a peer that dies or is cut off
+  in the middle of a download is silent, and not waited for, after that long.
 * **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
   takes the lowest reachable member as leader, itself last, and tells it which members it
   found dead so that the new leader does not wait for them.
@@ -558,8 +558,8 @@ class OuterSync:
 
     def _await_fetched(self, want: int) -> None:
         """Wait until the other participants of round ``want`` have acknowledged its result
-        (module doc, Lockstep): while a reply to one of them is being written, and then at
-        most ``quorum_timeout_s`` after the last one was (or after the wait began)."""
+        (module doc, Lockstep): while a result is on its way to one of them, and then at
+        most ``quorum_timeout_s`` after the last one arrived (or after the wait began)."""
         began = time.monotonic()
         with self.cond:
             while waiting := self.took.get(want, set()) - self.fetched.get(want, set()):
