@@ -93,9 +93,11 @@ def calibrate(cfg, topology):
     return profile_from_dict(profile, topology, source="<probe>")[1]
 
 
-def probe_launch(mesh: str, extra: list[str], folder: str, name: str):
+def probe_launch(mesh: str, extra: list[str], folder: str, name: str, cpu_quota: str):
     """Profile measured by ``launch --program probe --emulate`` (benchlib.emulated_probe)."""
-    return benchlib.emulated_probe(mesh, MODEL + extra, folder, f"profile-{name}", "bench_islands")
+    return benchlib.emulated_probe(
+        mesh, MODEL + extra, folder, f"profile-{name}", "bench_islands", cpu_quota=cpu_quota
+    )
 
 
 def predicted_step(cfg, topology, calibration) -> float:
@@ -135,9 +137,13 @@ def island_bytes(cfg, topology) -> int:
     return cross_island_bytes(text, mesh, topology)
 
 
-def measured_step(mesh: str, extra: list[str], steps: int, folder: str, name: str) -> float:
+def measured_step(
+    mesh: str, extra: list[str], steps: int, folder: str, name: str, cpu_quota: str
+) -> float:
     """Median step time (after the first) of an emulated launch."""
-    records = benchlib.emulated_run(mesh, MODEL + extra, steps, folder, name, "bench_islands")
+    records = benchlib.emulated_run(
+        mesh, MODEL + extra, steps, folder, name, "bench_islands", cpu_quota=cpu_quota
+    )
     times = [r["step_time_s"] for r in records if "compile_s" not in r]
     if not times:
         raise RuntimeError(f"{name}: no step after the first was logged (--steps >= 2)")
@@ -163,6 +169,12 @@ def main(argv=None) -> int:
         default="100mbit",
         choices=sorted(LINKS),
         help="the link between the islands of variants a, b, d (default 100mbit: 100 µs)",
+    )
+    parser.add_argument(
+        "--cpu-quota",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="launch --cpu-quota for every emulated launch (on: a fixed CPU share per host)",
     )
     args = parser.parse_args(argv)
     MODEL.extend(args.set)
@@ -191,11 +203,11 @@ def main(argv=None) -> int:
     cfgs = {name: config(args.steps, extra, mesh) for name, (mesh, extra) in VARIANTS.items()}
     # The probe times a stage at its plan's micro-batch: naive data parallel runs 2
     # sequences of 4 layers per device, the Holmes plans 1 sequence of 2 layers.
-    profiled = {"slow": probe_launch(slow_mesh, HOLMES, folder, "slow")}
+    profiled = {"slow": probe_launch(slow_mesh, HOLMES, folder, "slow", args.cpu_quota)}
     if "naive" in VARIANTS:
-        profiled["naive"] = probe_launch(slow_mesh, NAIVE, folder, "naive")
+        profiled["naive"] = probe_launch(slow_mesh, NAIVE, folder, "naive", args.cpu_quota)
     if "fast" in VARIANTS:
-        profiled["fast"] = probe_launch(FAST, HOLMES, folder, "fast")
+        profiled["fast"] = probe_launch(FAST, HOLMES, folder, "fast", args.cpu_quota)
     which = {"holmes": "slow", "naive": "naive", "fast": "fast", "zb": "slow"}
     predicted = {
         name: predicted_step(cfg, *profiled[which[name]][:2]) for name, cfg in cfgs.items()
@@ -207,7 +219,7 @@ def main(argv=None) -> int:
     )
 
     measured = {
-        name: measured_step(mesh, extra, args.steps, folder, name)
+        name: measured_step(mesh, extra, args.steps, folder, name, args.cpu_quota)
         for name, (mesh, extra) in VARIANTS.items()
     }
     p2p = {name: island_bytes(cfg, slow) for name, cfg in cfgs.items() if name in ("holmes", "zb")}
@@ -229,6 +241,7 @@ def main(argv=None) -> int:
             "grad_mb": round(model.num_params * 4 / 1e6, 1),
             "microbatch_act_kib": act / 1024,
         },
+        "cpu_quota": args.cpu_quota,
         "steps_timed": args.steps - 1,
         "step_ms": {k: round(v * 1e3, 1) for k, v in measured.items()},
         "predicted_ms": {k: round(v * 1e3, 1) for k, v in predicted.items()},

@@ -160,7 +160,13 @@ def measure_speed(args, folder: str) -> dict:
             log(f"{link}: probe the links and a stage of the {plan} plan (emulated launch)")
             probe_set = SPEED + variants[plan] + [f"parallel.mesh={mesh}"]
             profiles[plan] = benchlib.emulated_probe(
-                mesh, probe_set, folder, f"profile-{link}-{plan}", "bench_strategies", QUICKSTART
+                mesh,
+                probe_set,
+                folder,
+                f"profile-{link}-{plan}",
+                "bench_strategies",
+                QUICKSTART,
+                args.cpu_quota,
             )
         table = {}
         for name, extra in variants.items():
@@ -178,7 +184,14 @@ def measure_speed(args, folder: str) -> dict:
                 predicted = predict_config(cfg, topology, calibration, sync_collectives=True).step_s
             log(f"{link}: {name}: {steps} steps")
             records = benchlib.emulated_run(
-                mesh, overrides, steps, folder, f"{link}-{name}", "bench_strategies", QUICKSTART
+                mesh,
+                overrides,
+                steps,
+                folder,
+                f"{link}-{name}",
+                "bench_strategies",
+                QUICKSTART,
+                args.cpu_quota,
             )
             timed = [r for r in records if "compile_s" not in r]
             done = [r["step"] for r in records]  # the first record is the compiling step
@@ -198,6 +211,7 @@ def measure_speed(args, folder: str) -> dict:
         best = min(table["diloco"]["step_ms"], table["diloco-int8"]["step_ms"])
         rows[link] = {
             "variants": table,
+            "cpu_quota": args.cpu_quota,
             "diloco_over_best_sync_tokens": round(sync / best, 2),
             "pipeline_int8_over_pipeline_tokens": round(
                 table["pipeline"]["step_ms"] / table["pipeline-int8"]["step_ms"], 2
@@ -306,6 +320,13 @@ def main(argv=None) -> int:
         f"{', '.join(PIPELINE_VARIANTS)}",
     )
     parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
+    parser.add_argument(
+        "--cpu-quota",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="speed: launch --cpu-quota for every emulated launch (on: a fixed CPU share "
+        "per host, so a waiting host's cores do not speed up the others)",
+    )
     parser.add_argument(
         "--reuse",
         action="store_true",

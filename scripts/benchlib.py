@@ -61,11 +61,18 @@ def program_runner(cfg, shape, batch_rows: Callable[[int], object] | None = None
 
 
 def emulated_probe(
-    mesh: str, overrides: list[str], folder: str, name: str, tag: str, config: str | None = None
+    mesh: str,
+    overrides: list[str],
+    folder: str,
+    name: str,
+    tag: str,
+    config: str | None = None,
+    cpu_quota: str = "auto",
 ):
     """Profile measured by ``launch --program probe --emulate`` on ``mesh`` (root): the
     topology with its links as gloo sees them through the namespaces, the calibration and
-    the per-island layer fwd+bwd times (ms). ``config``: a YAML the overrides apply to."""
+    the per-island layer fwd+bwd times (ms). ``config``: a YAML the overrides apply to;
+    ``cpu_quota``: ``launch --cpu-quota`` (:mod:`holmes_jax.cluster.cgroups`)."""
     import json
 
     from holmes_jax.cluster.supervisor import launch
@@ -77,7 +84,7 @@ def emulated_probe(
     args += [a for o in overrides for a in ("--set", o)]
     args += ["--out", out, "--repeats", "10", "--sizes-kib", "4,64,1024,8192"]
     print(f"{tag}: probe {os.path.basename(mesh)} through the emulated network", file=sys.stderr)
-    code = launch(mesh, args, emulate=True, out=sys.stderr, program="probe")
+    code = launch(mesh, args, emulate=True, out=sys.stderr, program="probe", cpu_quota=cpu_quota)
     if code:
         raise RuntimeError(f"probe on {mesh}: the emulated launch exited with code {code}")
     with open(out) as f:
@@ -97,8 +104,10 @@ def emulated_run(
     name: str,
     tag: str,
     config: str | None = None,
+    cpu_quota: str = "auto",
 ) -> list[dict]:
-    """The metrics records of a training run through ``launch --emulate`` on ``mesh``."""
+    """The metrics records of a training run through ``launch --emulate`` on ``mesh``
+    (``cpu_quota``: ``launch --cpu-quota``)."""
     import json
 
     from holmes_jax.cluster.supervisor import launch
@@ -108,7 +117,7 @@ def emulated_run(
     args += [a for o in overrides for a in ("--set", o)]
     args += ["--set", f"train.steps={steps}", "--set", f"train.metrics_path={metrics}"]
     print(f"{tag}: {name}: launch --mesh {os.path.basename(mesh)} --emulate", file=sys.stderr)
-    code = launch(mesh, args, emulate=True, out=sys.stderr)
+    code = launch(mesh, args, emulate=True, out=sys.stderr, cpu_quota=cpu_quota)
     if code:
         raise RuntimeError(f"{name}: the emulated launch exited with code {code}")
     with open(metrics) as f:
