@@ -174,6 +174,7 @@ class IslandSync:
         self.pending: threading.Thread | None = None  # overlap: the round in flight
         self.result: Any = None  # overlap: its new global model (or its error)
         self.merge_at: int | None = None  # overlap: the step after which it is merged
+        self.send_s = 0.0  # overlap: the training loop's seconds for the round in flight's send
         self.healing: threading.Thread | None = None  # a restart: the heal, from peer_ahead on
         self.healed: float | BaseException = 0.0  # its seconds (or its error)
 
@@ -283,19 +284,23 @@ class IslandSync:
             state, step = self._merge(state, step)
         if not due_fragments(step, self.d.inner_steps, 1, self.d.warmup_steps):
             return state, step
+        began = time.perf_counter()
         average = in_warmup(step, self.d.warmup_steps)
         theta = self._theta(state)
         tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
         self.last_step = step
         if self.d.overlap_steps and not average:  # warm-up averaging stays in step
-            return self._send_overlapped(state, step, theta, tokens)
-        glob, ended = None, step
+            return self._send_overlapped(state, step, theta, tokens, began)
+        glob, ended, line = None, step, ""
         if self.main:
             glob = self.sync.sync(theta, tokens, average=average)
             self.snap = glob  # the next inner steps start from it
             ended = self._round_end()
-            self.say(f"{self._round_line(step, average)}{_late(step, ended)}")
-        return self._moved_on(state, glob, step, ended)
+            line = self._round_line(step, average)
+        moved = self._moved_on(state, glob, step, ended)
+        if self.main:
+            self.say(f"{line} ({time.perf_counter() - began:.2f} s{_late(step, ended)})")
+        return moved
 
     def _round_end(self) -> int:
         """The step at which this island's current round ended."""
@@ -308,14 +313,17 @@ class IslandSync:
         self.last_step += ended - step
         return self._with_global(state, glob, ended if ended > step else None), ended
 
-    def _send_overlapped(self, state, step: int, theta, tokens: int):
+    def _send_overlapped(self, state, step: int, theta, tokens: int, began: float):
         """Send ``Δ = θ_base − θ`` (the progress since the last merge) in the background;
-        the merge follows ``overlap_steps`` steps later, or now after the last step."""
+        the merge follows ``overlap_steps`` steps later, or now after the last step.
+        ``began``: when the training loop stopped for this send (its time is reported
+        with the merge)."""
         if self.main:
             self.sent = theta
             delta = {k: self.snap[k] - theta[k] for k in theta}
             self.pending = threading.Thread(target=self._send, args=(delta, tokens), daemon=True)
             self.pending.start()
+        self.send_s = time.perf_counter() - began
         self.merge_at = step + self.d.overlap_steps
         if step >= self.cfg.train.steps:  # the end: one global model, nothing in flight
             return self._merge(state, step)
@@ -324,17 +332,24 @@ class IslandSync:
     def _merge(self, state, step: int) -> tuple[Any, int]:
         """``θ ← g + (θ − θ_sent)``: the round's global model plus the progress since its
         send; the next round's progress counts from ``g``."""
+        began = time.perf_counter()
         theta = self._theta(state)
-        merged, ended, sent = None, step, self.merge_at - self.d.overlap_steps
+        merged, ended, sent, line = None, step, self.merge_at - self.d.overlap_steps, ""
         if self.main:
+            waited = time.perf_counter()
             glob = self._await_pending()
+            waited = time.perf_counter() - waited
             merged = {k: glob[k] + (theta[k] - self.sent[k]) for k in theta}
             self.snap = glob
             ended = self._round_end() + step - sent
-            line = f"{self._round_line(step, False)} (sent after step {sent}, merged now)"
-            self.say(line + _late(step, ended))
+            line = f"{self._round_line(step, False)} (sent after step {sent}, merged now"
+            line += f"{_late(step, ended)}; send {self.send_s:.2f} s, merge "
         self.merge_at = None
-        return self._moved_on(state, merged, step, ended)
+        moved = self._moved_on(state, merged, step, ended)
+        if self.main:
+            took = time.perf_counter() - began
+            self.say(f"{line}{took:.2f} s of which {waited:.2f} s waiting for the round)")
+        return moved
 
     def _send(self, delta, tokens: int) -> None:
         try:
@@ -431,7 +446,7 @@ class IslandSync:
 
 
 def _late(step: int, ended: int) -> str:
-    return f" (late: a later round adopted, on from step {ended})" if ended > step else ""
+    return f"; late: a later round adopted, on from step {ended}" if ended > step else ""
 
 
 def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
@@ -461,12 +476,27 @@ def _zeros(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _gather(tree):
-    """``tree`` whole on this host (one gather across processes where it is sharded)."""
-    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
-        return jax.device_get(tree)
-    from jax.experimental import multihost_utils
+    """``tree`` whole on this host as numpy: a leaf this process holds whole (fully
+    addressable, or replicated on every device) is read locally; the others come in one
+    gather across processes (every process calls this with the same tree)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = [_local(x) for x in leaves]  # None: sharded across processes
+    spread = [x for x, o in zip(leaves, out, strict=True) if o is None]
+    if spread:
+        from jax.experimental import multihost_utils
 
-    return multihost_utils.process_allgather(tree, tiled=True)
+        gathered = iter(multihost_utils.process_allgather(spread, tiled=True))
+        out = [np.asarray(next(gathered)) if o is None else o for o in out]
+    return treedef.unflatten(out)
+
+
+def _local(x) -> np.ndarray | None:
+    """``x`` whole from this process's devices, or None if other processes hold parts."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    return None
 
 
 def _flat(tree):

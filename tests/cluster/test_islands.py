@@ -31,6 +31,7 @@ from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
 from holmes_jax.runtime.islands import (
     IslandSync,
+    _gather,
     island_outputs,
     island_scope,
     steps_after_round,
@@ -70,6 +71,22 @@ def spmd():
     """The same DiLoCo run as one program (replica 2 x data 4): {step: record}."""
     cfg = load_config(None, [*DILOCO, "parallel.replica=2"])
     return {r["step"]: r for r in run(cfg)}
+
+
+def test_gather_reads_sharded_and_replicated_leaves_whole():
+    """The parameters go to the host whole whichever way the plan lays them out."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    w = np.arange(64, dtype=np.float32).reshape(16, 4)
+    tree = {
+        "sharded": jax.device_put(w, NamedSharding(mesh, PartitionSpec("x"))),
+        "replicated": jax.device_put(w + 1, NamedSharding(mesh, PartitionSpec())),
+    }
+    host = _gather(tree)
+    np.testing.assert_array_equal(host["sharded"], w)
+    np.testing.assert_array_equal(host["replicated"], w + 1)
 
 
 def test_round_and_step_arithmetic():
