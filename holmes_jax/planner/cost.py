@@ -22,7 +22,8 @@ F_s + B_s + W_s is stage s's time per micro-batch.
   With one gradient bucket per step (``parallel.grad_buckets``) all stages reduce after
   the loop: ``max_s (rs_s + opt_s + ag_s)``.
 - With blocking sends :func:`with_lockstep` re-prices the pipeline part of one chosen split
-  tick by tick (:func:`lockstep_pipeline`). The searches keep the closed forms.
+  tick by tick (:func:`lockstep_pipeline`: the stages a tick's sends link wait for each
+  other). The searches keep the closed forms.
 
 Pure Python + NumPy; no jax import.
 """
@@ -95,14 +96,18 @@ class Prediction:
 def lockstep_pipeline(costs: StageCosts, layers_per_stage: Sequence[int]) -> float:
     """The pipeline part of a step when every send blocks (CPU runtimes such as gloo).
 
-    The engine runs the schedule's tables tick by tick. A tick's sends are one
-    ``ppermute`` that neither side leaves before the bytes have arrived, so the stages move
-    in lockstep. Each tick lasts its slowest op plus its slowest send (the sends of one tick
-    run at once). The closed forms of :func:`predict` let a send overlap the receiver's
-    other work, which blocking sends do not allow. This matters most under ZB-H1, whose
-    forward and backward sends fall on different ticks. Per op: a stage's forward
-    (backward) micro-batch time less its sends (``shift_f``/``shift_b``), over v chunks.
-    Under ZB-H1 B and W are priced separately.
+    The engine runs the schedule's tables tick by tick, each stage its own op, then the
+    tick's sends as ``ppermute``s that neither side of a pair leaves before the bytes have
+    arrived. Each stage keeps a clock: a tick adds its op; the stages that a tick's sends
+    link (directly or through a chain of pairs) leave together at the latest of their
+    clocks plus the slowest of their sends (one tick's sends run at once). A stage that
+    sends and receives nothing at a tick waits for no one, so between two sends a stage
+    runs its ops back to back: under 1F1B a fast forward on one stage and a slow backward
+    on the other do not each cost the backward. The closed forms of :func:`predict` let a
+    send overlap the receiver's other work, which blocking sends do not allow; this
+    matters most under ZB-H1, whose forward and backward sends fall on different ticks.
+    Per op: a stage's forward (backward) micro-batch time less its sends
+    (``shift_f``/``shift_b``), over v chunks. Under ZB-H1 B and W are priced separately.
     """
     lay = costs.layout
     p, v = lay.stages, lay.virtual_stages
@@ -115,11 +120,31 @@ def lockstep_pipeline(costs: StageCosts, layers_per_stage: Sequence[int]) -> flo
     bwd = costs.bwd[idx] / v - send_b - (weight if sched.split_backward else 0.0)
     ops = sched.op  # [ticks, p]
     run = np.select([ops == FWD, ops == BWD, ops == WGT], [fwd, bwd, weight], 0.0)
-    total = float(run.max(axis=1).sum())
-    for pairs_f, pairs_b in zip(sched.fwd_pairs, sched.bwd_pairs, strict=True):
-        sends = [send_f[a] for a, _ in pairs_f] + [send_b[a] for a, _ in pairs_b]
-        total += float(max(sends, default=0.0))
-    return total
+    clock = np.zeros(p)  # when each stage is done with the ticks so far
+    for t, (pairs_f, pairs_b) in enumerate(zip(sched.fwd_pairs, sched.bwd_pairs, strict=True)):
+        clock += run[t]
+        sends = [(a, b, send_f[a]) for a, b in pairs_f] + [(a, b, send_b[a]) for a, b in pairs_b]
+        for group, send in _linked(p, sends):
+            clock[group] = clock[group].max() + send
+    return float(clock.max())
+
+
+def _linked(p: int, sends: list[tuple[int, int, float]]) -> list[tuple[list[int], float]]:
+    """The groups of stages that one tick's sends ``(src, dst, seconds)`` link (directly or
+    through other sends), each with its slowest send; stages that send nothing are in none."""
+    group = list(range(p))
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for a, b, _ in sends:
+        group[root(a)] = root(b)
+    slowest: dict[int, float] = {}
+    for a, _, sec in sends:
+        slowest[root(a)] = max(slowest.get(root(a), 0.0), sec)
+    return [([i for i in range(p) if root(i) == r], sec) for r, sec in slowest.items()]
 
 
 def with_lockstep(prediction: Prediction, costs: StageCosts) -> Prediction:

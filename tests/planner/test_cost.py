@@ -1,5 +1,6 @@
 """Cost model: closed forms, FLOP counts, memory, overlap, the breakdown, and fidelity."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -389,3 +390,23 @@ def test_lockstep_pipeline_waits_for_every_tick_with_a_send(schedule):
     assert closed.step_s == pytest.approx(3e-2 + tail, rel=1e-6)
     assert locked.step_s == pytest.approx(4e-2 + tail, rel=1e-6)
     assert sum(locked.breakdown.values()) == pytest.approx(locked.step_s)
+
+
+def test_lockstep_pipeline_waits_only_where_a_tick_sends():
+    """1F1B, S = 2, M = 2 (stage 0 ``F F - B - B``, stage 1 ``- F B F B -``), forward 1,
+    backward 3, free sends. Stage 0 sends at its F ticks, stage 1 at its B ticks; at tick 3
+    (stage 0's B, stage 1's F) and tick 5 nothing is sent, so neither stage waits there.
+    Clocks per tick: (1, 1) (2, 2) (5, 5) (8, 6) (9, 9) (12, 9): 12, where every tick at
+    its slowest op would be 1 + 1 + 3 + 3 + 3 + 3 = 14."""
+    layout = Layout(2, 1, 1, microbatches=2, schedule="1f1b")
+    costs = stage_costs(MODEL, RunSpec(2), layout, _latency_only(2, flops=1e30))
+    ones = np.ones_like(costs.fwd)
+    costs = dataclasses.replace(
+        costs,
+        fwd=ones,
+        bwd=3 * ones,
+        weight=0 * ones,
+        shift_f=np.zeros(2),
+        shift_b=np.zeros(2),
+    )
+    assert lockstep_pipeline(costs, [4, 4]) == pytest.approx(12.0)
