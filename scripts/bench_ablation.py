@@ -1,7 +1,7 @@
 """Benchmark: the Holmes ablation, each component of the plan turned off in turn.
 
     sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 11] \\
-        [--keep-logs DIR]
+        [--rows full,partition-off,...] [--cpu-quota auto|on|off] [--keep-logs DIR]
     python scripts/bench_ablation.py --plan-only
 
 Rows, each one set of config overrides that the trainer runs and the planner prices
@@ -51,6 +51,10 @@ meshes/paper-ib-roce-8x8.yaml, plus the emulated meshes at their nominal speeds;
 a JSON line with ``row``, ``predicted_ms`` and ``tflops_per_gpu`` (model FLOPs, 6 x weights x
 tokens, no attention or recompute term), then the tables on stderr.
 
+``--rows`` runs some rows only (no shares or rankings then); ``--cpu-quota`` is ``launch
+--cpu-quota`` for every launch (``auto``: quotas where the islands' speeds differ, so not
+for the homogeneous row; ``on``: every host its fixed share, that row too).
+
 Targets: full >= 1.25x faster than partition-off with one island 2x slower; nic-off >= 3x
 slower than full at 100 Mbit/s; each measured row within 25% of prediction; equal rankings.
 """
@@ -78,6 +82,7 @@ from holmes_jax.planner.plans import (
 from holmes_jax.planner.topology import Topology, load_topology
 
 MESH_DIR = f"{benchlib.ROOT}/meshes"
+ROWS = ("full", "partition-off", "nic-off", "overlap-off", "all-off", "homogeneous")
 EMULATED_MESHES = {
     "two": f"{MESH_DIR}/emu-4host-2island-slow-compute.yaml",
     "three": f"{MESH_DIR}/emu-6host-3island-slow-compute.yaml",
@@ -282,9 +287,10 @@ def measure(args, folder: str) -> dict:
         fast = f"{folder}/{label}-fast.yaml"
         log(f"{label}: probe the links and each island's layer (emulated launch)")
         topology, calibration, layer_ms = benchlib.emulated_probe(
-            mesh, EMULATED, folder, f"profile-{label}", "bench_ablation"
+            mesh, EMULATED, folder, f"profile-{label}", "bench_ablation", cpu_quota=args.cpu_quota
         )
         rows = ablation_rows(EMULATED, mesh, calibration, topology)
+        rows = {name: extra for name, extra in rows.items() if name in args.rows.split(",")}
         table = {}
         for name, extra in rows.items():
             run_mesh, topo, cal = mesh, topology, calibration
@@ -294,7 +300,13 @@ def measure(args, folder: str) -> dict:
             cfg = row_config(EMULATED, run_mesh, extra)
             predicted = predict_config(cfg, topo, cal, sync_collectives=True).step_s
             records = benchlib.emulated_run(
-                run_mesh, EMULATED + extra, args.steps, folder, f"{label}-{name}", "bench_ablation"
+                run_mesh,
+                EMULATED + extra,
+                args.steps,
+                folder,
+                f"{label}-{name}",
+                "bench_ablation",
+                cpu_quota=args.cpu_quota,
             )
             times = [r["step_time_s"] for r in records if "compile_s" not in r]
             step = sum(times) / len(times)
@@ -311,14 +323,16 @@ def measure(args, folder: str) -> dict:
             print(json.dumps(line), flush=True)
         result[label] = block = {
             "rows": table,
-            "measured": summary(table, "step_ms"),
-            "predicted": summary(table, "predicted_ms"),
+            "cpu_quota": args.cpu_quota,
             "worst_prediction_error": max(abs(r["prediction_error"]) for r in table.values()),
             "probe_layer_fwd_bwd_ms": layer_ms,
         }
-        block["component_ranking_equal"] = (
-            block["measured"]["component_ranking"] == block["predicted"]["component_ranking"]
-        )
+        if set(table) == set(ROWS):  # the shares and rankings need every row
+            block["measured"] = summary(table, "step_ms")
+            block["predicted"] = summary(table, "predicted_ms")
+            block["component_ranking_equal"] = (
+                block["measured"]["component_ranking"] == block["predicted"]["component_ranking"]
+            )
     return result
 
 
@@ -353,6 +367,8 @@ def print_table(result: dict, measured: bool) -> None:
             else:
                 cells = f"{r['predicted_ms']:>10} {r['tokens_per_s']:>10} {r['tflops_per_gpu']:>11}"
             print(f"{name:14} {cells}", file=sys.stderr)
+        if measured and "measured" not in block:  # some rows only: no shares or rankings
+            continue
         for key in ("measured", "predicted") if measured else (None,):
             s = block[key] if key else block
             print(f"  {key or 'predicted'}: shares {s['shares']}", file=sys.stderr)
@@ -366,7 +382,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--meshes", default="two,three", help="emulated topologies: two,three")
     parser.add_argument("--steps", type=int, default=11)
     parser.add_argument("--keep-logs", default=None, help="folder for the runs' files")
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}"
+    )
+    parser.add_argument(
+        "--cpu-quota",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="launch --cpu-quota for every emulated launch (auto: where islands differ)",
+    )
     args = parser.parse_args(argv)
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        parser.error(f"--rows={args.rows}: {', '.join(sorted(unknown))} unknown")
     if args.plan_only:
         result = plan_only()
         print_table(result, measured=False)
