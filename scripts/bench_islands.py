@@ -1,7 +1,8 @@
 """Benchmark: Holmes placement vs naive data parallelism on an emulated 2-island network.
 
     sudo .venv/bin/python scripts/bench_islands.py [--steps 6] [--keep-logs DIR] \\
-        [--set model.hidden_size=512] [--only holmes,fast] [--links 100mbit-20ms]
+        [--set model.hidden_size=512] [--only holmes,fast] [--links 100mbit-20ms] \\
+        [--cpu-quota auto|on|off]
 
 Four single-device hosts in two islands, each a process in its own network namespace
 (``launch --emulate``). Links are 1 Gbit/s inside each island and 100 Mbit/s between them
@@ -21,6 +22,10 @@ from its compiled HLO (:mod:`holmes_jax.runtime.traffic`). Step times are median
 :func:`holmes_jax.planner.plans.predict_config` on a profile the probe measures through
 the same emulated launch (docs/multihost.md, "Benchmark"). A diagnostic runs (a)'s plan on
 4 devices of this one process, next to its prediction from the in-process probe.
+
+``--cpu-quota`` is ``launch --cpu-quota`` for every launch, the probes' too (``on``: each
+host a fixed share of the cores, so a host that waits does not lend its time to the
+others; the default ``auto`` applies none here, the islands computing alike).
 
 Targets: (b)/(a) >= 2, (a)/(c) <= 1.25, every prediction within 25% of its measurement.
 Needs root. Prints one JSON line; progress and the processes' output go to stderr.

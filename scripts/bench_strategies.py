@@ -3,7 +3,7 @@
     sudo .venv/bin/python scripts/bench_strategies.py [--part speed|quality|both] \\
         [--speed-steps 11] [--inner-steps 50] [--quality-steps 300] [--png strategies.png] \\
         [--links 100mbit,10mbit,10mbit-20ms] [--quality-variants sync,H10,...] \\
-        [--keep-logs DIR [--reuse]]
+        [--cpu-quota auto|on|off] [--keep-logs DIR [--reuse]]
 
 **Speed** (root): the 4-host two-island emulation (``launch --emulate``), 1 Gbit/s inside
 each island and 100 Mbit/s or 10 Mbit/s between them (``10mbit-20ms``: with 20 ms of round
@@ -16,6 +16,10 @@ trip as well), the quickstart model. Per link:
 - (d) pipeline-bf16, pipeline-int8, pipeline-fp8: (a)'s plan with
   ``parallel.cross_island_dtype`` bf16 / int8 / fp8 (activations and their gradients
   compressed across the islands only).
+
+``--cpu-quota`` is ``launch --cpu-quota`` for every speed launch, the probes' too (``on``:
+each host a fixed share of the cores, so a host that waits does not lend its time to the
+others; the default ``auto`` applies none, the islands computing alike).
 
 Time per step is the mean over the logged windows after the first. A DiLoCo run is
 ``2H + 1`` steps, so its windows hold its outer syncs in their true proportion. Each

@@ -41,8 +41,9 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
   moves the island on to the step that round ended (with overlap, plus the steps since
   the send), as a heal does.
 
-Several processes per island: the whole parameters are gathered to every process and
-only process 0 talks to the peers; the new global model is broadcast back.
+Several processes per island: each process reads the leaves it holds whole locally and
+the sharded ones are gathered, so every process has the whole parameters; only process 0
+talks to the peers, and the new global model is broadcast back.
 """
 
 from __future__ import annotations
