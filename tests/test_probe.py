@@ -406,6 +406,43 @@ def test_probe_function_on_one_island():
     profile_from_dict(raw, topo)
 
 
+def test_under_a_cpu_quota_links_are_timed_after_compute(monkeypatch):
+    """A process with a CPU quota makes every process time each link right after a burst
+    of compute and subtract the burst alone (a throttled host stalls a collective); without
+    one the links are timed alone."""
+    cfg = load_config(CONFIG, TINY)
+    topo = load_topology(os.path.join(ROOT, "meshes", "cpu8-one-island.yaml"))
+    seen = []
+
+    def fake(mesh, axis, op, sizes, repeats, perm=None, after=False):
+        seen.append(after)
+        return [1e-3 * (i + 1) for i in range(len(sizes))]
+
+    monkeypatch.setattr(measure, "_time_collective", fake)
+    monkeypatch.setattr(measure, "own_share", lambda: 0.25)
+    lines = []
+    measure.probe(cfg, topo, repeats=1, sizes=SIZES, log=lines.append)
+    assert seen and all(seen)
+    assert any("after a burst of compute" in line for line in lines)
+    seen.clear()
+    monkeypatch.setattr(measure, "own_share", lambda: None)
+    measure.probe(cfg, topo, repeats=1, sizes=SIZES, log=lines.append)
+    assert seen and not any(seen)
+
+
+def test_a_link_timed_after_compute_is_the_difference(monkeypatch):
+    """Burst then collective, less the burst alone (never below zero), per size."""
+    import jax
+
+    from holmes_jax.core.spec import Degrees
+
+    mesh = measure._mesh(Degrees(1, 8, 1), jax.devices())
+    times = iter([5e-3, 3e-3, 2e-3, 4e-3])  # (both, burst alone) per size
+    monkeypatch.setattr(measure, "_median_time", lambda call, repeats: next(times))
+    got = measure._time_collective(mesh, "data", "all-reduce", SIZES, 1, after=True)
+    assert got == [pytest.approx(2e-3), 0.0]
+
+
 # --------------------------------------------------------------------------- errors
 
 

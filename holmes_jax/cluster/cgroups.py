@@ -90,6 +90,30 @@ def plan_quotas(
     ]
 
 
+def own_share(proc: str = "/proc/self/cgroup", root: str = CPU_ROOT) -> float | None:
+    """This process's CPU quota in cores (its cgroup v1 ``cpu`` group's
+    ``cfs_quota_us / cfs_period_us``), or None where it has none (no controller, no group,
+    or an unlimited quota)."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3 and "cpu" in parts[1].split(","):
+            group = os.path.join(root, parts[2].lstrip("/"))
+            try:
+                with open(os.path.join(group, "cpu.cfs_quota_us")) as f:
+                    quota = int(f.read())
+                with open(os.path.join(group, "cpu.cfs_period_us")) as f:
+                    period = int(f.read())
+            except (OSError, ValueError):
+                return None
+            return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
 def available(root: str = CPU_ROOT) -> bool:
     """Whether the cgroup v1 ``cpu`` controller with CFS bandwidth is mounted at ``root``."""
     return os.path.exists(os.path.join(root, "cpu.cfs_quota_us"))

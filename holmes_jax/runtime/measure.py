@@ -25,6 +25,13 @@ why each measurement is made the way it is.
    - ``data:*`` and ``data:*:<op>``: the three collectives over one ``data`` axis through
      every device in topology order (``tensor`` = the gcd of ``devices_per_host``, times
      that many rings per NIC), as the naive placement's data group runs them.
+   Where any process runs under a CPU quota (:func:`holmes_jax.cluster.cgroups.own_share`:
+   the emulated cluster's ``--cpu-quota``), every link is timed as training meets it: each
+   call right after a burst of compute (:func:`_busy`), less the burst timed alone. A host
+   that has used its quota is throttled until the quota refills, and the kernel charges
+   a burst's overrun (up to a scheduler tick) to the next periods, so a collective right
+   after compute waits tens of milliseconds on a host with a sixth of a core; timed alone
+   it would not.
 
 With several processes each one times the islands it holds and process 0 writes. The
 library functions import jax only when they measure.
@@ -42,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from holmes_jax.cluster.cgroups import own_share
 from holmes_jax.core.axes import DATA, MESH_AXES, STAGE, TENSOR
 from holmes_jax.core.config import Config, ModelConfig
 from holmes_jax.core.errors import ConfigError
@@ -71,6 +79,8 @@ WINDOWS = 3  # timed windows of _shared_times (the median is kept)
 MAX_CHAIN = 512  # most stage passes repeated in one timed program
 MAX_STACK = 8  # most distinct layers in the timed stage
 MAX_STACK_BYTES = 4 << 30  # most fp32 weight bytes of the timed stage
+BUSY_DIM = 256  # under a CPU quota a collective is timed after products of this square
+BUSY_ITERS = 6  # this many of them: ~10 ms of one core, several quota periods' worth
 Log = Callable[[str], None]
 
 
@@ -131,6 +141,10 @@ def measure(
     say(f"layer forward, forward+backward, micro-batch {b}, a stage of {layers}, every device busy")
     compute = _time_layers(model, b, layers, topology, devices, repeats)
 
+    # Under a CPU quota (the emulated cluster's slower islands) a host that has just
+    # computed is throttled until its quota refills, stalling any collective it is in.
+    after = bool(_agreed_max(int(own_share() is not None)))
+    timed = " (each after a burst of compute, less the burst: CPU quotas)" if after else ""
     links = []
     for isl, off in zip(topology.islands, offsets, strict=True):
         group = devices[off : off + isl.num_devices]
@@ -148,8 +162,8 @@ def measure(
             if n < 2:
                 continue  # a one-device ring moves nothing
             if mine:
-                say(f"{op} over {axis} on {isl.name} ({n} ranks), {sizes_text(sizes)}")
-            times = _time_collective(mesh, axis, op, sizes, repeats) if mine else None
+                say(f"{op} over {axis} on {isl.name} ({n} ranks), {sizes_text(sizes)}{timed}")
+            times = _time_collective(mesh, axis, op, sizes, repeats, after=after) if mine else None
             links.append(_link(key, isl.name, op, n, share, sizes, times))
 
     if len(topology.islands) > 1:
@@ -159,8 +173,8 @@ def measure(
         n = topology.num_devices // t
         mesh = _mesh(Degrees(1, n, t), devices)
         for op in DATA_RING_OPS:
-            say(f"{op} over {DATA} across islands ({n} ranks), {sizes_text(sizes)}")
-            times = _time_collective(mesh, DATA, op, sizes, repeats)
+            say(f"{op} over {DATA} across islands ({n} ranks), {sizes_text(sizes)}{timed}")
+            times = _time_collective(mesh, DATA, op, sizes, repeats, after=after)
             links.append(_link(data_key(SPANNING, op), "all islands", op, n, t, sizes, times))
 
         shape = pair_shape(topology)
@@ -170,7 +184,8 @@ def measure(
             island_pairs(topology, shape), name_pairs(names), strict=True
         ):
             say(f"point-to-point stage {src} ({a}) -> stage {dst} ({c}), {sizes_text(sizes)}")
-            times = _time_collective(mesh, STAGE, "p2p", sizes, repeats, perm=[(src, dst)])
+            pair = [(src, dst)]
+            times = _time_collective(mesh, STAGE, "p2p", sizes, repeats, pair, after)
             links.append(_link(f"{STAGE}:{a}:{c}", f"{a}->{c}", "p2p", 2, senders, sizes, times))
 
     if jax.process_count() > 1:
@@ -326,10 +341,11 @@ def _process_groups(topology: Topology, devices: list) -> list[dict[str, set[int
 
 
 def _time_collective(
-    mesh, axis: str, op: str, sizes: Sequence[int], repeats: int, perm=None
+    mesh, axis: str, op: str, sizes: Sequence[int], repeats: int, perm=None, after: bool = False
 ) -> list[float]:
     """Median seconds of ``op`` over ``axis`` at each size (bytes of the full buffer per
-    device: a reduce-scatter's input, an all-gather's output)."""
+    device: a reduce-scatter's input, an all-gather's output). ``after``: each call right
+    after a burst of compute (:func:`_busy`), less the burst alone (module doc, 2)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -342,10 +358,14 @@ def _time_collective(
         "all-gather": lambda x: jax.lax.all_gather(x, axis, axis=4, tiled=True),
         "p2p": lambda x: jax.lax.ppermute(x, axis, perm),
     }
-    # check_vma off as in the compute program; it changes none of these four bodies' HLO.
-    fn = jax.jit(
-        jax.shard_map(bodies[op], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-    )
+
+    def program(body):  # check_vma off as in the compute program (same HLO for these)
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        )
+
+    fn = program(lambda x: bodies[op](_busy(x)) if after else bodies[op](x))
+    alone = program(_busy) if after else None
     times = []
     for size in sizes:
         elements = size // 4  # 4 B/element
@@ -357,8 +377,23 @@ def _time_collective(
             partial(jnp.ones, (*mesh.devices.shape, elements), jnp.float32),
             out_shardings=NamedSharding(mesh, spec),
         )
-        times.append(_median_time(partial(fn, ones()), repeats))
+        x = ones()
+        took = _median_time(partial(fn, x), repeats)
+        if after:
+            took = max(0.0, took - _median_time(partial(alone, x), repeats))
+        times.append(took)
     return times
+
+
+def _busy(x):
+    """``x`` after :data:`BUSY_ITERS` products of a :data:`BUSY_DIM`-square matrix (about 10
+    ms of one core), on which the result depends, so a collective on it waits for them."""
+    import jax
+    import jax.numpy as jnp
+
+    z = jnp.full((BUSY_DIM, BUSY_DIM), 1.0 / BUSY_DIM, jnp.float32) + x.ravel()[0] * 1e-9
+    z = jax.lax.fori_loop(0, BUSY_ITERS, lambda _, z: jnp.tanh(z @ z), z)
+    return jnp.where(z[0, 0] > 1e30, x + 1.0, x)  # never true; keeps the dependency
 
 
 def _median_time(call: Callable[[], Any], repeats: int) -> float:

@@ -140,6 +140,23 @@ def test_quota_is_a_fair_share_scaled_by_peak_tflops():
         cgroups.plan_quotas(SLOW, "42", "half", cores=2)
 
 
+def test_own_share_reads_the_process_cpu_group(tmp_path):
+    """The quota of the process's cgroup v1 ``cpu`` group in cores; None without one."""
+    root = tmp_path / "cpu"
+    group = root / "hj1-roce-0"
+    group.mkdir(parents=True)
+    (group / "cpu.cfs_quota_us").write_text("2500\n")
+    (group / "cpu.cfs_period_us").write_text("10000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/x\n2:cpu,cpuacct:/hj1-roce-0\n0::/\n")
+    assert cgroups.own_share(str(proc), str(root)) == 0.25
+    (group / "cpu.cfs_quota_us").write_text("-1\n")  # unlimited
+    assert cgroups.own_share(str(proc), str(root)) is None
+    proc.write_text("2:cpu,cpuacct:/\n")  # the root group: no quota files here
+    assert cgroups.own_share(str(proc), str(root)) is None
+    assert cgroups.own_share(str(tmp_path / "absent"), str(root)) is None
+
+
 def test_groups_are_written_entered_before_exec_and_removed(tmp_path):
     quotas = cgroups.plan_quotas(SLOW, "43", "auto", cores=2, root=str(tmp_path))
     import shutil
