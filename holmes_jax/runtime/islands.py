@@ -404,37 +404,27 @@ class IslandSync:
 
     def _theta(self, state) -> dict[str, np.ndarray]:
         """The fp32 parameters (master under bf16), logical layout, whole, on every host."""
-        logical = self.program.to_logical(state)
-        tree = logical.master if logical.master is not None else logical.params
-        host = _gather(tree)
+        host = _gather(self.program.model_to_logical(state))
         return {_leaf_key(p): np.asarray(v, np.float32) for p, v in _flat(host)}
 
     def _with_global(self, state, glob: dict[str, np.ndarray] | None, step: int | None):
         """``state`` with parameters and master set to ``glob`` (process 0's, broadcast);
-        with ``step``, the optimizer's step counts set to it too."""
-        logical = self.program.to_logical(state)
-        tree = logical.master if logical.master is not None else logical.params
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        with ``step``, the step and the optimizer's step counts set to it too."""
+        shardings = self.program.logical_model_sharding()
+        shapes = jax.tree.leaves(self.program.abstract_logical_state.params)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(shardings)
         if self.main:
             host = [glob[_leaf_key(path)] for path, _ in leaves]
         else:
-            host = [np.zeros(old.shape, np.float32) for _, old in leaves]
+            host = [np.zeros(a.shape, np.float32) for a in shapes]
         host = self._broadcast(host)  # one collective for the whole model
         new = treedef.unflatten(
             [
-                jax.make_array_from_callback(old.shape, old.sharding, lambda i, h=h: h[i])
-                for (_, old), h in zip(leaves, host, strict=True)
+                jax.make_array_from_callback(a.shape, sharding, lambda i, h=h: h[i])
+                for (_, sharding), a, h in zip(leaves, shapes, host, strict=True)
             ]
         )
-        params = jax.tree.map(lambda n, p: n.astype(p.dtype), new, logical.params)
-        master = new if logical.master is not None else None
-        logical = logical.replace(params=params, master=master)
-        if step is not None:
-            logical = logical.replace(
-                step=jax.numpy.asarray(step, logical.step.dtype),
-                opt_state=_with_counts(logical.opt_state, step),
-            )
-        return self.program.from_logical(logical)
+        return self.program.with_logical_model(state, new, step)
 
     def _broadcast(self, value):
         """Process 0's ``value`` (an array or a list of arrays) on every process."""
@@ -502,15 +492,3 @@ def _local(x) -> np.ndarray | None:
 
 def _flat(tree):
     return jax.tree_util.tree_flatten_with_path(tree)[0]
-
-
-def _with_counts(opt_state, step: int):
-    """``opt_state`` with every optax step counter (a ``count`` leaf) set to ``step``."""
-
-    def set_count(path, x):
-        last = path[-1] if path else None
-        if getattr(last, "name", None) == "count":
-            return jax.numpy.full_like(x, step)
-        return x
-
-    return jax.tree_util.tree_map_with_path(set_count, opt_state)

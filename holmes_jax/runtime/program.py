@@ -26,6 +26,7 @@ run draws the same masks as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -333,6 +334,52 @@ class Program:
             return state
         with self.context():
             return self._from_logical(state)
+
+    def model_to_logical(self, state: TrainState):
+        """The fp32 model (the master under bf16, else the parameters) in the logical
+        layout; the optimizer state is not converted (cheaper than :meth:`to_logical`)."""
+        model = state.master if state.master is not None else state.params
+        if not self.pipelined:
+            return model
+        if not hasattr(self, "_model_to_logical"):
+            self._model_to_logical = jax.jit(
+                partial(self.layout.map_parts, self.layout.leaf_to_logical),
+                out_shardings=self.logical_model_sharding(),
+            )
+        with self.context():
+            return self._model_to_logical(model)
+
+    def with_logical_model(self, state: TrainState, model, step: int | None = None):
+        """``state`` with its parameters (and master under bf16) set from ``model`` (fp32,
+        the logical layout, sharded as :meth:`model_to_logical` returns it); with ``step``,
+        the step and every optax step count set to it. AdamW moments stay as they are."""
+        if not hasattr(self, "_with_model"):
+            self._with_model = jax.jit(self._set_model, out_shardings=self.state_sharding)
+        with self.context():
+            return self._with_model(state, model, jnp.int32(-1 if step is None else step))
+
+    def logical_model_sharding(self):
+        """The shardings of :meth:`model_to_logical`'s tree."""
+        logical = self.logical_state_sharding
+        return logical.master if self.dtype != jnp.float32 else logical.params
+
+    def _set_model(self, state: TrainState, model, step) -> TrainState:
+        """:meth:`with_logical_model`'s program (``step`` < 0: counts kept)."""
+        if self.pipelined:
+            model = self.layout.map_parts(self.layout.leaf_to_pipeline, model)
+        master = model if state.master is not None else None
+
+        def count(path, x):
+            if getattr(path[-1] if path else None, "name", None) == "count":
+                return jnp.where(step >= 0, step, x).astype(x.dtype)
+            return x
+
+        return state.replace(
+            params=_cast(model, self.dtype),
+            master=master,
+            step=jnp.where(step >= 0, step, state.step).astype(state.step.dtype),
+            opt_state=jax.tree_util.tree_map_with_path(count, state.opt_state),
+        )
 
     def compile_layout_conversions(self) -> None:
         """Compile :meth:`to_logical` and :meth:`from_logical` now, ahead of their first call
