@@ -38,6 +38,9 @@ mean step over it. The overlap row's loss is set against the independent (in-ste
 Unequal islands: each island alone does ``rows / inner step`` rows per second (its CPU
 quota, not the other island, bounds its speed); together they do ``24 rows / mean step``
 of the slower island; ``joint_over_sum`` is the second over the sum of the first.
+``steady_joint_over_sum``: the same from the first round both islands take part in
+(``steady_from_step``), without the start-up where one island compiles or heals while the
+other trains on alone.
 
 Targets: survivor rate >= 0.9 of no-fault; a returning island in an outer step (its
 zero pseudo-gradient round, ``in_step_s``) within 30 s of its start; final eval loss
@@ -184,13 +187,22 @@ def unequal_row(ev: Events, batch: int) -> dict:
     inner = {h: inner_step_seconds(ev.steps[h]) for h in hosts}
     alone = {h: ev.rows[h] / inner[h] for h in hosts}
     joint = batch / max(step_seconds(ev.steps[h]) for h in hosts)
-    return {
+    out = {
         "rows": {h: ev.rows[h] for h in hosts},
         "inner_step_ms": {h: round(inner[h] * 1e3, 1) for h in hosts},
         "alone_rows_per_s": {h: round(r, 2) for h, r in alone.items()},
         "joint_rows_per_s": round(joint, 2),
         "joint_over_sum": round(joint / sum(alone.values()), 3),
     }
+    # steady state: from the first round both islands took part in (the start-up, where
+    # one island compiles or heals while the other trains alone, left out)
+    both = [step for _, _, step, islands in ev.rounds if len(islands) >= len(hosts)]
+    if both:
+        steady = batch / max(step_seconds(ev.steps[h], first=min(both)) for h in hosts)
+        out["steady_from_step"] = min(both)
+        out["steady_joint_rows_per_s"] = round(steady, 2)
+        out["steady_joint_over_sum"] = round(steady / sum(alone.values()), 3)
+    return out
 
 
 def window_rate(

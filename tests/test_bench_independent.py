@@ -142,6 +142,13 @@ def test_unequal_islands_together_against_each_alone(bench):
     row = bench.unequal_row(ev, 24)
     assert row["alone_rows_per_s"] == {"ib-0": 16.0, "roce-0": 8.0}
     assert row["joint_over_sum"] == pytest.approx(19 / 21, abs=1e-3)  # steps 2-21 in 21 s
+    assert "steady_joint_over_sum" not in row  # no round with both islands: no steady state
+    # roce joins at the round after step 10: from there steps 10-21 take 11 x 1 s + 3 x 0.5 s
+    lines.append((10.5, "[ib-0  ] diloco: outer step after step 5: round 1, islands [0]"))
+    lines.append((11.0, "[ib-0  ] diloco: outer step after step 10: round 2, islands [0, 1]"))
+    row = bench.unequal_row(bench.parse_events(lines), 24)
+    assert row["steady_from_step"] == 10
+    assert row["steady_joint_over_sum"] == pytest.approx(11 / 12.5, abs=1e-3)
     with pytest.raises(RuntimeError, match="rows or steps missing"):
         bench.unequal_row(bench.parse_events(lines[2:]), 24)
 

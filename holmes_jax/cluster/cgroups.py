@@ -11,7 +11,8 @@ so the fastest island's hosts get a fair share of the machine (no more, or they 
 ahead while the others wait) and an island with half the ``peak_tflops`` computes at half
 that. ``cores`` is this process's CPU affinity. A short period keeps the throttling smooth
 on a step of tens of ms. The worker enters its group before it execs (``sh -c 'echo $$ >
-.../cgroup.procs && exec ...'``), so jax and every thread it starts are counted.
+.../cgroup.procs && exec ...'``), so jax and every thread it starts are counted, with
+``HOLMES_JAX_CPU_QUOTA`` set to its share (:func:`own_share`: the probe reads it).
 
 ``--cpu-quota``: ``auto`` (the default) applies quotas when the islands' ``peak_tflops``
 differ, and warns and goes on without them where the cgroup v1 ``cpu`` controller is absent
@@ -36,6 +37,7 @@ CPU_ROOT = "/sys/fs/cgroup/cpu"
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000  # the kernel's floor is 1000 µs
 MODES = ("auto", "on", "off")
+QUOTA_ENV = "HOLMES_JAX_CPU_QUOTA"  # a quota'd worker's share in cores
 _STALE = re.compile(r"^hj(\d+)-")
 
 
@@ -57,9 +59,12 @@ class CpuQuota:
         ]
 
     def prefix(self) -> list[str]:
-        """Prepend to a command: it moves itself into the group, then execs the command."""
+        """Prepend to a command: it moves itself into the group, then execs the command
+        with :data:`QUOTA_ENV` set to its share (``ip netns exec`` remounts ``/sys``, so
+        inside a namespace the group's files cannot be read)."""
         procs = os.path.join(self.group, "cgroup.procs")
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs]
+        enter = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs]
+        return [*enter, "env", f"{QUOTA_ENV}={self.share:g}"]
 
 
 def shares(topology: Topology, cores: float) -> dict[str, float]:
@@ -91,9 +96,11 @@ def plan_quotas(
 
 
 def own_share(proc: str = "/proc/self/cgroup", root: str = CPU_ROOT) -> float | None:
-    """This process's CPU quota in cores (its cgroup v1 ``cpu`` group's
-    ``cfs_quota_us / cfs_period_us``), or None where it has none (no controller, no group,
-    or an unlimited quota)."""
+    """This process's CPU quota in cores: :data:`QUOTA_ENV` where the launcher set it, else
+    its cgroup v1 ``cpu`` group's ``cfs_quota_us / cfs_period_us``; None where it has none
+    (no controller, no group, or an unlimited quota)."""
+    if os.environ.get(QUOTA_ENV):
+        return float(os.environ[QUOTA_ENV])
     try:
         with open(proc) as f:
             lines = f.read().splitlines()

@@ -285,7 +285,7 @@ class IslandSync:
             state, step = self._merge(state, step)
         if not due_fragments(step, self.d.inner_steps, 1, self.d.warmup_steps):
             return state, step
-        began = time.perf_counter()
+        began = _settled(state)
         average = in_warmup(step, self.d.warmup_steps)
         theta = self._theta(state)
         tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
@@ -333,7 +333,7 @@ class IslandSync:
     def _merge(self, state, step: int) -> tuple[Any, int]:
         """``θ ← g + (θ − θ_sent)``: the round's global model plus the progress since its
         send; the next round's progress counts from ``g``."""
-        began = time.perf_counter()
+        began = _settled(state)
         theta = self._theta(state)
         merged, ended, sent, line = None, step, self.merge_at - self.d.overlap_steps, ""
         if self.main:
@@ -434,6 +434,13 @@ class IslandSync:
 
         out = multihost_utils.broadcast_one_to_all(value)
         return [np.asarray(v) for v in out] if isinstance(value, list) else np.asarray(out)
+
+
+def _settled(state) -> float:
+    """The time once ``state``'s step has finished computing (its dispatch returned
+    before), so that what follows is timed without it."""
+    jax.block_until_ready(state)
+    return time.perf_counter()
 
 
 def _late(step: int, ended: int) -> str:

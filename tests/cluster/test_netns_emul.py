@@ -140,8 +140,10 @@ def test_quota_is_a_fair_share_scaled_by_peak_tflops():
         cgroups.plan_quotas(SLOW, "42", "half", cores=2)
 
 
-def test_own_share_reads_the_process_cpu_group(tmp_path):
-    """The quota of the process's cgroup v1 ``cpu`` group in cores; None without one."""
+def test_own_share_reads_the_process_cpu_group(tmp_path, monkeypatch):
+    """The quota of the process's cgroup v1 ``cpu`` group in cores; None without one; the
+    launcher's variable first."""
+    monkeypatch.delenv("HOLMES_JAX_CPU_QUOTA", raising=False)
     root = tmp_path / "cpu"
     group = root / "hj1-roce-0"
     group.mkdir(parents=True)
@@ -155,6 +157,8 @@ def test_own_share_reads_the_process_cpu_group(tmp_path):
     proc.write_text("2:cpu,cpuacct:/\n")  # the root group: no quota files here
     assert cgroups.own_share(str(proc), str(root)) is None
     assert cgroups.own_share(str(tmp_path / "absent"), str(root)) is None
+    monkeypatch.setenv("HOLMES_JAX_CPU_QUOTA", "0.5")  # the launcher's, inside a namespace
+    assert cgroups.own_share(str(tmp_path / "absent"), str(root)) == 0.5
 
 
 def test_groups_are_written_entered_before_exec_and_removed(tmp_path):
@@ -166,11 +170,13 @@ def test_groups_are_written_entered_before_exec_and_removed(tmp_path):
         prefix = groups.wrap(lambda host: ["ip", "netns", "exec", f"ns-{host}"])
         procs = str(tmp_path / "hj43-roce-0" / "cgroup.procs")
         assert prefix("roce-0") == ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs] + [
-            "ip", "netns", "exec", "ns-roce-0"
+            "env", "HOLMES_JAX_CPU_QUOTA=0.25", "ip", "netns", "exec", "ns-roce-0"
         ]  # fmt: skip
-        out = subprocess.run(prefix("roce-0")[:4] + ["sh", "-c", "echo $PPID $$"], text=True,
+        shell = ["sh", "-c", "echo $PPID $$ $HOLMES_JAX_CPU_QUOTA"]
+        out = subprocess.run(prefix("roce-0")[:6] + shell, text=True,
                              capture_output=True, check=True).stdout  # fmt: skip
         assert open(procs).read().strip() == out.split()[1]  # the same process, after exec
+        assert out.split()[2] == "0.25"  # its share, readable where /sys is not
     assert not any(tmp_path.iterdir())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
