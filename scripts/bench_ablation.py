@@ -385,12 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}"
     )
-    parser.add_argument(
-        "--cpu-quota",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="launch --cpu-quota for every emulated launch (auto: where islands differ)",
-    )
+    benchlib.add_cpu_quota_arg(parser)
     args = parser.parse_args(argv)
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown:

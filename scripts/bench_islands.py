@@ -175,12 +175,7 @@ def main(argv=None) -> int:
         choices=sorted(LINKS),
         help="the link between the islands of variants a, b, d (default 100mbit: 100 µs)",
     )
-    parser.add_argument(
-        "--cpu-quota",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="launch --cpu-quota for every emulated launch (on: a fixed CPU share per host)",
-    )
+    benchlib.add_cpu_quota_arg(parser)
     args = parser.parse_args(argv)
     MODEL.extend(args.set)
     slow_mesh = LINKS[args.links]

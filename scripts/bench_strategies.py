@@ -324,13 +324,7 @@ def main(argv=None) -> int:
         f"{', '.join(PIPELINE_VARIANTS)}",
     )
     parser.add_argument("--keep-logs", help="keep the metrics and profiles in this folder")
-    parser.add_argument(
-        "--cpu-quota",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="speed: launch --cpu-quota for every emulated launch (on: a fixed CPU share "
-        "per host, so a waiting host's cores do not speed up the others)",
-    )
+    benchlib.add_cpu_quota_arg(parser)
     parser.add_argument(
         "--reuse",
         action="store_true",

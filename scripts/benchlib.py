@@ -20,6 +20,20 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 
+def add_cpu_quota_arg(parser) -> None:
+    """``--cpu-quota``: ``launch --cpu-quota`` for every emulated launch of a benchmark."""
+    from holmes_jax.cluster.cgroups import MODES
+
+    parser.add_argument(
+        "--cpu-quota",
+        choices=MODES,
+        default="auto",
+        help="launch --cpu-quota for every emulated launch, the probes' too (on: a fixed CPU "
+        "share per host, so a host that waits lends its time to no other; auto: quotas "
+        "where the islands' speeds differ)",
+    )
+
+
 def interleaved_medians(
     runners: dict[str, Callable[[int], None]], steps: int, rounds: int, warmup: int = 2
 ) -> dict[str, float]:
