@@ -26,8 +26,10 @@ why each measurement is made the way it is.
      every device in topology order (``tensor`` = the gcd of ``devices_per_host``, times
      that many rings per NIC), as the naive placement's data group runs them.
    Where any process runs under a CPU quota (:func:`holmes_jax.cluster.cgroups.own_share`:
-   the emulated cluster's ``--cpu-quota``), every link is timed as training meets it: each
-   call right after a burst of compute (:func:`_busy`), less the burst timed alone. A host
+   the emulated cluster's ``--cpu-quota``), every link is also timed as training meets
+   it: each call right after a burst of compute (:func:`_busy`), less the burst timed
+   alone; the larger of that and the call alone is kept (the burst's own time varies by
+   more than a small call takes). A host
    that has used its quota is throttled until the quota refills, and the kernel charges
    a burst's overrun (up to a scheduler tick) to the next periods, so a collective right
    after compute waits tens of milliseconds on a host with a sixth of a core; timed alone
@@ -344,8 +346,9 @@ def _time_collective(
     mesh, axis: str, op: str, sizes: Sequence[int], repeats: int, perm=None, after: bool = False
 ) -> list[float]:
     """Median seconds of ``op`` over ``axis`` at each size (bytes of the full buffer per
-    device: a reduce-scatter's input, an all-gather's output). ``after``: each call right
-    after a burst of compute (:func:`_busy`), less the burst alone (module doc, 2)."""
+    device: a reduce-scatter's input, an all-gather's output). ``after``: also each call
+    right after a burst of compute (:func:`_busy`), less the burst alone, and the larger of
+    the two figures kept (module doc, 2)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -364,8 +367,9 @@ def _time_collective(
             jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
         )
 
-    fn = program(lambda x: bodies[op](_busy(x)) if after else bodies[op](x))
-    alone = program(_busy) if after else None
+    fn = program(bodies[op])
+    busy = program(_busy) if after else None
+    then = program(lambda x: bodies[op](_busy(x))) if after else None
     times = []
     for size in sizes:
         elements = size // 4  # 4 B/element
@@ -379,8 +383,9 @@ def _time_collective(
         )
         x = ones()
         took = _median_time(partial(fn, x), repeats)
-        if after:
-            took = max(0.0, took - _median_time(partial(alone, x), repeats))
+        if after:  # never less than alone: the burst's own time varies by more than a call
+            both = _median_time(partial(then, x), repeats)
+            took = max(took, both - _median_time(partial(busy, x), repeats))
         times.append(took)
     return times
 
