@@ -26,13 +26,13 @@ run draws the same masks as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from typing import Any
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -203,6 +203,10 @@ class Program:
             in_shardings=(self.logical_state_sharding,),
             out_shardings=self.state_sharding,
         )
+        self._model_to_logical = jax.jit(
+            self._params_to_logical, out_shardings=self.logical_model_sharding()
+        )
+        self._with_model = jax.jit(self._set_model, out_shardings=self.state_sharding)
 
     def _zero(self, param_sharding, abstract_params, skip: int):
         """Parameter shardings with ``data`` added where ZeRO-1 splits the leaf."""
@@ -341,11 +345,6 @@ class Program:
         model = state.master if state.master is not None else state.params
         if not self.pipelined:
             return model
-        if not hasattr(self, "_model_to_logical"):
-            self._model_to_logical = jax.jit(
-                partial(self.layout.map_parts, self.layout.leaf_to_logical),
-                out_shardings=self.logical_model_sharding(),
-            )
         with self.context():
             return self._model_to_logical(model)
 
@@ -353,10 +352,8 @@ class Program:
         """``state`` with its parameters (and master under bf16) set from ``model`` (fp32,
         the logical layout, sharded as :meth:`model_to_logical` returns it); with ``step``,
         the step and every optax step count set to it. AdamW moments stay as they are."""
-        if not hasattr(self, "_with_model"):
-            self._with_model = jax.jit(self._set_model, out_shardings=self.state_sharding)
         with self.context():
-            return self._with_model(state, model, jnp.int32(-1 if step is None else step))
+            return self._with_model(state, model, np.int32(-1 if step is None else step))
 
     def logical_model_sharding(self):
         """The shardings of :meth:`model_to_logical`'s tree."""
@@ -366,7 +363,7 @@ class Program:
     def _set_model(self, state: TrainState, model, step) -> TrainState:
         """:meth:`with_logical_model`'s program (``step`` < 0: counts kept)."""
         if self.pipelined:
-            model = self.layout.map_parts(self.layout.leaf_to_pipeline, model)
+            model = self._params_from_logical(model)
         master = model if state.master is not None else None
 
         def count(path, x):
@@ -382,14 +379,21 @@ class Program:
         )
 
     def compile_layout_conversions(self) -> None:
-        """Compile :meth:`to_logical` and :meth:`from_logical` now, ahead of their first call
-        (a multi-process caller then waits for every process before the first run: a new
-        program's first collective waits only 30 s for its peers)."""
+        """Compile :meth:`to_logical`, :meth:`from_logical`, :meth:`model_to_logical` and
+        :meth:`with_logical_model` now, ahead of their first call (a multi-process caller
+        then waits for every process before the first run: a new program's first collective
+        waits only 30 s for its peers)."""
         if self.pipelined:
+            state, logical = self.abstract_state, self.abstract_logical_state
+            bf16 = self.dtype != jnp.float32
             with self.context():
-                self._to_logical = self._to_logical.lower(self.abstract_state).compile()
-                logical = self.abstract_logical_state
+                self._to_logical = self._to_logical.lower(state).compile()
                 self._from_logical = self._from_logical.lower(logical).compile()
+                model = state.master if bf16 else state.params
+                self._model_to_logical = self._model_to_logical.lower(model).compile()
+                step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(self.mesh))
+                model = logical.master if bf16 else logical.params
+                self._with_model = self._with_model.lower(state, model, step).compile()
 
     def apply_gradients(self, state: TrainState, grads) -> TrainState:
         """One optimizer step from given pipeline-layout gradients (for tests and tools).
@@ -473,6 +477,9 @@ class Program:
 
     def _params_from_logical(self, params):
         return self.layout.map_parts(self.layout.leaf_to_pipeline, params)
+
+    def _params_to_logical(self, params):
+        return self.layout.map_parts(self.layout.leaf_to_logical, params)
 
     def _convert_state(self, state: TrainState, fn, params_template) -> TrainState:
         parts = self.layout.parts_tree(params_template)

@@ -89,6 +89,40 @@ def test_gather_reads_sharded_and_replicated_leaves_whole():
     np.testing.assert_array_equal(host["replicated"], w + 1)
 
 
+def test_the_model_alone_converts_both_ways_compiled_ahead(tiny_config, make_program):
+    """An outer step converts only the model (ZeRO-1, so the pipeline layout): the same
+    parameters as the whole state's conversion; set back with a step, the parameters, step
+    and optax counts change and the AdamW moments do not. Compiled ahead first, as a
+    multi-process island does."""
+    import jax
+
+    from holmes_jax.core.spec import Degrees
+
+    program = make_program(tiny_config("parallel.data=8", "optimizer.zero1=true"), Degrees(1, 8, 1))
+    state = program.init(0)
+    program.compile_layout_conversions()
+    for fn in (program._model_to_logical, program._with_model):  # no compile at first call
+        assert isinstance(fn, jax.stages.Compiled)
+    model = program.model_to_logical(state)
+    jax.tree.map(np.testing.assert_array_equal, model, program.to_logical(state).params)
+    bumped = jax.tree.map(lambda a: a + 1.0, model)
+    new = program.with_logical_model(state, bumped, step=7)
+    jax.tree.map(np.testing.assert_array_equal, program.to_logical(new).params, bumped)
+    assert int(new.step) == 7
+    counts = [x for p, x in jax.tree_util.tree_leaves_with_path(new.opt_state)
+              if getattr(p[-1], "name", None) == "count"]  # fmt: skip
+    assert counts and all(int(c) == 7 for c in counts)
+
+    def moments(st):
+        leaves = jax.tree_util.tree_leaves_with_path(st.opt_state)
+        return [x for p, x in leaves if getattr(p[-1], "name", None) != "count"]
+
+    for a, b in zip(moments(new), moments(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    unchanged = program.with_logical_model(state, model)  # no step: step and counts kept
+    assert int(unchanged.step) == int(state.step)
+
+
 def test_round_and_step_arithmetic():
     """Warm-up rounds are one step each, then H steps; the two functions invert."""
     assert [steps_after_round(r, 5, 2) for r in range(5)] == [0, 1, 2, 7, 12]
