@@ -29,11 +29,10 @@ why each measurement is made the way it is.
    the emulated cluster's ``--cpu-quota``), every link is also timed as training meets
    it: each call right after a burst of compute (:func:`_busy`), less the burst timed
    alone; the larger of that and the call alone is kept (the burst's own time varies by
-   more than a small call takes). A host
-   that has used its quota is throttled until the quota refills, and the kernel charges
-   a burst's overrun (up to a scheduler tick) to the next periods, so a collective right
-   after compute waits tens of milliseconds on a host with a sixth of a core; timed alone
-   it would not.
+   more than a small call takes). A host that has used its quota is throttled until the
+   quota refills, and the kernel charges a burst's overrun (up to a scheduler tick) to the
+   next periods, so a collective right after compute waits tens of milliseconds on a host
+   with a sixth of a core; timed alone it would not.
 
 With several processes each one times the islands it holds and process 0 writes. The
 library functions import jax only when they measure.
