@@ -4,8 +4,9 @@ Each island of the topology becomes its own job (:class:`Job`): its hosts only, 
 coordinator, its own :class:`~holmes_jax.cluster.supervisor.Supervisor` (restarts, the
 ``--fail-host`` faults on its hosts), and the train arguments that make it one island of
 ``diloco.mode=independent``: ``diloco.enabled=true``, ``diloco.island=<index>`` and
-``diloco.peers``, every island's outer-sync address (its first host, port
-:data:`OUTER_SYNC_PORT` when emulated, a free local port otherwise). The jobs share
+``diloco.peers``, every island's outer-sync lane addresses (:func:`lane_count` lanes per
+island, split evenly over its hosts; from port :data:`OUTER_SYNC_PORT` on each host when
+emulated, free local ports otherwise). The jobs share
 nothing else: one island's failure, restart or loss stops no other.
 
 The launch's exit code: 0 when every job ended with 0 or lost every host for good (its
@@ -15,13 +16,14 @@ non-zero code of a job, in island order.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.topology import Island, Topology, without_hosts
+from holmes_jax.planner.topology import Topology, without_hosts
 
 OUTER_SYNC_PORT = 29600  # emulated: free in each host's fresh namespace
 
@@ -40,10 +42,25 @@ class IslandGone(Exception):
     """Every host of an island's job is away for good."""
 
 
-def plan_jobs(topology: Topology, faults: Sequence, address: Callable[[Island], str]) -> list[Job]:
-    """One :class:`Job` per island (pure: nothing starts). ``address``: an island's
-    outer-sync ``host:port``. Faults go to the job of their host."""
-    peers = [address(island) for island in topology.islands]
+def lane_count(topology: Topology) -> int:
+    """The outer sync's lanes: the least count every island's hosts split evenly (each
+    host serves the same number of its island's lanes)."""
+    return math.lcm(*(len(island.hosts) for island in topology.islands))
+
+
+def plan_jobs(
+    topology: Topology, faults: Sequence, address: Callable[[str, int], str]
+) -> list[Job]:
+    """One :class:`Job` per island (pure: nothing starts). ``address(host, k)``: the
+    ``host:port`` of the ``k``-th lane that ``host`` serves. Faults go to the job of their
+    host."""
+    lanes = lane_count(topology)
+    peers = [
+        ",".join(
+            address(host, k) for host in island.hosts for k in range(lanes // len(island.hosts))
+        )
+        for island in topology.islands
+    ]
     jobs = []
     for index, island in enumerate(topology.islands):
         others = [h for isl in topology.islands if isl is not island for h in isl.hosts]
@@ -51,7 +68,7 @@ def plan_jobs(topology: Topology, faults: Sequence, address: Callable[[Island], 
             "--set", "diloco.enabled=true",
             "--set", "diloco.mode=independent",
             "--set", f"diloco.island={index}",
-            "--set", f"diloco.peers=[{','.join(peers)}]",
+            "--set", f"diloco.peers=[{','.join(repr(p) for p in peers)}]",
         )  # fmt: skip
         mine = [f for f in faults if f.host in island.hosts]
         jobs.append(Job(without_hosts(topology, others), args, mine, island.name))

@@ -475,7 +475,7 @@ def launch(
     try:
         if not emulate:
             local = lambda hosts: f"127.0.0.1:{free_port()}"  # noqa: E731
-            return run_jobs(local, lambda island: f"127.0.0.1:{free_port()}")
+            return run_jobs(local, lambda host, k: f"127.0.0.1:{free_port()}")
         from holmes_jax.cluster import cgroups, netns
 
         netns.check_privileges()
@@ -491,8 +491,8 @@ def launch(
             def coordinator(hosts: Topology) -> str:  # process 0's namespace
                 return f"{plan.host(hosts.islands[0].hosts[0]).address}:{EMULATED_PORT}"
 
-            def peer_address(island) -> str:  # the island's first host serves the outer sync
-                return f"{plan.host(island.hosts[0]).address}:{island_jobs.OUTER_SYNC_PORT}"
+            def peer_address(host: str, k: int) -> str:  # the host's k-th outer-sync lane
+                return f"{plan.host(host).address}:{island_jobs.OUTER_SYNC_PORT + k}"
 
             summary = _emulation_summary(topology, len(plan.hosts), scale, plan.delays, quotas)
             print(f"launch: {summary}", file=out or sys.stdout, flush=True)

@@ -373,7 +373,9 @@ class DilocoConfig:
     # independent: this job's island, an index into diloco.peers (and parallel.mesh's
     # islands); `launch --independent-islands` sets it
     island: int = -1
-    # independent: every island's outer-sync address "host:port", by island index
+    # independent: every island's outer-sync addresses, by island index: "host:port", or
+    # one per lane joined by commas, the same count for every island (lane l of each
+    # island exchanges block l of every parameter; an island's processes split its lanes)
     peers: tuple[str, ...] = ()
     # independent: after the warm-up, each outer sync runs in the background during the next
     # overlap_steps inner steps, then merges (global + the progress since); 0 = in step
@@ -445,15 +447,39 @@ class DilocoConfig:
                 f"diloco.peers={list(self.peers)}: diloco.mode=independent needs every "
                 f"island's outer-sync address host:port, at least 2 {where}"
             )
-        for peer in self.peers:
-            host, _, port = str(peer).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"diloco.peers: '{peer}' must be host:port (port 1-65535)")
+        self.lane_addresses()
         if not 0 <= self.island < len(self.peers):
             raise ConfigError(
                 f"diloco.island={self.island}: must be this job's index into diloco.peers "
                 f"(0..{len(self.peers) - 1}) {where}"
             )
+
+    def lane_addresses(self) -> list[list[tuple[str, int]]]:
+        """``peers`` as each island's lane addresses ``(host, port)``.
+
+        Raises:
+          ConfigError: an address is malformed, or the islands list different lane counts.
+        """
+        out = []
+        for i, entry in enumerate(self.peers):
+            lanes = []
+            for address in str(entry).split(","):
+                host, _, port = address.strip().rpartition(":")
+                if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    raise ConfigError(
+                        f"diloco.peers[{i}]={entry!r}: each address must be host:port with a "
+                        "port in 1-65535 (several, one per lane, joined by commas)"
+                    )
+                lanes.append((host, int(port)))
+            out.append(lanes)
+        if len({len(lanes) for lanes in out}) > 1:
+            listed = ", ".join(f"island {i}: {len(lanes)}" for i, lanes in enumerate(out))
+            raise ConfigError(
+                f"diloco.peers={list(self.peers)}: every island must list the same number of "
+                f"lane addresses ({listed}); lane l of each island exchanges block l of "
+                "every parameter"
+            )
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """Independent DiLoCo islands (``diloco.mode: independent``): one job's side.
 
-Each island of ``parallel.mesh`` (or each address of ``diloco.peers`` without a mesh) runs
+Each island of ``parallel.mesh`` (or each entry of ``diloco.peers`` without a mesh) runs
 as its own job: its own ``jax.distributed`` coordinator, its own plan on its own hardware
 (:func:`holmes_jax.planner.grid.job_topology`), ``replica`` 1. Between jobs only the outer
-sync runs (:mod:`holmes_jax.cluster.outer_sync`, HTTP), served by the job's process 0 at
-``diloco.peers[diloco.island]``. ``python -m holmes_jax.launch --independent-islands``
-starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
+sync runs (:mod:`holmes_jax.cluster.outer_sync`, HTTP), served by the job's processes at
+the addresses of ``diloco.peers[diloco.island]`` (lanes, below).
+``python -m holmes_jax.launch --independent-islands`` starts one such job per island and
+sets ``diloco.island`` and ``diloco.peers``.
 
 - Outputs (:func:`island_outputs`): the island's own run directory
   ``<train.run_dir>/<island>``; an explicit ``train.metrics_path`` ``M.jsonl`` becomes
@@ -16,10 +17,10 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
   (:func:`holmes_jax.planner.grid.island_batch_rows`); with equal shares those are the rows
   replica i trains on under ``spmd``. Evaluation covers the same windows as a whole-batch run.
 - Outer step: after the steps where ``spmd`` takes one (each warm-up step, then every H),
-  the job's fp32 parameters (the master under bf16), in the logical layout, go to process
-  0's host, which calls :meth:`~holmes_jax.cluster.outer_sync.OuterSync.sync` with the
-  tokens trained since its last round. The new global model comes back to every process
-  and device as parameters and master; the AdamW moments and step count are kept, as
+  the job's fp32 parameters (the master under bf16), in the logical layout, go to the
+  lanes (below), each of which calls :meth:`~holmes_jax.cluster.outer_sync.OuterSync.sync`
+  with the tokens trained since its last round. The new global model comes back to every
+  device as parameters and master; the AdamW moments and step count are kept, as
   under ``spmd``. So with nothing failing, fp32 and equal shares, the islands train what
   ``spmd`` trains.
 - Overlap (``diloco.overlap_steps`` = τ > 0): after the warm-up (whose averaging rounds
@@ -41,14 +42,19 @@ starts one such job per island and sets ``diloco.island`` and ``diloco.peers``.
   moves the island on to the step that round ended (with overlap, plus the steps since
   the send), as a heal does.
 
-Several processes per island: each process reads the leaves it holds whole locally and
-the sharded ones are gathered, so every process has the whole parameters; only process 0
-talks to the peers, and the new global model is broadcast back.
+Lanes (:mod:`holmes_jax.runtime.lanes`): the outer sync runs in ``L`` lanes, one per
+address of an island's ``diloco.peers`` entry; lane ``ℓ`` carries block ``ℓ`` of every
+parameter. Each process serves its own lanes and exchanges only their blocks, which one
+jitted reshard inside the island moves between the model's layout and the processes; no
+host holds the whole model. Lanes run the protocol on their own; process 0 (lane 0) sets
+the island's step and prints its lines. A process that serves several lanes runs their
+rounds at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -59,12 +65,21 @@ import numpy as np
 from etils import epath
 
 from holmes_jax.cluster.distributed import barrier
-from holmes_jax.cluster.outer_sync import OuterSync, SyncConfig, live_round, split_state, unpack
+from holmes_jax.cluster.outer_sync import (
+    OuterSync,
+    Shards,
+    SyncConfig,
+    live_round,
+    split_state,
+    unpack,
+)
 from holmes_jax.core.config import Config
+from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
 from holmes_jax.runtime.data import BatchSampler
 from holmes_jax.runtime.diloco import due_fragments, in_warmup
+from holmes_jax.runtime.lanes import LaneLayout, process_lanes
 
 PROBE_S = 1.0  # seconds to wait for a peer's /status at start
 COMPILE_WAIT_S = 3600  # several processes: how long they wait for the slowest to compile
@@ -148,30 +163,33 @@ def steps_after_round(rounds: int, inner_steps: int, warmup_steps: int) -> int:
     return warmup_steps + (rounds - warmup_steps) * inner_steps
 
 
-def _leaf_key(path) -> str:
-    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-    return "/".join(names) + "#0"  # one shard: the whole leaf
-
-
 class IslandSync:
-    """This job's end of the outer sync (module doc).
+    """This job's end of the outer sync (module doc): one
+    :class:`~holmes_jax.cluster.outer_sync.OuterSync` per lane this process serves.
 
     Args:
       cfg: the island job's config (:func:`island_scope`'s).
       program: the job's program (``replica`` 1).
       share: this island's rows.
       say: prints one line (process 0's logger).
+
+    Raises:
+      ConfigError: the island's process count does not divide the lanes of ``diloco.peers``.
     """
 
     def __init__(self, cfg: Config, program, share: Share, say):
         self.cfg, self.program, self.share, self.say = cfg, program, share, say
         self.d = cfg.diloco
-        self.peers = {i: _address(p) for i, p in enumerate(self.d.peers)}
-        self.main = jax.process_index() == 0
-        self.sync: OuterSync | None = None
+        islands = self.d.lane_addresses()
+        self.lanes = len(islands[0])
+        mine = process_lanes(self.lanes, jax.process_count(), jax.process_index())
+        # lane -> every island's address of it, by island index
+        self.peers = {lane: {i: lanes[lane] for i, lanes in enumerate(islands)} for lane in mine}
+        self.main = jax.process_index() == 0  # serves lane 0, speaks for the island
+        self.syncs: dict[int, OuterSync] = {}  # this process's lanes
         self.last_step = 0  # the step of this island's last round
-        self.snap: dict[str, np.ndarray] = {}  # the global model the inner steps started from
-        self.sent: dict[str, np.ndarray] = {}  # overlap: θ when the round in flight was sent
+        self.snap: Shards = {}  # the global model the inner steps started from (own lanes)
+        self.sent: Shards = {}  # overlap: θ when the round in flight was sent
         self.pending: threading.Thread | None = None  # overlap: the round in flight
         self.result: Any = None  # overlap: its new global model (or its error)
         self.merge_at: int | None = None  # overlap: the step after which it is merged
@@ -183,16 +201,35 @@ class IslandSync:
     def name(self) -> str:
         return self.share.name
 
+    @functools.cached_property
+    def layout(self) -> LaneLayout:
+        """The reshard between the program's logical model and this process's blocks."""
+        sharding = self.program.logical_model_sharding()
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
+            self.program.abstract_logical_state.params,
+            sharding,
+        )
+        return LaneLayout(self.program.mesh.devices.flat, abstract, sharding, self.lanes)
+
+    @property
+    def sync(self) -> OuterSync:
+        """Lane 0's sync (process 0): its round is the island's."""
+        return self.syncs[0]
+
     def describe(self) -> str:
         """The line the run prints about this island."""
-        sh, d = self.share, self.d
+        sh, d, lanes = self.share, self.d, self.lanes
         warm = f" after {d.warmup_steps} warm-up averaging steps" if d.warmup_steps else ""
+        split = ""
+        if lanes > 1:
+            split = f" in {lanes} lanes, {len(self.peers)} per process"
         return (
             f"diloco: independent island {sh.name} ({sh.island} of {len(d.peers)}): rows "
             f"{sh.offset}-{sh.offset + sh.rows - 1} of the {sh.total}-row global batch; outer "
             f"sync with its peers every {d.inner_steps} steps{warm} (outer lr {d.outer_lr}, "
             f"momentum {d.outer_momentum}, {d.outer_dtype}), served at "
-            f"{d.peers[sh.island]}, quorum timeout {d.quorum_timeout_s:g} s"
+            f"{d.peers[sh.island]}{split}, quorum timeout {d.quorum_timeout_s:g} s"
         )
 
     # ---- start ------------------------------------------------------------------------
@@ -200,24 +237,43 @@ class IslandSync:
     def peer_ahead(self) -> bool:
         """Whether a live peer is past round 0 (process 0 asks, every process learns):
         then this island heals from it and reads no checkpoint. The heal (:meth:`start`)
-        begins now, in the background, so its transfer overlaps the start-up and compile."""
+        begins now, in the background on every lane, so its transfer overlaps the start-up
+        and compile."""
         if jax.process_count() > 1:  # compiled, then in step: the first collectives follow
             self.program.compile_layout_conversions()
+            self.layout.compile()
             barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
-        live = live_round(self.peers, self.share.island, PROBE_S) if self.main else 0
-        if live > 0:
-            self.sync = self._serve(None)
+        live = live_round(self.peers[0], self.share.island, PROBE_S) if self.main else 0
+        heal = bool(self._broadcast(np.bool_(live > 0)))
+        if heal:
+            self.syncs = {lane: self._serve(lane, None) for lane in self.peers}
             self.healing = threading.Thread(target=self._heal, daemon=True)
             self.healing.start()
-        return bool(self._broadcast(np.bool_(live > 0)))
+        return heal
 
-    def _serve(self, state) -> OuterSync:
-        return OuterSync(self.share.island, self.peers, SyncConfig.from_diloco(self.d), state)
+    def _serve(self, lane: int, state) -> OuterSync:
+        """Lane ``lane``'s protocol, served at this island's address of it.
+
+        Raises:
+          ConfigError: this process cannot listen there (another host's address: lane
+            addresses are fixed for the run, so an island that lost that host for good
+            cannot serve the lane).
+        """
+        config = SyncConfig.from_diloco(self.d)
+        try:
+            return OuterSync(self.share.island, self.peers[lane], config, state)
+        except OSError as err:
+            host, port = self.peers[lane][self.share.island]
+            raise ConfigError(
+                f"diloco.peers[{self.share.island}]: lane {lane}'s address {host}:{port} "
+                f"cannot be served by process {jax.process_index()} ({err.strerror}); each "
+                "process serves its lanes at its own host's addresses"
+            ) from err
 
     def _heal(self) -> None:
         began = time.monotonic()
         try:
-            self.sync.join()
+            self._each(lambda lane, sync: sync.join())
             self.healed = time.monotonic() - began
         except BaseException as err:  # noqa: BLE001 (raised in the training thread)
             self.healed = err
@@ -231,38 +287,22 @@ class IslandSync:
         in step with the peer (module doc); else the outer state saved with checkpoint
         ``step`` in ``resumed_from`` (:meth:`save_outer`), or the global model starts from
         ``state``. Returns the state and step to train from."""
-        took = compiled = 0.0
-        theta = None if heal else self._theta(state)  # a gather: every process takes part
-        if heal and compile_step is not None:  # compiled before the island is in step
+        if not heal:
+            self._start_own(state, step, resumed_from)
+            return state, step
+        compiled = 0.0
+        if compile_step is not None:  # compiled before the island is in step
             began = time.perf_counter()
             compile_step(state)
             compiled = time.perf_counter() - began
-        if self.main and heal:
-            self.healing.join()
-            took = self.healed
-            if isinstance(took, BaseException):
-                raise took
-            self.snap = dict(self.sync.glob)
-        elif self.main:
-            saved = load_outer(resumed_from, step) if resumed_from else None
-            if resumed_from and saved is None:
-                self.say(
-                    f"diloco: no outer state saved with checkpoint step {step}: the global "
-                    "model restarts from this island's parameters, outer momentum zero"
-                )
-            outer, meta = saved or ((theta, _zeros(theta)), {})
-            self.snap = theta
-            self.sync = self._serve(outer)
-            self.sync.round = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
-            for key, value in meta.items():  # round, tokens, lineage, parent, fork_tokens
-                setattr(self.sync, key, value)
-        if not heal:
-            self.last_step = step
-            return state, step
+        self.healing.join()
+        took = self.healed
+        if isinstance(took, BaseException):
+            raise took
+        self.snap = self._glob()
         rounds = int(self._broadcast(np.int32(self.sync.round if self.main else 0)))
         step = steps_after_round(rounds, self.d.inner_steps, self.d.warmup_steps)
-        glob = self.sync.glob if self.main else None
-        state = self._with_global(state, glob, step)
+        state = self._with_global(state, self.snap, step)
         self.last_step = step
         self.say(
             f"diloco: healed from a live peer in {took:.1f} s (train step compiled meanwhile in "
@@ -271,6 +311,29 @@ class IslandSync:
             "fresh AdamW moments"
         )
         return state, step
+
+    def _start_own(self, state, step: int, resumed_from: str | None) -> None:
+        """Serve from this island's own state: the outer state saved with checkpoint
+        ``step`` when every lane of the island has it, else ``state`` as the global model
+        with outer momentum zero."""
+        theta = self._theta(state)  # a reshard: every process takes part
+        saved = {lane: load_outer(resumed_from, step, lane) for lane in self.peers}
+        found = self._everywhere(None not in saved.values()) if resumed_from else False
+        if resumed_from and not found:
+            self.say(
+                f"diloco: no outer state saved with checkpoint step {step}: the global "
+                "model restarts from this island's parameters, outer momentum zero"
+            )
+        rounds = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
+        for lane in self.peers:
+            own = self._part(theta, lane)
+            outer, meta = saved[lane] if found else ((own, _zeros(own)), {})
+            sync = self.syncs[lane] = self._serve(lane, outer)
+            sync.round = rounds
+            for key, value in meta.items():  # round, tokens, lineage, parent, fork_tokens
+                setattr(sync, key, value)
+        self.snap = theta
+        self.last_step = step
 
     # ---- the outer step ---------------------------------------------------------------
 
@@ -292,10 +355,13 @@ class IslandSync:
         self.last_step = step
         if self.d.overlap_steps and not average:  # warm-up averaging stays in step
             return self._send_overlapped(state, step, theta, tokens, began)
-        glob, ended, line = None, step, ""
+        parts = self._each(
+            lambda lane, sync: sync.sync(self._part(theta, lane), tokens, average=average)
+        )
+        glob = _union(parts)
+        self.snap = glob  # the next inner steps start from it
+        ended, line = step, ""
         if self.main:
-            glob = self.sync.sync(theta, tokens, average=average)
-            self.snap = glob  # the next inner steps start from it
             ended = self._round_end()
             line = self._round_line(step, average)
         moved = self._moved_on(state, glob, step, ended)
@@ -304,26 +370,28 @@ class IslandSync:
         return moved
 
     def _round_end(self) -> int:
-        """The step at which this island's current round ended."""
+        """The step at which this island's current round (lane 0's) ended."""
         return steps_after_round(self.sync.round, self.d.inner_steps, self.d.warmup_steps)
 
-    def _moved_on(self, state, glob, step: int, ended: int) -> tuple[Any, int]:
-        """``state`` with process 0's ``glob`` and, when process 0's ``ended`` is past
-        ``step``, the step count moved on to it (the last round's step by as much)."""
+    def _moved_on(
+        self, state, glob: Shards, step: int, ended: int, add: bool = False
+    ) -> tuple[Any, int]:
+        """``state`` with every process's ``glob`` (``add``: added to its model) and, when
+        process 0's ``ended`` is past ``step``, the step count moved on to it (the last
+        round's step by as much)."""
         ended = max(step, int(self._broadcast(np.int32(ended))))
         self.last_step += ended - step
-        return self._with_global(state, glob, ended if ended > step else None), ended
+        return self._with_global(state, glob, ended if ended > step else None, add), ended
 
-    def _send_overlapped(self, state, step: int, theta, tokens: int, began: float):
+    def _send_overlapped(self, state, step: int, theta: Shards, tokens: int, began: float):
         """Send ``Δ = θ_base − θ`` (the progress since the last merge) in the background;
         the merge follows ``overlap_steps`` steps later, or now after the last step.
         ``began``: when the training loop stopped for this send (its time is reported
         with the merge)."""
-        if self.main:
-            self.sent = theta
-            delta = {k: self.snap[k] - theta[k] for k in theta}
-            self.pending = threading.Thread(target=self._send, args=(delta, tokens), daemon=True)
-            self.pending.start()
+        self.sent = theta
+        delta = {k: self.snap[k] - theta[k] for k in theta}
+        self.pending = threading.Thread(target=self._send, args=(delta, tokens), daemon=True)
+        self.pending.start()
         self.send_s = time.perf_counter() - began
         self.merge_at = step + self.d.overlap_steps
         if step >= self.cfg.train.steps:  # the end: one global model, nothing in flight
@@ -332,33 +400,34 @@ class IslandSync:
 
     def _merge(self, state, step: int) -> tuple[Any, int]:
         """``θ ← g + (θ − θ_sent)``: the round's global model plus the progress since its
-        send; the next round's progress counts from ``g``."""
+        send, computed on the devices as ``θ + (g − θ_sent)`` (θ stays there); the next
+        round's progress counts from ``g``."""
         began = _settled(state)
-        theta = self._theta(state)
-        merged, ended, sent, line = None, step, self.merge_at - self.d.overlap_steps, ""
+        ended, sent, line = step, self.merge_at - self.d.overlap_steps, ""
+        waited = time.perf_counter()
+        glob = self._await_pending()
+        waited = time.perf_counter() - waited
+        shift = {k: glob[k] - self.sent[k] for k in glob}
+        self.snap = glob
         if self.main:
-            waited = time.perf_counter()
-            glob = self._await_pending()
-            waited = time.perf_counter() - waited
-            merged = {k: glob[k] + (theta[k] - self.sent[k]) for k in theta}
-            self.snap = glob
             ended = self._round_end() + step - sent
             line = f"{self._round_line(step, False)} (sent after step {sent}, merged now"
             line += f"{_late(step, ended)}; send {self.send_s:.2f} s, merge "
         self.merge_at = None
-        moved = self._moved_on(state, merged, step, ended)
+        moved = self._moved_on(state, shift, step, ended, add=True)
         if self.main:
             took = time.perf_counter() - began
             self.say(f"{line}{took:.2f} s of which {waited:.2f} s waiting for the round)")
         return moved
 
-    def _send(self, delta, tokens: int) -> None:
+    def _send(self, delta: Shards, tokens: int) -> None:
         try:
-            self.result = self.sync.sync_delta(delta, tokens)
+            parts = self._each(lambda lane, sync: sync.sync_delta(self._part(delta, lane), tokens))
+            self.result = _union(parts)
         except BaseException as err:  # noqa: BLE001 (raised in the training thread)
             self.result = err
 
-    def _await_pending(self) -> dict:
+    def _await_pending(self) -> Shards:
         self.pending.join()
         self.pending, result = None, self.result
         if isinstance(result, BaseException):
@@ -372,68 +441,102 @@ class IslandSync:
         return f"diloco: {kind} step after step {step}: round {rounds}, islands {members}"
 
     def save_outer(self, directory: str, step: int) -> None:
-        """Process 0: the outer state (:meth:`OuterSync.snapshot`: global model, momentum,
-        round, tokens, lineage) beside checkpoint ``step``, as ``<directory>/outer/<step>.npz``
-        (written whole, then renamed), so a resume without a live peer continues the global
-        model exactly."""
-        if not self.main:
-            return
-        body = self.sync.snapshot()
+        """Every process: the outer state of each of its lanes (:meth:`OuterSync.snapshot`:
+        global model, momentum, round, tokens, lineage) beside checkpoint ``step``, as
+        ``<directory>/outer/<step>.lane<l>.npz`` (written whole, then renamed), so a resume
+        without a live peer continues the global model exactly."""
         folder = epath.Path(directory) / OUTER_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        part = folder / f"{step}.npz.partial"
-        with part.open("wb") as f:
-            f.write(body)
-        part.rename(folder / f"{step}.npz")
+        for lane, sync in self.syncs.items():
+            body = sync.snapshot()
+            part = folder / f"{_outer_name(step, lane)}.partial"
+            with part.open("wb") as f:
+                f.write(body)
+            part.rename(folder / _outer_name(step, lane))
 
     def eval_params(self, state):
         """The global model in the program's layout (what evaluation runs on, as under
         ``spmd``): after an outer step the island's own parameters are that model."""
-        glob = None
-        if self.main:
-            with self.sync.cond:  # a background round may be closing
-                glob = dict(self.sync.glob)
-        return self._with_global(state, glob, None).params
+        return self._with_global(state, self._glob(), None).params
 
     def close(self) -> None:
         """Stop serving (the peers see this island as gone)."""
-        if self.sync is not None:  # peers still fetching the last result get it
-            self.sync.close(grace_s=self.d.quorum_timeout_s)
+        for sync in self.syncs.values():  # peers still fetching the last result get it
+            sync.close(grace_s=self.d.quorum_timeout_s)
+
+    # ---- lanes ------------------------------------------------------------------------
+
+    def _each(self, fn) -> dict[int, Any]:
+        """``fn(lane, sync)`` for every lane of this process, at once (each may wait on
+        its peers); the results by lane. The first error is raised."""
+        if len(self.syncs) == 1:
+            ((lane, sync),) = self.syncs.items()
+            return {lane: fn(lane, sync)}
+        results: dict[int, Any] = {}
+
+        def one(lane, sync):
+            try:
+                results[lane] = fn(lane, sync)
+            except BaseException as err:  # noqa: BLE001 (raised below)
+                results[lane] = err
+
+        threads = [
+            threading.Thread(target=one, args=item, daemon=True) for item in self.syncs.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for value in results.values():
+            if isinstance(value, BaseException):
+                raise value
+        return results
+
+    def _part(self, tree: Shards, lane: int) -> Shards:
+        """``tree``'s blocks of ``lane`` (keyed :func:`~holmes_jax.runtime.lanes.lane_key`)."""
+        if len(self.peers) == 1:
+            return tree
+        return {k: v for k, v in tree.items() if k.rpartition("#")[2] == str(lane)}
+
+    def _glob(self) -> Shards:
+        """The global model's blocks of this process's lanes."""
+        glob: Shards = {}
+        for sync in self.syncs.values():
+            with sync.cond:  # a background round may be closing
+                glob.update(sync.glob)
+        return glob
 
     # ---- device <-> host --------------------------------------------------------------
 
-    def _theta(self, state) -> dict[str, np.ndarray]:
-        """The fp32 parameters (master under bf16), logical layout, whole, on every host."""
-        host = _gather(self.program.model_to_logical(state))
-        return {_leaf_key(p): np.asarray(v, np.float32) for p, v in _flat(host)}
+    def _theta(self, state) -> Shards:
+        """This process's blocks of the fp32 parameters (master under bf16), logical
+        layout; every process calls it."""
+        return self.layout.to_host(self.program.model_to_logical(state))
 
-    def _with_global(self, state, glob: dict[str, np.ndarray] | None, step: int | None):
-        """``state`` with parameters and master set to ``glob`` (process 0's, broadcast);
-        with ``step``, the step and the optimizer's step counts set to it too."""
-        shardings = self.program.logical_model_sharding()
-        shapes = jax.tree.leaves(self.program.abstract_logical_state.params)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(shardings)
-        if self.main:
-            host = [glob[_leaf_key(path)] for path, _ in leaves]
-        else:
-            host = [np.zeros(a.shape, np.float32) for a in shapes]
-        host = self._broadcast(host)  # one collective for the whole model
-        new = treedef.unflatten(
-            [
-                jax.make_array_from_callback(a.shape, sharding, lambda i, h=h: h[i])
-                for (_, sharding), a, h in zip(leaves, shapes, host, strict=True)
-            ]
-        )
-        return self.program.with_logical_model(state, new, step)
+    def _with_global(self, state, glob: Shards, step: int | None, add: bool = False):
+        """``state`` with parameters and master set from every process's blocks ``glob``
+        (``add``: to the fp32 model plus ``glob``); with ``step``, the step and the
+        optimizer's step counts set to it too."""
+        model = self.layout.from_host(glob)
+        if add:
+            model = self.layout.add(self.program.model_to_logical(state), model)
+        return self.program.with_logical_model(state, model, step)
 
     def _broadcast(self, value):
-        """Process 0's ``value`` (an array or a list of arrays) on every process."""
+        """Process 0's ``value`` (an array) on every process."""
         if jax.process_count() == 1:
             return value
         from jax.experimental import multihost_utils
 
-        out = multihost_utils.broadcast_one_to_all(value)
-        return [np.asarray(v) for v in out] if isinstance(value, list) else np.asarray(out)
+        return np.asarray(multihost_utils.broadcast_one_to_all(value))
+
+    def _everywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process of the island."""
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+
+        return bool(np.min(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def _settled(state) -> float:
@@ -455,47 +558,28 @@ def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
     return warmup_steps + (step - warmup_steps) // inner_steps
 
 
-def load_outer(directory: str, step: int):
-    """:meth:`IslandSync.save_outer`'s ``((global, momentum), meta)`` for ``step``, or None."""
-    path = epath.Path(directory) / OUTER_DIR / f"{step}.npz"
+def load_outer(directory: str, step: int, lane: int):
+    """:meth:`IslandSync.save_outer`'s ``((global, momentum), meta)`` of ``lane`` for
+    ``step``, or None (none saved, or no ``directory``)."""
+    if not directory:
+        return None
+    path = epath.Path(directory) / OUTER_DIR / _outer_name(step, lane)
     if not path.exists():
         return None
     meta, arrays = unpack(path.read_bytes())
     return split_state(arrays), {k: meta[k] for k in OUTER_META}
 
 
-def _address(peer: str) -> tuple[str, int]:
-    host, _, port = peer.rpartition(":")
-    return host, int(port)
+def _outer_name(step: int, lane: int) -> str:
+    return f"{step}.lane{lane}.npz"
 
 
-def _zeros(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _zeros(tree: Shards) -> Shards:
     return {k: np.zeros_like(v) for k, v in tree.items()}
 
 
-def _gather(tree):
-    """``tree`` whole on this host as numpy: a leaf this process holds whole (fully
-    addressable, or replicated on every device) is read locally; the others come in one
-    gather across processes (every process calls this with the same tree)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    out = [_local(x) for x in leaves]  # None: sharded across processes
-    spread = [x for x, o in zip(leaves, out, strict=True) if o is None]
-    if spread:
-        from jax.experimental import multihost_utils
-
-        gathered = iter(multihost_utils.process_allgather(spread, tiled=True))
-        out = [np.asarray(next(gathered)) if o is None else o for o in out]
-    return treedef.unflatten(out)
-
-
-def _local(x) -> np.ndarray | None:
-    """``x`` whole from this process's devices, or None if other processes hold parts."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    if x.sharding.is_fully_replicated:
-        return np.asarray(x.addressable_shards[0].data)
-    return None
-
-
-def _flat(tree):
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
+def _union(parts: dict[int, Shards]) -> Shards:
+    out: Shards = {}
+    for part in parts.values():
+        out.update(part)
+    return out

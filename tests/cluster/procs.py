@@ -35,17 +35,17 @@ FOUR = TINY + [
 ]
 
 
-def two_host_mesh(directory):
-    """cpu8-two-islands with one host of 4 devices per island: a two-process launch.
-    Written to ``directory``; returns its path."""
+def two_host_mesh(directory, roce_hosts=1):
+    """cpu8-two-islands with 4 devices per island: ib on one host, roce on ``roce_hosts``
+    (1: a two-process launch). Written to ``directory``; returns its path."""
     import yaml
 
     with open(f"{ROOT}/meshes/cpu8-two-islands.yaml") as f:
         raw = yaml.safe_load(f)
-    raw["name"] = "cpu8-two-hosts"
-    for island in raw["islands"]:
-        island["hosts"], island["devices_per_host"] = island["hosts"][:1], 4
-    path = directory / "cpu8-two-hosts.yaml"
+    raw["name"] = f"cpu8-{1 + roce_hosts}-hosts"
+    for island, hosts in zip(raw["islands"], (1, roce_hosts), strict=True):
+        island["hosts"], island["devices_per_host"] = island["hosts"][:hosts], 4 // hosts
+    path = directory / f"{raw['name']}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 

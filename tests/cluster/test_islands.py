@@ -24,14 +24,14 @@ import pytest
 
 from holmes_jax.cluster import island_jobs
 from holmes_jax.cluster.launcher import free_port
+from holmes_jax.cluster.outer_sync import split_state, unpack
 from holmes_jax.cluster.supervisor import parse_fault
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.grid import island_batch_rows
-from holmes_jax.planner.topology import load_topology
+from holmes_jax.planner.topology import load_topology, without_hosts
 from holmes_jax.runtime.islands import (
     IslandSync,
-    _gather,
     island_outputs,
     island_scope,
     steps_after_round,
@@ -71,22 +71,6 @@ def spmd():
     """The same DiLoCo run as one program (replica 2 x data 4): {step: record}."""
     cfg = load_config(None, [*DILOCO, "parallel.replica=2"])
     return {r["step"]: r for r in run(cfg)}
-
-
-def test_gather_reads_sharded_and_replicated_leaves_whole():
-    """The parameters go to the host whole whichever way the plan lays them out."""
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(jax.devices()), ("x",))
-    w = np.arange(64, dtype=np.float32).reshape(16, 4)
-    tree = {
-        "sharded": jax.device_put(w, NamedSharding(mesh, PartitionSpec("x"))),
-        "replicated": jax.device_put(w + 1, NamedSharding(mesh, PartitionSpec())),
-    }
-    host = _gather(tree)
-    np.testing.assert_array_equal(host["sharded"], w)
-    np.testing.assert_array_equal(host["replicated"], w + 1)
 
 
 def test_the_model_alone_converts_both_ways_compiled_ahead(tiny_config, make_program):
@@ -170,7 +154,7 @@ def test_the_launcher_plans_one_job_per_island_and_routes_faults():
     topology = load_topology(f"{ROOT}/meshes/cpu8-two-islands.yaml")
     hosts = [h for isl in topology.islands for h in isl.hosts]
     faults = [parse_fault("roce-1@3", hosts), parse_fault("ib-0@5:permanent", hosts)]
-    jobs = island_jobs.plan_jobs(topology, faults, lambda isl: f"{isl.hosts[0]}:7")
+    jobs = island_jobs.plan_jobs(topology, faults, lambda host, k: f"{host}:{7 + k}")
     assert [j.name for j in jobs] == ["ib", "roce"]
     assert [[h for i in j.topology.islands for h in i.hosts] for j in jobs] == [
         ["ib-0", "ib-1"],
@@ -179,8 +163,16 @@ def test_the_launcher_plans_one_job_per_island_and_routes_faults():
     assert [[f.spec for f in j.faults] for j in jobs] == [["ib-0@5:permanent"], ["roce-1@3"]]
     assert jobs[1].args == (
         "--set", "diloco.enabled=true", "--set", "diloco.mode=independent",
-        "--set", "diloco.island=1", "--set", "diloco.peers=[ib-0:7,roce-0:7]",
+        "--set", "diloco.island=1", "--set", "diloco.peers=['ib-0:7,ib-1:7','roce-0:7,roce-1:7']",
     )  # fmt: skip
+    # ib on 2 hosts, roce on 1: 2 lanes, both served by roce-0 (two ports)
+    uneven = without_hosts(topology, ["roce-1"])
+    (job, _) = island_jobs.plan_jobs(uneven, [], lambda host, k: f"{host}:{7 + k}")
+    cfg = load_config(None, [*DILOCO, *(a for a in job.args if a != "--set")])
+    assert cfg.diloco.lane_addresses() == [
+        [("ib-0", 7), ("ib-1", 7)],
+        [("roce-0", 7), ("roce-0", 8)],
+    ]
     assert island_jobs.survivors(jobs[0], ["ib-1"]).num_hosts == 1
     with pytest.raises(island_jobs.IslandGone):
         island_jobs.survivors(jobs[0], ["ib-0", "ib-1"])
@@ -224,8 +216,8 @@ def test_a_silent_peer_is_dropped_and_the_island_trains_on(alone):
     written = records(run_dir / "island0" / "metrics.jsonl")
     assert sorted(written) == list(range(1, 9))
     assert sorted(p.name for p in (run_dir / "island0" / "checkpoints" / "outer").iterdir()) == [
-        "4.npz",
-        "8.npz",
+        "4.lane0.npz",
+        "8.lane0.npz",
     ]
 
 
@@ -237,7 +229,7 @@ def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
     src, dst = run_dir / "island0" / "checkpoints", tmp_path / "run" / "island0" / "checkpoints"
     shutil.copytree(src / "4", dst / "4")  # the uninterrupted run's checkpoint at step 4
     (dst / "outer").mkdir()
-    shutil.copy(src / "outer" / "4.npz", dst / "outer" / "4.npz")
+    shutil.copy(src / "outer" / "4.lane0.npz", dst / "outer" / "4.lane0.npz")
     rest = run(alone_config(tmp_path / "run"))
     assert [r["step"] for r in rest] == [5, 6, 7, 8]
     for got, want in zip(rest, history[4:], strict=True):
@@ -246,21 +238,24 @@ def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
 
 
 def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spmd, proc_env):
-    """``launch --independent-islands``, roce killed at step 4 and restarted at once.
-    Before the kill the mean of the islands' losses is spmd's; roce comes back healed from
-    ib (no checkpoint), joins the next outer step, and both end on one global model."""
-    mesh = two_host_mesh(tmp_path)
+    """``launch --independent-islands`` with ib on one host and roce on two: two lanes,
+    both served by ib's process, one by each of roce's. roce-1 is killed at step 4 and the
+    roce job restarts at once. Before the kill the mean of the islands' losses is spmd's;
+    roce comes back healed from ib on both lanes (no checkpoint), joins the next outer
+    step, and both end with one global model, bit for bit in every lane."""
+    mesh = two_host_mesh(tmp_path, roce_hosts=2)
     run_dir = tmp_path / "run"  # each island's checkpoints in run/<island>: not read to heal
     cache = f"train.compilation_cache={tmp_path / 'cache'}"
     env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
-    cmd += ["--independent-islands", "--max-restarts", "1", "--fail-host", "roce-0@4"]
+    cmd += ["--independent-islands", "--max-restarts", "1", "--fail-host", "roce-1@4"]
     job = [*DILOCO, f"train.run_dir={run_dir}", "checkpoint.every=2", cache]
     cmd += ["--", *as_flags(job)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+    assert "in 2 lanes, 2 per process" in out and "in 2 lanes, 1 per process" in out
     ib, roce = (records(run_dir / island / "metrics.jsonl") for island in ("ib", "roce"))
     assert sorted(ib) == list(range(1, 9)), out[-3000:]
     for step in range(1, 5):  # both islands' first attempts: one spmd program's math
@@ -271,7 +266,16 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
     assert "[roce-0] resumed from" not in out  # its own checkpoint at step 4 is not read
     rounds = [(int(s), int(r), m) for s, r, m in ROUND.findall(out)]
     assert (8, 4, "0, 1") in rounds, rounds  # the last round: both islands again
-    assert ib[8]["eval_loss"] == roce[8]["eval_loss"]  # one global model, bit for bit
+    for lane in (0, 1):  # the outer state saved at step 8: one global model, bit for bit
+        ib_g, roce_g = (
+            split_state(unpack((run_dir / i / "checkpoints" / "outer" / f"8.lane{lane}.npz")
+                               .read_bytes())[1])[0]
+            for i in ("ib", "roce")
+        )  # fmt: skip
+        assert sorted(ib_g) == sorted(roce_g) and all(k.endswith(f"#{lane}") for k in ib_g)
+        for key in ib_g:
+            np.testing.assert_array_equal(ib_g[key], roce_g[key])
+    assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
 
 
 class _Sync:
@@ -293,6 +297,17 @@ class _Sync:
         return dict(self.glob)
 
 
+def test_a_lane_address_of_another_host_is_refused_in_one_line():
+    """An island restarted without the host of one of its lane addresses cannot serve that
+    lane: a ConfigError names the address (TEST-NET-1: on no interface here)."""
+    job = ["diloco.mode=independent", "diloco.island=0"]
+    job.append(f"diloco.peers=['192.0.2.1:{free_port()}','127.0.0.1:{free_port()}']")
+    cfg, share = island_scope(load_config(None, [*DILOCO, *job]))
+    island = IslandSync(cfg, None, share, say=lambda line: None)
+    with pytest.raises(ConfigError, match=r"diloco.peers\[0\]: lane 0's address 192.0.2.1:"):
+        island._serve(0, None)
+
+
 def test_a_late_round_moves_the_island_on_to_the_step_it_adopted():
     """H = 2, in step: a round that closed without this island's delta leaves it holding
     a later round (round 4, which ended at step 8): it goes on from step 8, with the
@@ -301,10 +316,10 @@ def test_a_late_round_moves_the_island_on_to_the_step_it_adopted():
     job.append("train.steps=20")
     cfg, share = island_scope(load_config(None, [*DILOCO, *job]))
     island = IslandSync(cfg, None, share, say=lambda line: None)
-    island.sync = _Sync({"w": np.zeros(1, np.float32)})
+    island.syncs = {0: _Sync({"w": np.zeros(1, np.float32)})}
     island._theta = lambda state: {"w": np.asarray([state], np.float32)}
     counts = []
-    island._with_global = lambda state, glob, step: counts.append(step) or state
+    island._with_global = lambda state, glob, step, add=False: counts.append(step) or state
     assert island.after_step(1.0, 2) == (1.0, 2)  # round 1, in step
     island.sync.skip = 2  # rounds 2 and 3 closed without it
     assert island.after_step(1.0, 4) == (1.0, 8) and island.sync.round == 4
@@ -335,10 +350,10 @@ def test_overlap_merges_each_round_after_its_overlap_steps():
     )
     cfg, share = island_scope(cfg)
     island = IslandSync(cfg, None, share, say=lambda line: None)
-    island.sync = _Sync({"w": np.zeros(1, np.float32)})
+    island.syncs = {0: _Sync({"w": np.zeros(1, np.float32)})}
     island.snap = {"w": np.zeros(1, np.float32)}
     island._theta = lambda state: {"w": np.asarray([state], np.float32)}
-    island._with_global = lambda state, glob, step: float(glob["w"][0])
+    island._with_global = lambda state, glob, step, add=False: add * state + float(glob["w"][0])
     got = [island.after_step(1.0, 2)]  # sends Δ = 0 − 1, in flight: θ unchanged
     got.append(island.after_step(1.5, 3))  # g1 = 11: θ = 11 + (1.5 − 1)
     got.append(island.after_step(12.5, 4))  # sends Δ = 11 − 12.5

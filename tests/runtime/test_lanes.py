@@ -1,0 +1,69 @@
+"""Lanes of the independent outer sync (:mod:`holmes_jax.runtime.lanes`): block ``ℓ`` of a
+leaf is the same slice of its flattened, padded values whatever the plan, and the blocks
+convert back to the model bit for bit."""
+
+import math
+
+import numpy as np
+import pytest
+
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.runtime.lanes import QUANTUM, LaneLayout, block_size, lane_key, process_lanes
+
+
+def test_blocks_split_evenly_padded_to_the_quantum():
+    assert block_size(1, 1) == QUANTUM
+    assert block_size(100, 3) == 3 * QUANTUM  # 34 per lane, rounded up to 48
+    for n in (1, 17, 4096, 10**6):
+        assert all(block_size(n, lanes) * lanes >= n for lanes in (1, 2, 3, 8))
+    assert list(process_lanes(4, 2, 1)) == [2, 3]
+    assert list(process_lanes(2, 1, 0)) == [0, 1]
+    with pytest.raises(ConfigError, match="list a multiple of 3 addresses"):
+        process_lanes(4, 3, 0)
+
+
+@pytest.fixture(scope="module")
+def pipelined(tiny_config, make_program):
+    """A 2-stage x data-4 program with ZeRO-1 (the logical model spread over the mesh) and a
+    state whose every parameter is distinct."""
+    import jax
+
+    from holmes_jax.core.spec import Degrees
+
+    cfg = tiny_config("parallel.stages=2", "parallel.data=4", "optimizer.zero1=true")
+    program = make_program(cfg, Degrees(2, 4, 1))
+    state = program.init(0)
+    return program, program.model_to_logical(state), jax
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_blocks_are_the_flattened_leaf_and_convert_back_exactly(pipelined, lanes):
+    program, model, jax = pipelined
+    sharding = program.logical_model_sharding()
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s), model, sharding
+    )
+    layout = LaneLayout(program.mesh.devices.flat, abstract, sharding, lanes)
+    layout.compile()
+    assert list(layout.mine) == list(range(lanes))  # one process serves every lane
+    host = layout.to_host(model)
+    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    assert len(host) == lanes * len(leaves)
+    for path, leaf in zip(layout.paths, jax.tree.leaves(model), strict=True):
+        flat = np.asarray(leaf).reshape(-1)
+        b = block_size(flat.size, lanes)
+        padded = np.zeros(lanes * b, np.float32)
+        padded[: flat.size] = flat
+        for lane in range(lanes):
+            block = host[lane_key(path, lane)]
+            np.testing.assert_array_equal(block, padded[lane * b : (lane + 1) * b])
+    assert math.prod(np.shape(host[lane_key(layout.paths[0], 0)])) % QUANTUM == 0
+    back = layout.from_host({k: v + 1.0 for k, v in host.items()})
+    for got, want, s in zip(
+        jax.tree.leaves(back), jax.tree.leaves(model), jax.tree.leaves(sharding), strict=True
+    ):
+        assert got.sharding == s
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want) + 1.0)
+    summed = jax.tree.leaves(layout.add(model, back))
+    for got, want in zip(summed, jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want + (np.asarray(want) + 1.0))
