@@ -39,8 +39,9 @@ Unequal islands: each island alone does ``rows / inner step`` rows per second (i
 quota, not the other island, bounds its speed); together they do ``24 rows / mean step``
 of the slower island; ``joint_over_sum`` is the second over the sum of the first.
 ``steady_joint_over_sum``: the same from the first round both islands take part in
-(``steady_from_step``), without the start-up where one island compiles or heals while the
-other trains on alone.
+(``steady_from_step``) to the step before the last (``steady_to_step``), without the
+start-up where one island compiles or heals while the other trains on alone, and without
+the end, where the last step awaits the final round in full and evaluates.
 
 Targets: survivor rate >= 0.9 of no-fault; a returning island in an outer step (its
 zero pseudo-gradient round, ``in_step_s``) within 30 s of its start; final eval loss
@@ -148,13 +149,14 @@ def parse_events(lines: list[tuple[float, str]]) -> Events:
     return ev
 
 
-def step_seconds(points: list[tuple[float, int]], first: int = 2) -> float:
-    """Wall seconds per step from step ``first`` to the last step (pure).
+def step_seconds(points: list[tuple[float, int]], first: int = 2, last: int | None = None) -> float:
+    """Wall seconds per step from step ``first`` to step ``last`` (default: the last step)
+    (pure).
 
     Raises:
       ValueError: fewer than two steps from ``first`` on.
     """
-    pts = sorted((s, t) for t, s in points if s >= first)
+    pts = sorted((s, t) for t, s in points if s >= first and (last is None or s <= last))
     if len(pts) < 2 or pts[-1][0] == pts[0][0]:
         raise ValueError(f"fewer than two steps from step {first}: {pts}")
     return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
@@ -195,11 +197,14 @@ def unequal_row(ev: Events, batch: int) -> dict:
         "joint_over_sum": round(joint / sum(alone.values()), 3),
     }
     # steady state: from the first round both islands took part in (the start-up, where
-    # one island compiles or heals while the other trains alone, left out)
+    # one island compiles or heals while the other trains alone, left out) to the step
+    # before the last (the last step awaits the final round in full, then evaluates)
     both = [step for _, _, step, islands in ev.rounds if len(islands) >= len(hosts)]
-    if both:
-        steady = batch / max(step_seconds(ev.steps[h], first=min(both)) for h in hosts)
+    end = min(max(s for _, s in ev.steps[h]) for h in hosts) - 1
+    if both and end > min(both):
+        steady = batch / max(step_seconds(ev.steps[h], first=min(both), last=end) for h in hosts)
         out["steady_from_step"] = min(both)
+        out["steady_to_step"] = end
         out["steady_joint_rows_per_s"] = round(steady, 2)
         out["steady_joint_over_sum"] = round(steady / sum(alone.values()), 3)
     return out

@@ -126,7 +126,8 @@ def test_overlap_and_unequal_rows_launch_what_they_say(bench):
 
 def test_unequal_islands_together_against_each_alone(bench):
     # ib: 16 rows, 1 s a step; roce: 8 rows, 1 s a step; an outer step every 5 steps costs
-    # roce 0.5 s and ib waits for it: 19 steps of 24 rows in 21 s against 24 rows/s alone.
+    # roce 0.5 s and ib waits for it; the last step awaits the final round and evaluates
+    # (4 s more): 19 steps of 24 rows in 25 s against 24 rows/s alone.
     lines = [
         (0.0, "[ib-0  ] diloco: independent island ib (0 of 2): rows 0-15 of the 24-row g"),
         (0.0, "[roce-0] diloco: independent island roce (1 of 2): rows 16-23 of the 24-r"),
@@ -134,21 +135,22 @@ def test_unequal_islands_together_against_each_alone(bench):
     for host in ("ib-0  ", "roce-0"):
         t = 0.0
         for s in range(1, 22):
-            t += 1.0 + (0.5 if s % 5 == 1 and s > 1 else 0.0)
+            t += 1.0 + (0.5 if s % 5 == 1 and s > 1 else 0.0) + (4.0 if s == 21 else 0.0)
             lines.append((t, f"[{host}] step {s} | loss 3.0"))
     ev = bench.parse_events(lines)
     assert ev.rows == {"ib-0": 16, "roce-0": 8}
     assert bench.inner_step_seconds(ev.steps["ib-0"]) == 1.0
     row = bench.unequal_row(ev, 24)
     assert row["alone_rows_per_s"] == {"ib-0": 16.0, "roce-0": 8.0}
-    assert row["joint_over_sum"] == pytest.approx(19 / 21, abs=1e-3)  # steps 2-21 in 21 s
+    assert row["joint_over_sum"] == pytest.approx(19 / 25, abs=1e-3)  # steps 2-21 in 25 s
     assert "steady_joint_over_sum" not in row  # no round with both islands: no steady state
-    # roce joins at the round after step 10: from there steps 10-21 take 11 x 1 s + 3 x 0.5 s
+    # roce joins at the round after step 10: from there to the step before the last, steps
+    # 10-20 take 10 x 1 s + 2 x 0.5 s
     lines.append((10.5, "[ib-0  ] diloco: outer step after step 5: round 1, islands [0]"))
     lines.append((11.0, "[ib-0  ] diloco: outer step after step 10: round 2, islands [0, 1]"))
     row = bench.unequal_row(bench.parse_events(lines), 24)
-    assert row["steady_from_step"] == 10
-    assert row["steady_joint_over_sum"] == pytest.approx(11 / 12.5, abs=1e-3)
+    assert (row["steady_from_step"], row["steady_to_step"]) == (10, 20)
+    assert row["steady_joint_over_sum"] == pytest.approx(10 / 11, abs=1e-3)
     with pytest.raises(RuntimeError, match="rows or steps missing"):
         bench.unequal_row(bench.parse_events(lines[2:]), 24)
 
