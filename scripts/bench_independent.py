@@ -16,8 +16,11 @@ On ``meshes/emu-4host-2island-slow.yaml`` (``launch --emulate``: 1 Gbit/s inside
 - cut: independent, the links between the islands cut at a seeded random step for
   ``--outage`` seconds (``--cut-islands S:+30``); both islands are survivors;
 - unequal: independent on ``meshes/emu-4host-2island-slow-compute.yaml`` (roce at half
-  ib's CPU quota, 100 Mbit/s between), a 24-row global batch so the planner's shares are
-  exactly 16 and 8 rows.
+  ib's CPU quota, 100 Mbit/s between), a 48-row global batch so the planner's shares are
+  exactly 32 and 16 rows. An island's per-step costs (its gradient all-reduce, the
+  optimizer, the host's work) run at its island's speed too, so the slow island pays them
+  twice over for half the rows; at 24 rows they cap what the two do together at ~0.90x the
+  sum of each alone even in perfect lockstep, at 48 rows at ~0.94x.
 
 Every run is ``python -m holmes_jax.launch`` in a subprocess whose output lines this script
 time-stamps as they arrive (one clock for every event). Step time: the wall time between
@@ -36,7 +39,7 @@ The inner step alone: the median wall time between consecutive steps (an outer s
 one slow interval in H, so the median is the step without it); ``over_inner`` is a row's
 mean step over it. The overlap row's loss is set against the independent (in-step) row's.
 Unequal islands: each island alone does ``rows / inner step`` rows per second (its CPU
-quota, not the other island, bounds its speed); together they do ``24 rows / mean step``
+quota, not the other island, bounds its speed); together they do ``48 rows / mean step``
 of the slower island; ``joint_over_sum`` is the second over the sum of the first.
 ``steady_joint_over_sum``: the same from the first round both islands take part in
 (``steady_from_step``) to the step before the last (``steady_to_step``), without the
@@ -71,7 +74,7 @@ from holmes_jax.core.errors import ConfigError
 
 MESH = f"{benchlib.ROOT}/meshes/emu-4host-2island-slow.yaml"
 UNEQUAL_MESH = f"{benchlib.ROOT}/meshes/emu-4host-2island-slow-compute.yaml"
-UNEQUAL_BATCH = 24  # 12 units of data 2: shares 8 and 4 units at compute 2:1
+UNEQUAL_BATCH = 48  # 24 units of data 2: shares 16 and 8 units at compute 2:1
 QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
 ROWS = ("spmd", "independent", "overlap", "kill", "cut", "unequal")
 FAULT_ROWS = ("kill", "cut")

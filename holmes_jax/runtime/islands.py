@@ -238,17 +238,21 @@ class IslandSync:
         """Whether a live peer is past round 0 (process 0 asks, every process learns):
         then this island heals from it and reads no checkpoint. The heal (:meth:`start`)
         begins now, in the background on every lane, so its transfer overlaps the start-up
-        and compile."""
-        if jax.process_count() > 1:  # compiled, then in step: the first collectives follow
-            self.program.compile_layout_conversions()
-            self.layout.compile()
-            barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
+        and the compile of the layout conversions (several processes: then every process
+        waits for the others, so that the collectives after it start together)."""
+        several = jax.process_count() > 1
+        if several:  # in step for the first collective, the broadcast below
+            barrier("holmes_jax/island_sync_started", COMPILE_WAIT_S)
         live = live_round(self.peers[0], self.share.island, PROBE_S) if self.main else 0
         heal = bool(self._broadcast(np.bool_(live > 0)))
-        if heal:
+        if heal:  # the transfer needs no device: it runs while the programs compile
             self.syncs = {lane: self._serve(lane, None) for lane in self.peers}
             self.healing = threading.Thread(target=self._heal, daemon=True)
             self.healing.start()
+        if several:  # a program's first collective waits only 30 s for its peers
+            self.program.compile_layout_conversions()
+            self.layout.compile()
+            barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
         return heal
 
     def _serve(self, lane: int, state) -> OuterSync:

@@ -179,14 +179,17 @@ def test_the_launcher_plans_one_job_per_island_and_routes_faults():
 
 
 def alone_config(run_dir, *extra):
-    """Island 0 of two whose peer never answers, checkpoints every 4 steps in ``run_dir``."""
+    """Island 0 of two whose peer never answers, checkpoints every 4 steps in ``run_dir``;
+    two lanes, both served by this one process."""
     return load_config(
         None,
         [
             *DILOCO,
             "diloco.mode=independent",
             "diloco.island=0",
-            f"diloco.peers=[127.0.0.1:{free_port()},127.0.0.1:{free_port()}]",
+            "diloco.peers=["
+            + ",".join(f"'127.0.0.1:{free_port()},127.0.0.1:{free_port()}'" for _ in range(2))
+            + "]",
             "diloco.quorum_timeout_s=1",
             "parallel.devices=4",  # the island's 4 of this process's 8
             f"train.run_dir={run_dir}",
@@ -217,7 +220,9 @@ def test_a_silent_peer_is_dropped_and_the_island_trains_on(alone):
     assert sorted(written) == list(range(1, 9))
     assert sorted(p.name for p in (run_dir / "island0" / "checkpoints" / "outer").iterdir()) == [
         "4.lane0.npz",
+        "4.lane1.npz",
         "8.lane0.npz",
+        "8.lane1.npz",
     ]
 
 
@@ -229,7 +234,8 @@ def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
     src, dst = run_dir / "island0" / "checkpoints", tmp_path / "run" / "island0" / "checkpoints"
     shutil.copytree(src / "4", dst / "4")  # the uninterrupted run's checkpoint at step 4
     (dst / "outer").mkdir()
-    shutil.copy(src / "outer" / "4.lane0.npz", dst / "outer" / "4.lane0.npz")
+    for lane in (0, 1):
+        shutil.copy(src / "outer" / f"4.lane{lane}.npz", dst / "outer" / f"4.lane{lane}.npz")
     rest = run(alone_config(tmp_path / "run"))
     assert [r["step"] for r in rest] == [5, 6, 7, 8]
     for got, want in zip(rest, history[4:], strict=True):

@@ -67,3 +67,15 @@ def test_blocks_are_the_flattened_leaf_and_convert_back_exactly(pipelined, lanes
     summed = jax.tree.leaves(layout.add(model, back))
     for got, want in zip(summed, jax.tree.leaves(model), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want + (np.asarray(want) + 1.0))
+
+
+def test_peers_list_the_same_lane_count_for_every_island():
+    from holmes_jax.core.config import load_config
+
+    job = ["diloco.enabled=true", "diloco.mode=independent", "diloco.island=0"]
+    cfg = load_config(None, [*job, "diloco.peers=['a:1,b:2','c:3,c:4']"])
+    assert cfg.diloco.lane_addresses() == [[("a", 1), ("b", 2)], [("c", 3), ("c", 4)]]
+    with pytest.raises(ConfigError, match=r"lane addresses \(island 0: 2, island 1: 1\)"):
+        load_config(None, [*job, "diloco.peers=['a:1,b:2',c:3]"])
+    with pytest.raises(ConfigError, match=r"diloco.peers\[0\]='a:1,b': each address must be"):
+        load_config(None, [*job, "diloco.peers=['a:1,b',c:3]"])
