@@ -459,6 +459,7 @@ def main(argv=None) -> int:
             table[row]["loss_vs_in_step"] = round(ratio, 4)
         elif row == "unequal":
             table[row].update(unequal_row(ev, UNEQUAL_BATCH))
+            table[row]["mesh"] = os.path.basename(UNEQUAL_MESH)
         if row in FAULT_ROWS:
             table[row].update(fault_row(row, ev, events["independent"], args.outage))
             ratio = table[row]["final_eval_loss"] / table["independent"]["final_eval_loss"]

@@ -45,11 +45,15 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   ``fork_tokens`` (its tokens then, which the other side had too).
 * **Heal / merge.** Before each round a group leader probes the configured islands with a
   lower index outside its group (so of two groups only the one with the higher leader
-  looks); one that answers with another lineage is the primary. The leader joins it
-  (``POST /join`` with its global, tokens and fork point); the primary's leader merges
-  token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p + w_j)`` with ``w = tokens −
-  common`` per side, ``common`` the fork point of whichever lineage is the other's child
-  (exact for one split; for deeper histories the joiner's fork point), keeps its own
+  looks); one that answers with another lineage is the primary. The probe runs in the
+  background and the round waits for it at most ``PROBE_WAIT_S``: a peer on a live link
+  answers within that, while a peer behind a cut link (whose connection hangs until
+  ``probe_s``) costs the round nothing, its probe's answer being taken at a later round.
+  The leader joins the primary (``POST /join`` with its global, tokens and fork point);
+  the primary's leader merges token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p +
+  w_j)`` with ``w = tokens − common`` per side, ``common`` the fork point of whichever
+  lineage is the other's child (exact for one split; for deeper histories the joiner's
+  fork point), keeps its own
   momentum and round, and merges each lineage once (later joiners of it adopt). The
   joiner adopts the merged state and sends its pending delta to the primary's open round;
   the rest of its group, refused by their old leader (another lineage now), join too and
@@ -95,6 +99,7 @@ import numpy as np
 INT8_MAX = 127.0
 CHUNK = 1 << 16  # bytes per write of a reply: each must pass within the socket timeout
 DRAIN_POLL_S = 0.02  # how often a reply's unsent bytes are read while it drains
+PROBE_WAIT_S = 0.25  # how long a round waits for the split probe (Heal / merge)
 Shards = dict[str, np.ndarray]  # "<leaf path>#<shard>" -> array
 
 
@@ -259,6 +264,8 @@ class OuterSync:
         self.joined: set[int] = set()  # joined during the open round
         self.dead: set[int] = set()  # reported dead during the open round
         self.step: tuple[str, bytes] | None = None  # the last round's (base key, packed step)
+        self.prober: threading.Thread | None = None  # the split probe in flight (Heal / merge)
+        self.primary: int | None = None  # what it found: an island of another lineage
         self.took: dict[int, set[int]] = {}  # the last rounds' participants but this island
         self.fetched: dict[int, set[int]] = {}  # round -> islands that acknowledged its result
         self.awaiting: set[int] = set()  # joined to take the open round's result in step
@@ -448,17 +455,34 @@ class OuterSync:
                     return
 
     def _heal_if_split(self) -> None:
+        """A group leader joins the primary when its probe has found one (module doc, Heal /
+        merge); waits for the probe in flight at most :data:`PROBE_WAIT_S`."""
         with self.cond:
             if self.leader != self.island:
                 return
             outside = [j for j in sorted(self.peers) if j < self.island and j not in self.members]
+        if not outside:
+            return
+        if self.prober is None:
+            self.prober = threading.Thread(target=self._probe, args=(outside,), daemon=True)
+            self.prober.start()
+        self.prober.join(PROBE_WAIT_S)
+        if self.prober.is_alive():  # a cut link: its answer is taken at a later round
+            return
+        found, self.prober, self.primary = self.primary, None, None
+        if found is not None:
+            self._join_via(found)
+
+    def _probe(self, outside: list[int]) -> None:
+        """Sets :attr:`primary` to the first of ``outside`` that answers ready with another
+        lineage."""
         for j in outside:
             try:
                 status = self._status(j)
             except Unreachable:
                 continue
             if status["lineage"] != self.lineage and status["ready"]:
-                self._join_via(j)
+                self.primary = j
                 return
 
     def _fail_over(self, dead: set[int]) -> None:

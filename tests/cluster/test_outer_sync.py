@@ -379,11 +379,39 @@ def test_split_goes_on_and_heal_merges_token_weighted(islands):
     }
     momentum = dict(a.mom)
     a.cut, b.cut = set(), set()  # healed: b (the higher leader) finds a before its next round
-    b._heal_if_split()
+    b._heal_if_split()  # its probe runs in the background; a live peer answers at once
+    assert b.prober is None
     assert same(a.glob, merged) and same(b.glob, merged) and same(b.mom, momentum)
     assert a.lineage == b.lineage == "root" and a.tokens == b.tokens == fork + w_a + w_b
     sync_all(nodes, [inner(a, 70), inner(b, 71)], [1, 1])  # one model again
     assert same(a.glob, b.glob) and a.members == {0, 1} and a.round == b.round == 4
+
+
+def test_a_probe_behind_a_cut_link_costs_a_round_nothing(islands):
+    """Island 1 leads a group of its own; island 0's address accepts connections and never
+    answers (a cut link: the connection hangs until ``probe_s``). The round's probe returns
+    after ``PROBE_WAIT_S``; the next round takes the finished probe's answer (nothing)."""
+    from holmes_jax.cluster import outer_sync
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # connections queue, no reply
+    peers = free_ports(2)
+    peers[0] = silent.getsockname()
+    cfg = SyncConfig(quorum_timeout_s=TIMEOUT, probe_s=2.0)
+    b = OuterSync(1, peers, cfg, start_state())
+    try:
+        b.leader, b.members = 1, {1}
+        began = time.monotonic()
+        b._heal_if_split()
+        took = time.monotonic() - began
+        assert outer_sync.PROBE_WAIT_S <= took < cfg.probe_s and b.prober.is_alive()
+        b.prober.join(cfg.probe_s + 1)  # the probe times out in the background
+        b._heal_if_split()
+        assert b.prober is None and b.lineage == "root"
+    finally:
+        b.close()
+        silent.close()
 
 
 def test_split_of_a_group_heals_into_one_model(islands):
