@@ -53,11 +53,10 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   the primary's leader merges token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p +
   w_j)`` with ``w = tokens − common`` per side, ``common`` the fork point of whichever
   lineage is the other's child (exact for one split; for deeper histories the joiner's
-  fork point), keeps its own
-  momentum and round, and merges each lineage once (later joiners of it adopt). The
-  joiner adopts the merged state and sends its pending delta to the primary's open round;
-  the rest of its group, refused by their old leader (another lineage now), join too and
-  adopt. Nothing trained on either side is lost.
+  fork point), keeps its own momentum and round, and merges each lineage once (later
+  joiners of it adopt). The joiner adopts the merged state and sends its pending delta
+  to the primary's open round; the rest of its group, refused by their old leader
+  (another lineage now), join too and adopt. Nothing trained on either side is lost.
 * **Late.** A delta refused because its round closed (dropped): the island re-joins its
   leader, which registers it for the round open at the join and answers without state
   (``POST /join`` with ``next``). The island then fetches that round's result, the whole

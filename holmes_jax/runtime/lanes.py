@@ -58,10 +58,6 @@ def process_lanes(lanes: int, processes: int, index: int) -> range:
     return range(index * per, (index + 1) * per)
 
 
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
 class LaneLayout:
     """The island's logical model <-> this process's lane blocks (module doc).
 
@@ -89,7 +85,7 @@ class LaneLayout:
         self.per = len(self.mine)
         mesh = Mesh(np.array([by_process[p] for p in order]), ("proc", "local"))
         leaves, self.treedef = jax.tree_util.tree_flatten_with_path(abstract)
-        self.paths = [_path_name(path) for path, _ in leaves]
+        self.paths = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in leaves]
         self.shapes = [a.shape for _, a in leaves]
         self.blocks = [block_size(math.prod(s), lanes) for s in self.shapes]
         self.block_sharding = [
