@@ -190,10 +190,14 @@ class StashLayout:
     Between a micro-batch's B and W (ZB-H1), its residual slot stays held for W, but the
     leaves only B reads (``SplitBackward.w_reads`` names the others) are dead once B has
     run that layer. B writes the stash there, in the same ``res[.][k, j]`` cells: the
-    B-only leaves of a layer are one byte stream (each leaf's bytes, in order) and the
+    B-only leaves of a layer are one stream (each leaf's contents, in order) and the
     stash values are laid out along it, a value possibly spanning two leaves. W reads them
-    back from the same cells. Values that do not fit go to a separate ``[Kw, slots, ...]``
-    buffer per value (``leftover``), indexed by the schedule's stash slot.
+    back from the same cells. The stream is made of words of the widest unsigned type
+    whose size divides every leaf's and value's item size (``uint32`` when all are 4-byte
+    floats, ``uint16`` with bf16 among them): a bitcast between equal widths is free, where
+    one to bytes is a shift per byte on XLA:CPU. Values that do not fit go to a separate
+    ``[Kw, slots, ...]`` buffer per value (``leftover``), indexed by the schedule's stash
+    slot.
 
     With ``remat: none`` a layer's B-only leaves are ~3x its stash: nothing is left over
     and zb keeps 1F1B's activation memory. Under ``selective`` / ``full`` the policy saved
@@ -205,20 +209,19 @@ class StashLayout:
         """``buffered``: the residual leaves' shapes (``Residuals.buffered``); ``w_reads``:
         indices of those W reads; ``stash``: B's values for W (``SplitBackward.stash``)."""
         self.stash = list(stash)
-        self.bins = [
-            (n, _nbytes(r))
-            for n, r in enumerate(buffered)
-            if n not in w_reads and _nbytes(r) >= _MIN_BIN
-        ]
+        kept = [n for n, r in enumerate(buffered) if n not in w_reads and _nbytes(r) >= _MIN_BIN]
         self.buffered = list(buffered)
+        self.word = _word([buffered[n] for n in kept] + self.stash)  # the stream's dtype
+        wb = jnp.dtype(self.word).itemsize
+        self.bins = [(n, _nbytes(buffered[n]) // wb) for n in kept]  # (leaf, words)
         capacity = sum(size for _, size in self.bins)
-        self.offsets: dict[int, int] = {}  # stash index -> byte offset in the stream
+        self.offsets: dict[int, int] = {}  # stash index -> word offset in the stream
         used = 0
         for n in sorted(range(len(self.stash)), key=lambda n: -_nbytes(self.stash[n])):
-            if used + _nbytes(self.stash[n]) <= capacity:
+            if used + _nbytes(self.stash[n]) // wb <= capacity:
                 self.offsets[n] = used
-                used += _nbytes(self.stash[n])
-        self.packed_bytes = used  # stash bytes per layer kept in the residual slot
+                used += _nbytes(self.stash[n]) // wb
+        self.packed_bytes = used * wb  # stash bytes per layer kept in the residual slot
         self.leftover = [n for n in range(len(self.stash)) if n not in self.offsets]
 
     def write(self, res, values, k, j):
@@ -228,22 +231,22 @@ class StashLayout:
         if not self.offsets:
             return res
         stream = jnp.concatenate(
-            [_as_bytes(values[n]) for n in sorted(self.offsets, key=self.offsets.get)]
+            [_as_words(values[n], self.word) for n in sorted(self.offsets, key=self.offsets.get)]
         )
         # The stream exists before any bin is written: fused into the writes, each would
         # read the others' cells (the values come from this layer's residuals), a cycle
         # XLA breaks by copying whole residual buffers.
         stream = lax.optimization_barrier(stream)
         res = list(res)
-        start = 0
+        start, used = 0, stream.shape[0]
         for n, size in self.bins:
-            if start >= self.packed_bytes:
+            if start >= used:
                 break
             piece = stream[start : start + size]
             if piece.shape[0] < size:
                 piece = jnp.pad(piece, (0, size - piece.shape[0]))
             cell = jax.ShapeDtypeStruct(self.buffered[n].shape, res[n].dtype)  # as stored
-            res[n] = put(res[n], _from_bytes(piece, cell), k, j)
+            res[n] = put(res[n], _from_words(piece, cell), k, j)
             start += size
         return res
 
@@ -274,17 +277,18 @@ class StashLayout:
         """W: the packed stash values from ``res[.][k, j]``, by stash index."""
         out = {}
         cells: dict[int, jax.Array] = {}
+        wb = jnp.dtype(self.word).itemsize
         for n, off in self.offsets.items():
-            want, pieces, start = _nbytes(self.stash[n]), [], 0
+            want, pieces, start = _nbytes(self.stash[n]) // wb, [], 0
             for leaf, size in self.bins:
                 lo, hi = max(off, start), min(off + want, start + size)
                 if lo < hi:
                     if leaf not in cells:
-                        cells[leaf] = _as_bytes(get(res[leaf], k, j))
+                        cells[leaf] = _as_words(get(res[leaf], k, j), self.word)
                     pieces.append(cells[leaf][lo - start : hi - start])
                 start += size
             data = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-            out[n] = _from_bytes(data, self.stash[n])
+            out[n] = _from_words(data, self.stash[n])
         return out
 
 
@@ -295,17 +299,28 @@ def _nbytes(s) -> int:
     return int(math.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
 
 
-def _as_bytes(x):
-    """Any array as its bytes, flat ``[nbytes] uint8`` (a bitcast and a reshape)."""
+_WORDS = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}
+
+
+def _word(arrays):
+    """The widest of ``uint32``/``uint16``/``uint8`` whose size divides every item size of
+    ``arrays`` (shapes with dtypes): the word a stream of all of them is made of."""
+    size = math.gcd(4, *(jnp.dtype(a.dtype).itemsize for a in arrays))
+    return _WORDS[size]
+
+
+def _as_words(x, word):
+    """Any array as flat ``[n] word`` (a bitcast and a reshape; ``word``'s size divides
+    ``x``'s item size)."""
     x = x.reshape(-1)
-    if x.dtype != jnp.uint8:
-        x = lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+    if x.dtype != word:
+        x = lax.bitcast_convert_type(x, word).reshape(-1)
     return x
 
 
-def _from_bytes(data, like):
-    """``[nbytes] uint8`` as an array of ``like``'s shape and dtype."""
-    size = jnp.dtype(like.dtype).itemsize
-    if size > 1:
-        data = data.reshape(-1, size)
+def _from_words(data, like):
+    """Flat ``[n]`` words as an array of ``like``'s shape and dtype."""
+    ratio = jnp.dtype(like.dtype).itemsize // jnp.dtype(data.dtype).itemsize
+    if ratio > 1:
+        data = data.reshape(-1, ratio)
     return lax.bitcast_convert_type(data, like.dtype).reshape(like.shape)
