@@ -1,7 +1,8 @@
 """Benchmark: the Holmes ablation, each component of the plan turned off in turn.
 
     sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 11] \\
-        [--rows full,partition-off,...] [--cpu-quota auto|on|off] [--keep-logs DIR]
+        [--rows full,partition-off,...] [--cpu-quota auto|on|off] [--keep-logs DIR] \\
+        [--compile-cache DIR]
     python scripts/bench_ablation.py --plan-only
 
 Rows, each one set of config overrides that the trainer runs and the planner prices
@@ -54,6 +55,12 @@ tokens, no attention or recompute term), then the tables on stderr.
 ``--rows`` runs some rows only (no shares or rankings then); ``--cpu-quota`` is ``launch
 --cpu-quota`` for every launch (``auto``: quotas where the islands' speeds differ, so not
 for the homogeneous row; ``on``: every host its fixed share, that row too).
+``--compile-cache DIR`` gives every run that compilation cache: a slow island compiles at
+its quota's pace, minutes for each row, and a row whose program an earlier run compiled
+(the homogeneous row runs full's; a rerun with the same cache runs all of them) loads it
+instead. It is off by default, as ``train.compilation_cache`` is on CPUs, because XLA:CPU
+in jaxlib 0.10.2 aborts on some programs read back from the cache
+(:mod:`holmes_jax.runtime.compile_cache`). Compilation is never in the step times.
 
 Targets: full >= 1.25x faster than partition-off with one island 2x slower; nic-off >= 3x
 slower than full at 100 Mbit/s; each measured row within 25% of prediction; equal rankings.
@@ -291,6 +298,7 @@ def measure(args, folder: str) -> dict:
         )
         rows = ablation_rows(EMULATED, mesh, calibration, topology)
         rows = {name: extra for name, extra in rows.items() if name in args.rows.split(",")}
+        cache = [f"train.compilation_cache={args.compile_cache}"] if args.compile_cache else []
         table = {}
         for name, extra in rows.items():
             run_mesh, topo, cal = mesh, topology, calibration
@@ -301,7 +309,7 @@ def measure(args, folder: str) -> dict:
             predicted = predict_config(cfg, topo, cal, sync_collectives=True).step_s
             records = benchlib.emulated_run(
                 run_mesh,
-                EMULATED + extra,
+                EMULATED + extra + cache,
                 args.steps,
                 folder,
                 f"{label}-{name}",
@@ -385,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}"
     )
+    parser.add_argument(
+        "--compile-cache",
+        default=None,
+        help="jax's compilation cache for every run (default: none; see the module doc)",
+    )
     benchlib.add_cpu_quota_arg(parser)
     args = parser.parse_args(argv)
     unknown = set(args.rows.split(",")) - set(ROWS)
@@ -396,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     folder = args.keep_logs or tempfile.mkdtemp(prefix="bench_ablation-")
     os.makedirs(folder, exist_ok=True)
+    if args.compile_cache:
+        args.compile_cache = os.path.abspath(args.compile_cache)
     result = measure(args, folder)
     print_table(result, measured=True)
     print(
