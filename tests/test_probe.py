@@ -327,6 +327,35 @@ def test_shared_times_alternate_the_calls_in_every_window(monkeypatch):
     assert 0.003 <= slow and 0.001 <= fast < slow
 
 
+def test_processes_meet_at_a_barrier_before_a_collective(monkeypatch):
+    """With several processes, each agreement first waits at a coordination-service barrier
+    (a gloo context waits only 30 s for a peer still compiling under a small CPU quota),
+    with a name of its own and the long wait."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from holmes_jax.cluster import distributed
+
+    events = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(
+        distributed, "barrier", lambda name, timeout_s: events.append(("barrier", name, timeout_s))
+    )
+
+    def allgather(x):
+        events.append(("allgather",))
+        return np.stack([x, x + 3])
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    assert measure._agreed_max(4) == 7
+    assert measure._agreed_max(1) == 4
+    kinds = [e[0] for e in events]
+    assert kinds == ["barrier", "allgather", "barrier", "allgather"]
+    names = [e[1] for e in events if e[0] == "barrier"]
+    assert len(set(names)) == 2
+    assert all(e[2] == measure.PEER_WAIT_S for e in events if e[0] == "barrier")
+
+
 def test_probe_times_one_micro_batch_of_a_replicated_plan():
     """Every replica trains its own share of the global batch: 32 sequences over replica 2 x
     data 4 x 1 micro-batch is 4 per micro-batch (the probe once timed 8)."""

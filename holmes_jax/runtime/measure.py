@@ -40,6 +40,7 @@ library functions import jax only when they measure.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -80,6 +81,7 @@ WINDOWS = 3  # timed windows of _shared_times (the median is kept)
 MAX_CHAIN = 512  # most stage passes repeated in one timed program
 MAX_STACK = 8  # most distinct layers in the timed stage
 MAX_STACK_BYTES = 4 << 30  # most fp32 weight bytes of the timed stage
+PEER_WAIT_S = 3600  # how long a process waits at a barrier for the slowest (compiling) one
 BUSY_DIM = 256  # under a CPU quota a collective is timed after products of this square
 BUSY_ITERS = 6  # this many of them: ~10 ms of one core, several quota periods' worth
 Log = Callable[[str], None]
@@ -148,6 +150,7 @@ def measure(
     timed = " (each after a burst of compute, less the burst: CPU quotas)" if after else ""
     links = []
     for isl, off in zip(topology.islands, offsets, strict=True):
+        _together()  # before this island's processes set up their collectives
         group = devices[off : off + isl.num_devices]
         mesh = _mesh(Degrees(1, isl.num_hosts, isl.devices_per_host), group)
         mine = any(d.process_index == me for d in group)
@@ -173,6 +176,7 @@ def measure(
         t = math.gcd(*(isl.devices_per_host for isl in topology.islands))
         n = topology.num_devices // t
         mesh = _mesh(Degrees(1, n, t), devices)
+        _together()
         for op in DATA_RING_OPS:
             say(f"{op} over {DATA} across islands ({n} ranks), {sizes_text(sizes)}{timed}")
             times = _time_collective(mesh, DATA, op, sizes, repeats, after=after)
@@ -184,12 +188,14 @@ def measure(
         for (src, dst, senders), (a, c) in zip(
             island_pairs(topology, shape), name_pairs(names), strict=True
         ):
+            _together()
             say(f"point-to-point stage {src} ({a}) -> stage {dst} ({c}), {sizes_text(sizes)}")
             pair = [(src, dst)]
             times = _time_collective(mesh, STAGE, "p2p", sizes, repeats, pair, after)
             links.append(_link(f"{STAGE}:{a}:{c}", f"{a}->{c}", "p2p", 2, senders, sizes, times))
 
     if jax.process_count() > 1:
+        _together()
         compute, links = _gather(compute, links)
     return Measurement(
         topology=topology,
@@ -436,6 +442,7 @@ def _shared_times(calls: Sequence[Callable[[], Any]], repeats: int) -> list[floa
             jax.block_until_ready(call())
     means = []  # [window][call]
     for _ in range(WINDOWS):
+        _together()  # the first time, some processes are still compiling
         multihost_utils.sync_global_devices("holmes_jax.probe: compute")
         totals, counts = [0.0] * len(calls), [0] * len(calls)
         window = repeats * len(calls) * CHAIN_S * LOAD_FACTOR / WINDOWS
@@ -461,6 +468,23 @@ def _link(key, island, op, ranks, share, sizes, times) -> LinkTiming:
     return LinkTiming(key, island, op, ranks, share, tuple(sizes), times)
 
 
+_BARRIERS = itertools.count()
+
+
+def _together() -> None:
+    """Wait, up to :data:`PEER_WAIT_S`, until every process is here (every process calls
+    this at the same points). Each group of processes' first collective sets up a gloo
+    context that waits only 30 s for its peers, and a host under a small CPU quota can be
+    minutes behind after compiling; the barrier goes through jax's coordination service
+    instead (:func:`holmes_jax.cluster.distributed.barrier`)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from holmes_jax.cluster.distributed import barrier
+
+        barrier(f"holmes_jax/probe/{next(_BARRIERS)}", PEER_WAIT_S)
+
+
 def _agreed_max(value: int) -> int:
     """The largest ``value`` any process passed (every process calls this at one point)."""
     import jax
@@ -469,6 +493,7 @@ def _agreed_max(value: int) -> int:
         return value
     from jax.experimental import multihost_utils
 
+    _together()
     return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int64))))
 
 
