@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 11] \\
         [--rows full,partition-off,...] [--cpu-quota auto|on|off] [--keep-logs DIR] \\
-        [--compile-cache DIR]
+        [--compile-cache DIR] [--reuse-profile]
     python scripts/bench_ablation.py --plan-only
 
 Rows, each one set of config overrides that the trainer runs and the planner prices
@@ -61,6 +61,9 @@ its quota's pace, minutes for each row, and a row whose program an earlier run c
 instead. It is off by default, as ``train.compilation_cache`` is on CPUs, because XLA:CPU
 in jaxlib 0.10.2 aborts on some programs read back from the cache
 (:mod:`holmes_jax.runtime.compile_cache`). Compilation is never in the step times.
+``--reuse-profile`` prices the rows with the profile an earlier run's probe left in
+``--keep-logs`` (``profile-<mesh>.json``), where there is one, instead of probing again
+(minutes under the quotas).
 
 Targets: full >= 1.25x faster than partition-off with one island 2x slower; nic-off >= 3x
 slower than full at 100 Mbit/s; each measured row within 25% of prediction; equal rankings.
@@ -294,7 +297,13 @@ def measure(args, folder: str) -> dict:
         fast = f"{folder}/{label}-fast.yaml"
         log(f"{label}: probe the links and each island's layer (emulated launch)")
         topology, calibration, layer_ms = benchlib.emulated_probe(
-            mesh, EMULATED, folder, f"profile-{label}", "bench_ablation", cpu_quota=args.cpu_quota
+            mesh,
+            EMULATED,
+            folder,
+            f"profile-{label}",
+            "bench_ablation",
+            cpu_quota=args.cpu_quota,
+            reuse=args.reuse_profile,
         )
         rows = ablation_rows(EMULATED, mesh, calibration, topology)
         rows = {name: extra for name, extra in rows.items() if name in args.rows.split(",")}
@@ -397,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         "--compile-cache",
         default=None,
         help="jax's compilation cache for every run (default: none; see the module doc)",
+    )
+    parser.add_argument(
+        "--reuse-profile",
+        action="store_true",
+        help="take <keep-logs>/profile-<mesh>.json where an earlier run's probe wrote it",
     )
     benchlib.add_cpu_quota_arg(parser)
     args = parser.parse_args(argv)

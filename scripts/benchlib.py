@@ -82,11 +82,13 @@ def emulated_probe(
     tag: str,
     config: str | None = None,
     cpu_quota: str = "auto",
+    reuse: bool = False,
 ):
     """Profile measured by ``launch --program probe --emulate`` on ``mesh`` (root): the
     topology with its links as gloo sees them through the namespaces, the calibration and
     the per-island layer fwd+bwd times (ms). ``config``: a YAML the overrides apply to;
-    ``cpu_quota``: ``launch --cpu-quota`` (:mod:`holmes_jax.cluster.cgroups`)."""
+    ``cpu_quota``: ``launch --cpu-quota`` (:mod:`holmes_jax.cluster.cgroups`); ``reuse``:
+    read ``<folder>/<name>.json`` where an earlier probe wrote it instead of probing."""
     import json
 
     from holmes_jax.cluster.supervisor import launch
@@ -97,10 +99,16 @@ def emulated_probe(
     args = ["--config", config] if config else []  # else the built-in defaults
     args += [a for o in overrides for a in ("--set", o)]
     args += ["--out", out, "--repeats", "10", "--sizes-kib", "4,64,1024,8192"]
-    print(f"{tag}: probe {os.path.basename(mesh)} through the emulated network", file=sys.stderr)
-    code = launch(mesh, args, emulate=True, out=sys.stderr, program="probe", cpu_quota=cpu_quota)
-    if code:
-        raise RuntimeError(f"probe on {mesh}: the emulated launch exited with code {code}")
+    if reuse and os.path.exists(out):
+        print(f"{tag}: the profile of an earlier probe, {out}", file=sys.stderr)
+    else:
+        base = os.path.basename(mesh)
+        print(f"{tag}: probe {base} through the emulated network", file=sys.stderr)
+        code = launch(
+            mesh, args, emulate=True, out=sys.stderr, program="probe", cpu_quota=cpu_quota
+        )
+        if code:
+            raise RuntimeError(f"probe on {mesh}: the emulated launch exited with code {code}")
     with open(out) as f:
         compute = json.load(f)["compute"]
     topology, calibration = load_profile(out, load_topology(mesh))
