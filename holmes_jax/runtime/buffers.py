@@ -212,17 +212,20 @@ class StashLayout:
         kept = [n for n, r in enumerate(buffered) if n not in w_reads and _nbytes(r) >= _MIN_BIN]
         self.buffered = list(buffered)
         self.word = _word([buffered[n] for n in kept] + self.stash)  # the stream's dtype
-        wb = jnp.dtype(self.word).itemsize
-        self.bins = [(n, _nbytes(buffered[n]) // wb) for n in kept]  # (leaf, words)
+        self.bins = [(n, self._words(buffered[n])) for n in kept]  # (leaf, words)
         capacity = sum(size for _, size in self.bins)
         self.offsets: dict[int, int] = {}  # stash index -> word offset in the stream
         used = 0
         for n in sorted(range(len(self.stash)), key=lambda n: -_nbytes(self.stash[n])):
-            if used + _nbytes(self.stash[n]) // wb <= capacity:
+            if used + self._words(self.stash[n]) <= capacity:
                 self.offsets[n] = used
-                used += _nbytes(self.stash[n]) // wb
-        self.packed_bytes = used * wb  # stash bytes per layer kept in the residual slot
+                used += self._words(self.stash[n])
+        self.packed_bytes = used * jnp.dtype(self.word).itemsize  # per layer, in the slot
         self.leftover = [n for n in range(len(self.stash)) if n not in self.offsets]
+
+    def _words(self, s) -> int:
+        """Words of the stream that ``s`` (a shape with a dtype) takes."""
+        return _nbytes(s) // jnp.dtype(self.word).itemsize
 
     def write(self, res, values, k, j):
         """B: the packed stash ``values`` (all of them, in ``stash`` order) into the B-only
@@ -277,9 +280,8 @@ class StashLayout:
         """W: the packed stash values from ``res[.][k, j]``, by stash index."""
         out = {}
         cells: dict[int, jax.Array] = {}
-        wb = jnp.dtype(self.word).itemsize
         for n, off in self.offsets.items():
-            want, pieces, start = _nbytes(self.stash[n]) // wb, [], 0
+            want, pieces, start = self._words(self.stash[n]), [], 0
             for leaf, size in self.bins:
                 lo, hi = max(off, start), min(off + want, start + size)
                 if lo < hi:

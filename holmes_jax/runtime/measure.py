@@ -441,8 +441,8 @@ def _shared_times(calls: Sequence[Callable[[], Any]], repeats: int) -> list[floa
         for _ in range(_WARMUP):
             jax.block_until_ready(call())
     means = []  # [window][call]
+    _together()  # some processes may still be compiling the calls
     for _ in range(WINDOWS):
-        _together()  # the first time, some processes are still compiling
         multihost_utils.sync_global_devices("holmes_jax.probe: compute")
         totals, counts = [0.0] * len(calls), [0] * len(calls)
         window = repeats * len(calls) * CHAIN_S * LOAD_FACTOR / WINDOWS
