@@ -85,7 +85,10 @@ def main(argv: list[str]) -> int:
         ensure_venv("dev")
         cmd = [PYTHON, "-m", "pytest", *pytest_args(rest)]
     print("bootstrap: " + " ".join(cmd[1:]), flush=True)
-    return subprocess.call(cmd, cwd=ROOT)
+    # CPU runs: huge pages for malloc's large blocks (glibc reads this when a process starts)
+    from holmes_jax.cluster.host_memory import with_huge_pages
+
+    return subprocess.call(cmd, cwd=ROOT, env=with_huge_pages(os.environ))
 
 
 if __name__ == "__main__":

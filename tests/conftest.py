@@ -24,6 +24,7 @@ import os
 
 import pytest
 
+from holmes_jax.cluster.host_memory import with_huge_pages
 from tests.common import PROCESSES, SLOW_GROUPS, TINY_RUN, group_of
 
 # The suite compiles a few hundred tiny programs on two cores: compiling, not running,
@@ -35,6 +36,9 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The processes the suite starts (pytest-xdist workers, multi-process tests) use huge pages
+# for malloc's large blocks, as the launcher's workers do; glibc reads this at their start.
+os.environ.update(with_huge_pages(os.environ))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook; absent under -p no:xdist

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from holmes_jax.cluster.host_memory import with_huge_pages
 from holmes_jax.cluster.transport import host_environment
 from holmes_jax.cluster.xla_flags import CPU_DEVICES_FLAG
 from holmes_jax.core.errors import ConfigError
@@ -107,7 +108,8 @@ class Worker:
 
 
 def worker_env(topology: Topology, host: str, base: dict[str, str]) -> dict[str, str]:
-    """``base`` plus the host's transport profile, CPU platform and unbuffered output.
+    """``base`` plus the host's transport profile, CPU platform, huge pages for malloc's
+    large blocks (:mod:`holmes_jax.cluster.host_memory`) and unbuffered output.
 
     An inherited device-count flag is dropped from ``XLA_FLAGS``: each process's count
     comes from its ``--cpu-devices``.
@@ -122,7 +124,7 @@ def worker_env(topology: Topology, host: str, base: dict[str, str]) -> dict[str,
         env.pop("XLA_FLAGS", None)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return with_huge_pages(env)
 
 
 def plan_workers(
