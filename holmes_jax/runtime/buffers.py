@@ -233,23 +233,28 @@ class StashLayout:
         they are."""
         if not self.offsets:
             return res
-        stream = jnp.concatenate(
-            [_as_words(values[n], self.word) for n in sorted(self.offsets, key=self.offsets.get)]
-        )
-        # The stream exists before any bin is written: fused into the writes, each would
+        # Every value exists before any bin is written: fused into the writes, each would
         # read the others' cells (the values come from this layer's residuals), a cycle
         # XLA breaks by copying whole residual buffers.
-        stream = lax.optimization_barrier(stream)
+        words = lax.optimization_barrier({n: _as_words(values[n], self.word) for n in self.offsets})
         res = list(res)
-        start, used = 0, stream.shape[0]
-        for n, size in self.bins:
-            if start >= used:
+        start = 0
+        for leaf, size in self.bins:
+            # the pieces of the values that fall in this bin, in stream order; one bin's
+            # concatenation is the update of its one in-place write
+            parts = []
+            for n, off in sorted(self.offsets.items(), key=lambda item: item[1]):
+                lo, hi = max(off, start), min(off + words[n].shape[0], start + size)
+                if lo < hi:
+                    parts.append(words[n][lo - off : hi - off])
+            if not parts:
                 break
-            piece = stream[start : start + size]
-            if piece.shape[0] < size:
-                piece = jnp.pad(piece, (0, size - piece.shape[0]))
-            cell = jax.ShapeDtypeStruct(self.buffered[n].shape, res[n].dtype)  # as stored
-            res[n] = put(res[n], _from_words(piece, cell), k, j)
+            filled = sum(p.shape[0] for p in parts)
+            if filled < size:
+                parts.append(jnp.zeros((size - filled,), self.word))
+            content = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            cell = jax.ShapeDtypeStruct(self.buffered[leaf].shape, res[leaf].dtype)  # as stored
+            res[leaf] = put(res[leaf], _from_words(content, cell), k, j)
             start += size
         return res
 
