@@ -3,9 +3,9 @@
 XLA:CPU allocates an executable's temporaries (tens of MB per device for a pipeline
 stage) with ``malloc`` on every call and frees them after it. glibc serves a block over its
 mmap threshold (32 MB at most) with a fresh ``mmap`` and returns it with ``munmap``, so
-each step faults all of it in again, a 4 KiB page at a time. On the ablation's six-stage
-pipeline (``scripts/bench_ablation.py``, one process, six devices) that is 123,000 faults
-and a quarter of the process's CPU time per step spent in the kernel, which
+each step faults all of it in again, a 4 KiB page at a time. For the six-stage
+program of ``scripts/bench_ablation.py``, run in one process on six devices, that is
+123,000 faults and a quarter of the process's CPU time per step spent in the kernel, which
 ``launch --emulate``'s CPU quotas charge to a host's share like compute.
 
 With glibc's tunable ``glibc.malloc.hugetlb=1`` (glibc 2.35 or newer, and transparent
