@@ -20,8 +20,10 @@ to its share (:func:`own_share`: the probe reads it).
 ``--cpu-quota``: ``auto`` (the default) applies quotas when the islands' ``peak_tflops``
 differ, and warns and goes on without them where the cgroup v1 ``cpu`` controller is absent
 (e.g. a cgroup v2-only machine); ``on`` applies them always (a uniform topology then gets a
-fair share each) and is a one-line error without the controller; ``off`` never. Groups are
-removed on teardown, and by :func:`remove_stale` when a launcher was killed. Plain Python.
+fair share each) and is a one-line error without the controller; ``off`` never. When the
+workers end, ``launch`` prints each group's throttling from its ``cpu.stat`` (the share of
+its periods that ended with its quota spent, and the time it waited). Groups are removed on
+teardown, and by :func:`remove_stale` when a launcher was killed. Plain Python.
 """
 
 from __future__ import annotations
@@ -145,6 +147,25 @@ def resolve(mode: str, root: str = CPU_ROOT, warn: Callable[[str], None] = print
     return "off"
 
 
+@dataclass(frozen=True)
+class Throttling:
+    """A group's CFS bandwidth record (``cpu.stat``): the periods in which it ran, those
+    that ended with it throttled (its quota spent, work left), and the time it waited."""
+
+    periods: int
+    throttled: int
+    throttled_s: float
+
+    def __str__(self) -> str:
+        share = self.throttled / self.periods if self.periods else 0.0
+        return f"{share:.0%} of {self.periods} periods ({self.throttled_s:.1f} s)"
+
+
+def format_throttling(stats: dict[str, Throttling]) -> str:
+    """One line: each host's throttling (``launch`` prints it when the workers end)."""
+    return "CPU quota throttled " + ", ".join(f"{h} {t}" for h, t in stats.items())
+
+
 class CpuGroups:
     """Creates the groups of a plan and removes them again (context manager, idempotent)."""
 
@@ -171,6 +192,23 @@ class CpuGroups:
         """Remove every group (their processes have ended); ignores what is gone."""
         for q in self.quotas.values():
             _remove(q.group, self._rmdir)
+
+    def throttling(self) -> dict[str, Throttling]:
+        """Each group's ``cpu.stat`` so far, by host; hosts whose file cannot be read are
+        left out."""
+        out = {}
+        for host, q in self.quotas.items():
+            try:
+                with open(os.path.join(q.group, "cpu.stat")) as f:
+                    stat = dict(line.split() for line in f if line.strip())
+                out[host] = Throttling(
+                    int(stat["nr_periods"]),
+                    int(stat["nr_throttled"]),
+                    int(stat["throttled_time"]) / 1e9,
+                )
+            except (OSError, KeyError, ValueError):
+                pass
+        return out
 
     def wrap(self, prefix: Callable[[str], list[str]] | None) -> Callable[[str], list[str]]:
         """``prefix`` (host -> command prefix) with each quota'd host entering its group first."""

@@ -506,6 +506,9 @@ def launch(
             finally:
                 if cutter:
                     cutter[0].restore()
+                if stats := groups.throttling():
+                    line = cgroups.format_throttling(stats)
+                    print(f"launch: {line}", file=out or sys.stdout, flush=True)
     except _Stop:
         return 130
     finally:

@@ -177,6 +177,12 @@ def test_groups_are_written_entered_before_exec_and_removed(tmp_path):
                              capture_output=True, check=True).stdout  # fmt: skip
         assert open(procs).read().strip() == out.split()[1]  # the same process, after exec
         assert out.split()[2] == "0.25"  # its share, readable where /sys is not
+        stat = "nr_periods 200\nnr_throttled 150\nthrottled_time 1250000000\n"
+        (tmp_path / "hj43-roce-0" / "cpu.stat").write_text(stat)
+        assert groups.throttling() == {"roce-0": cgroups.Throttling(200, 150, 1.25)}  # ib-0: none
+        assert cgroups.format_throttling(groups.throttling()) == (
+            "CPU quota throttled roce-0 75% of 200 periods (1.2 s)"
+        )
     assert not any(tmp_path.iterdir())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -309,5 +315,7 @@ def test_busy_loop_in_a_quota_group_runs_at_its_share():
         start = time.monotonic()
         share = float(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
         assert time.monotonic() - start < 5
+        held = groups.throttling()["roce-0"]  # a busy loop spends its quota every period
+        assert held.periods > 10 and held.throttled > 0.8 * held.periods and held.throttled_s > 0
     assert share == pytest.approx(0.25, abs=0.03)  # roce-0: 0.25 of a core
     assert not os.path.exists(quotas[0].group)
