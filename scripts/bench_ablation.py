@@ -1,6 +1,6 @@
 """Benchmark: the Holmes ablation, each component of the plan turned off in turn.
 
-    sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 11] \\
+    sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 21] \\
         [--rows full,partition-off,...] [--cpu-quota auto|on|off] [--keep-logs DIR] \\
         [--compile-cache DIR] [--reuse-profile]
     python scripts/bench_ablation.py --plan-only
@@ -52,9 +52,16 @@ meshes/paper-ib-roce-8x8.yaml, plus the emulated meshes at their nominal speeds;
 a JSON line with ``row``, ``predicted_ms`` and ``tflops_per_gpu`` (model FLOPs, 6 x weights x
 tokens, no attention or recompute term), then the tables on stderr.
 
-``--rows`` runs some rows only (no shares or rankings then); ``--cpu-quota`` is ``launch
---cpu-quota`` for every launch (``auto``: quotas where the islands' speeds differ, so not
-for the homogeneous row; ``on``: every host its fixed share, that row too).
+A row's step time is the mean over steps 6 to ``--steps`` (the trainer logs every 5 steps;
+the compiling first step and the window after it, the first steps after compilation, are
+left out); ``window_ms`` lists every logged window's mean step, the spread
+within the run, and ``thp_fallbacks`` the page faults during the row that asked for a huge
+page and got small ones (each costs a quota'd host kernel time; docs/training.md, "CPU
+runs: huge pages"). ``--rows`` runs some rows only (no shares or rankings then); ``--cpu-quota``
+is ``launch --cpu-quota`` for every launch (``auto``: quotas where the islands' speeds
+differ, and for the homogeneous row every host the fastest island's share, as priced: its
+hosts would otherwise lend each other the cores they idle on in bubbles; ``on``: every host
+its fixed share; ``off``: none, that row included).
 ``--compile-cache DIR`` gives every run that compilation cache: a slow island compiles at
 its quota's pace, minutes for each row, and a row whose program an earlier run compiled
 (the homogeneous row runs full's; a rerun with the same cache runs all of them) loads it
@@ -310,12 +317,14 @@ def measure(args, folder: str) -> dict:
         cache = [f"train.compilation_cache={args.compile_cache}"] if args.compile_cache else []
         table = {}
         for name, extra in rows.items():
-            run_mesh, topo, cal = mesh, topology, calibration
+            run_mesh, topo, cal, quota = mesh, topology, calibration, args.cpu_quota
             if name == "homogeneous":
                 run_mesh = write_fast_mesh(mesh, fast)
                 topo, cal = fast_twin(topology, calibration)
+                quota = homogeneous_quota(args.cpu_quota)
             cfg = row_config(EMULATED, run_mesh, extra)
             predicted = predict_config(cfg, topo, cal, sync_collectives=True).step_s
+            fallbacks = benchlib.thp_fallbacks()
             records = benchlib.emulated_run(
                 run_mesh,
                 EMULATED + extra + cache,
@@ -323,10 +332,11 @@ def measure(args, folder: str) -> dict:
                 folder,
                 f"{label}-{name}",
                 "bench_ablation",
-                cpu_quota=args.cpu_quota,
+                cpu_quota=quota,
             )
-            times = [r["step_time_s"] for r in records if "compile_s" not in r]
-            step = sum(times) / len(times)
+            step = benchlib.steady_step_s(records, warmup_windows=1)
+            if fallbacks is not None:
+                fallbacks = benchlib.thp_fallbacks() - fallbacks
             model, run = specs_from_config(cfg)
             tokens = run.global_batch_size * model.seq_len
             table[name] = {
@@ -334,6 +344,9 @@ def measure(args, folder: str) -> dict:
                 "tokens_per_s": round(tokens / step, 1),
                 "predicted_ms": round(predicted * 1e3, 1),
                 "prediction_error": round((predicted - step) / step, 3),
+                "window_ms": [round(t * 1e3, 1) for _, t in benchlib.windows(records)],
+                "cpu_quota": quota,
+                "thp_fallbacks": fallbacks,
                 "overrides": extra,
             }
             line = {"mesh": label, "row": name, **table[name]}
@@ -351,6 +364,16 @@ def measure(args, folder: str) -> dict:
                 block["measured"]["component_ranking"] == block["predicted"]["component_ranking"]
             )
     return result
+
+
+def homogeneous_quota(mode: str) -> str:
+    """``--cpu-quota`` for the homogeneous row: ``auto`` becomes ``on`` where the cgroup
+    controller exists, so every host of the all-fast twin computes at the fastest island's
+    share, as the other rows' fast hosts do and as the row is priced (its profile's fastest
+    island); without a quota its hosts would lend each other the cores they idle on."""
+    from holmes_jax.cluster import cgroups
+
+    return "on" if mode == "auto" and cgroups.available() else mode
 
 
 def write_fast_mesh(mesh: str, path: str) -> str:
@@ -397,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan-only", action="store_true", help="price the rows, run nothing")
     parser.add_argument("--meshes", default="two,three", help="emulated topologies: two,three")
-    parser.add_argument("--steps", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=21, help="steps per row; timed from step 6 on")
     parser.add_argument("--keep-logs", default=None, help="folder for the runs' files")
     parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}"

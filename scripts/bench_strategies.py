@@ -197,11 +197,7 @@ def measure_speed(args, folder: str) -> dict:
                 QUICKSTART,
                 args.cpu_quota,
             )
-            timed = [r for r in records if "compile_s" not in r]
-            done = [r["step"] for r in records]  # the first record is the compiling step
-            spans = [b - a for a, b in zip(done, done[1:], strict=False)]  # steps per window
-            step_s = sum(r["step_time_s"] * n for r, n in zip(timed, spans, strict=True))
-            step_s /= sum(spans)
+            step_s = benchlib.steady_step_s(records)
             model, run = specs_from_config(cfg)
             tokens = run.global_batch_size * model.seq_len
             table[name] = {

@@ -118,6 +118,44 @@ def emulated_probe(
     return topology, calibration, layer_ms
 
 
+def thp_fallbacks() -> int | None:
+    """Page faults so far that asked for a transparent huge page and got small pages
+    (``/proc/vmstat`` ``thp_fault_fallback``): under quotas those cost a host its share in
+    the kernel; None where the kernel does not count them."""
+    try:
+        with open("/proc/vmstat") as f:
+            stats = dict(line.split() for line in f)
+        return int(stats["thp_fault_fallback"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def windows(records: list[dict]) -> list[tuple[int, float]]:
+    """(steps, mean step s) of each logging window after the compiling first step: the
+    trainer logs a window's mean (``step_time_s``) at its last step, so a window holds the
+    steps since the record before it."""
+    done = [r["step"] for r in records]
+    return [
+        (b - a, r["step_time_s"])
+        for a, b, r in zip(done[:-1], done[1:], records[1:], strict=True)
+        if "compile_s" not in r
+    ]
+
+
+def steady_step_s(records: list[dict], warmup_windows: int = 0) -> float:
+    """Mean step time of a run's records, every step weighted alike, the compiling first
+    step left out and the ``warmup_windows`` windows after it too where a later one exists.
+
+    Raises:
+      RuntimeError: no step after the compiling one was logged.
+    """
+    spans = windows(records)
+    if not spans:
+        raise RuntimeError("no step after the compiling first step was logged (steps >= 2)")
+    spans = spans[warmup_windows:] or spans[-1:]
+    return sum(n * t for n, t in spans) / sum(n for n, _ in spans)
+
+
 def emulated_run(
     mesh: str,
     overrides: list[str],

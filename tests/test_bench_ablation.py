@@ -112,3 +112,32 @@ def test_plan_only_prices_the_paper_shape():
         assert t["all-off"] <= min(t["nic-off"], t["overlap-off"])
         assert t["partition-off"] <= t["full"] <= t["homogeneous"]
         assert t["full"] < 312  # below the A100's peak
+
+
+def test_a_rows_step_weights_every_step_and_leaves_out_the_warm_up(bench):
+    """The trainer logs a window's mean at its last step: the step at 11 is one step's time,
+    the one at 10 five steps'; the compiling first step and the first window are not timed."""
+    benchlib = bench.benchlib
+    records = [
+        {"step": 1, "step_time_s": 9.0, "compile_s": 60.0},
+        {"step": 5, "step_time_s": 4.0},  # steps 2-5: warming, left out
+        {"step": 10, "step_time_s": 1.0},  # steps 6-10
+        {"step": 11, "step_time_s": 7.0},  # step 11
+    ]
+    assert benchlib.windows(records) == [(4, 4.0), (5, 1.0), (1, 7.0)]
+    assert benchlib.steady_step_s(records, warmup_windows=1) == pytest.approx((5 + 7) / 6)
+    assert benchlib.steady_step_s(records) == pytest.approx((16 + 5 + 7) / 10)
+    assert benchlib.steady_step_s(records[:2], warmup_windows=1) == 4.0  # the only window
+    with pytest.raises(RuntimeError, match="steps >= 2"):
+        benchlib.steady_step_s(records[:1])
+
+
+def test_the_homogeneous_row_runs_at_the_fastest_islands_share(bench, monkeypatch):
+    from holmes_jax.cluster import cgroups
+
+    monkeypatch.setattr(cgroups, "available", lambda root=cgroups.CPU_ROOT: True)
+    assert bench.homogeneous_quota("auto") == "on"  # equal islands would get none under auto
+    assert bench.homogeneous_quota("off") == "off"
+    assert bench.homogeneous_quota("on") == "on"
+    monkeypatch.setattr(cgroups, "available", lambda root=cgroups.CPU_ROOT: False)
+    assert bench.homogeneous_quota("auto") == "auto"  # launch warns and runs without
