@@ -30,6 +30,7 @@ that are not the layer's weights, i.e. exactly what the ``model.remat`` policy s
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +223,14 @@ class StashLayout:
                 used += self._words(self.stash[n])
         self.packed_bytes = used * jnp.dtype(self.word).itemsize  # per layer, in the slot
         self.leftover = [n for n in range(len(self.stash)) if n not in self.offsets]
+        self.pieces: list[_Piece] = []  # where each value's words lie, in stream order
+        start = 0
+        for leaf, size in self.bins:
+            for n, off in sorted(self.offsets.items(), key=lambda item: item[1]):
+                lo, hi = max(off, start), min(off + self._words(self.stash[n]), start + size)
+                if lo < hi:
+                    self.pieces.append(_Piece(n, lo - off, hi - off, leaf, lo - start))
+            start += size
 
     def _words(self, s) -> int:
         """Words of the stream that ``s`` (a shape with a dtype) takes."""
@@ -238,15 +247,10 @@ class StashLayout:
         # XLA breaks by copying whole residual buffers.
         words = lax.optimization_barrier({n: _as_words(values[n], self.word) for n in self.offsets})
         res = list(res)
-        start = 0
         for leaf, size in self.bins:
             # the pieces of the values that fall in this bin, in stream order; one bin's
             # concatenation is the update of its one in-place write
-            parts = []
-            for n, off in sorted(self.offsets.items(), key=lambda item: item[1]):
-                lo, hi = max(off, start), min(off + words[n].shape[0], start + size)
-                if lo < hi:
-                    parts.append(words[n][lo - off : hi - off])
+            parts = [words[p.value][p.lo : p.hi] for p in self.pieces if p.leaf == leaf]
             if not parts:
                 break
             filled = sum(p.shape[0] for p in parts)
@@ -255,7 +259,6 @@ class StashLayout:
             content = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
             cell = jax.ShapeDtypeStruct(self.buffered[leaf].shape, res[leaf].dtype)  # as stored
             res[leaf] = put(res[leaf], _from_words(content, cell), k, j)
-            start += size
         return res
 
     def leftover_buffers(self, slots: int, layers: int) -> list:
@@ -285,18 +288,27 @@ class StashLayout:
         """W: the packed stash values from ``res[.][k, j]``, by stash index."""
         out = {}
         cells: dict[int, jax.Array] = {}
-        for n, off in self.offsets.items():
-            want, pieces, start = self._words(self.stash[n]), [], 0
-            for leaf, size in self.bins:
-                lo, hi = max(off, start), min(off + want, start + size)
-                if lo < hi:
-                    if leaf not in cells:
-                        cells[leaf] = _as_words(get(res[leaf], k, j), self.word)
-                    pieces.append(cells[leaf][lo - start : hi - start])
-                start += size
+        for n in self.offsets:
+            pieces = []
+            for p in self.pieces:
+                if p.value == n:
+                    if p.leaf not in cells:
+                        cells[p.leaf] = _as_words(get(res[p.leaf], k, j), self.word)
+                    pieces.append(cells[p.leaf][p.at : p.at + p.hi - p.lo])
             data = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
             out[n] = _from_words(data, self.stash[n])
         return out
+
+
+class _Piece(NamedTuple):
+    """Words ``lo:hi`` of stash value ``value`` (flat, as words), stored in B-only leaf
+    ``leaf`` from its word ``at`` on."""
+
+    value: int
+    lo: int
+    hi: int
+    leaf: int
+    at: int
 
 
 _MIN_BIN = 64  # bytes: scalar leaves (a dropout rate, a key) are not worth a bin
