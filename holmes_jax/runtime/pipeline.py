@@ -81,6 +81,7 @@ class PipelineEngine(TickOps):
         grad_buckets: str = "layer",
         cross_island_dtype: str = "same",
         crossing: frozenset = frozenset(),
+        flat_buckets: bool = False,
     ):
         if layout.stages != mesh.shape[STAGE]:
             raise ValueError(
@@ -106,6 +107,9 @@ class PipelineEngine(TickOps):
         if grad_buckets not in GRAD_BUCKETS:
             raise ValueError(f"grad_buckets={grad_buckets!r}: must be one of {GRAD_BUCKETS}")
         self.per_layer = grad_buckets == "layer"
+        # One collective per bucket (its leaves in one buffer) instead of one per leaf:
+        # for runtimes that pay a rendezvous per call (zero.reduce_bucket).
+        self.flat = flat_buckets
         self.nan_bubbles = nan_bubbles
         # Stage pairs (src, dst) on two islands, whose sends go in ``wire`` format
         # (holmes_jax.runtime.compress); none under "same": the program is unchanged.
@@ -337,15 +341,15 @@ class PipelineEngine(TickOps):
         S, d, r, dims = self.layout.stages, self.data, self.replica, st.dims
         # 3. gradients reduced over data (inside an island) and replicas (zero.py phases 1-3):
         #    the blocks bucket by bucket during the last backward (per-layer buckets) or all
-        #    layers of each leaf at once now (one bucket per step); embedding and head now.
+        #    layers of each leaf at once now (one bucket per step, with the embedding and
+        #    head); embedding and head now.
         g = c["grads"]
-        grads = {
-            "embed": reduce_bucket(g["embed"], dims["embed"], d, r),
-            "blocks": (
-                c["shards"] if self.per_layer else reduce_bucket(g["blocks"], dims["blocks"], d, r)
-            ),
-            "head": reduce_bucket(g["head"], dims["head"], d, r),
-        }
+        parts = ("embed", "head") if self.per_layer else ("embed", "blocks", "head")
+        grads = reduce_bucket(
+            {p: g[p] for p in parts}, {p: dims[p] for p in parts}, d, r, self.flat
+        )
+        if self.per_layer:
+            grads = dict(grads, blocks=c["shards"])
         loss = lax.pmean(c["loss"], DATA)
         if r > 1:
             loss = lax.pmean(loss, REPLICA)

@@ -65,8 +65,9 @@ class Program:
 
     The loss and gradients come from the :class:`~holmes_jax.runtime.pipeline.PipelineEngine`
     (state in the pipeline layout, a single stage included) whenever there is a pipeline,
-    microbatching, ZeRO-1 or a cross-island replica; only with all of them off does GSPMD
-    run the whole model (the plain reference). Either way checkpoints use the logical
+    microbatching, ZeRO-1, a cross-island replica, bf16, or data parallelism where
+    collectives block the device (CPU); only with all of them off does GSPMD run the whole
+    model (the plain reference). Either way checkpoints use the logical
     layout: :meth:`to_logical` / :meth:`from_logical` convert. With ZeRO-1 the optimizer
     state (and the gradients leaving the engine) are sharded over ``data``
     (:mod:`holmes_jax.runtime.zero`).
@@ -79,17 +80,22 @@ class Program:
         self.dtype = compute_dtype(cfg.train.precision)
         self.data_size = mesh.shape[DATA]
         self.zero1 = cfg.optimizer.zero1 and self.data_size > 1
+        # Where collectives block the device (CPU runtimes, gloo: a rendezvous per call)
+        # the engine reduces each bucket as one buffer, and reduces data-parallel gradients
+        # even without a pipeline: XLA's partitioner would all-reduce every leaf of every
+        # layer on its own, inside the backward's layer loop.
+        blocking = collectives_block(list(mesh.devices.flat))
         self.pipelined = (
             par.stages > 1
             or par.microbatches > 1
             or self.zero1
             or mesh.shape[REPLICA] > 1
             or self.dtype != jnp.float32  # fp32 accumulation and reduction of bf16 grads
+            or (blocking and self.data_size > 1)
         )
         self.replicas = mesh.shape[REPLICA]
         # When the engine reduces gradients (auto: one bucket per step where collectives
         # block the device, as on CPU; per layer elsewhere).
-        blocking = collectives_block(list(mesh.devices.flat))
         self.grad_buckets = resolve_grad_buckets(par.grad_buckets, blocking)
         # DiLoCo: each replica trains on its own (loop.run resolves ``auto`` to a bool).
         self.diloco = cfg.diloco.enabled is True and self.replicas > 1
@@ -155,6 +161,7 @@ class Program:
                     if par.cross_island_dtype == "same"
                     else crossing_pairs(mesh, load_mesh_topology(cfg))
                 ),
+                flat_buckets=blocking,
             )
         else:
             self.param_sharding = logical_sharding

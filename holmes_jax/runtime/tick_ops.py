@@ -256,7 +256,7 @@ class TickOps:
         shards = when(
             st.at("last", t) == 1,
             lambda sh, g: dyn_set(
-                sh, slot, reduce_bucket(g, st.slot_dims, self.data, self.replica)
+                sh, slot, reduce_bucket(g, st.slot_dims, self.data, self.replica, self.flat)
             ),
             shards,
             g_j,

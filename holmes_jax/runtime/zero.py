@@ -10,8 +10,11 @@ runs these phases in order:
    of layer j−1, and each stage reduces at its own tick. That is
    ``parallel.grad_buckets: layer``. With ``step``, the default where collectives block
    the device (gloo on CPU), the loop only accumulates. Each block leaf is then reduced
-   once after it, all ``[slots, ...]`` at a time.
-2. After the tick loop, the embedding and head buckets.
+   once after it, all ``[slots, ...]`` at a time, with the embedding and head. Where
+   collectives block, the engine packs each bucket into one buffer per collective
+   (:func:`reduce_bucket` ``flat``): XLA:CPU makes one call, a rendezvous of every rank,
+   per operand.
+2. After the tick loop, the embedding and head bucket (per-layer buckets).
 3. With ``parallel.replica > 1``: all-reduce of each 1/d shard across islands over
    ``replica``, the only bytes that cross an island for it.
 4. Cross-stage sums (tied embedding, the global gradient norm) by neighbour hops
@@ -26,6 +29,7 @@ replicated and is all-reduced.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -72,18 +76,22 @@ def sharded_spec(spec: PartitionSpec, dim: int, ndim: int) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def reduce_bucket(grads: Any, dims: Any, data: int, replica: int) -> Any:
+def reduce_bucket(grads: Any, dims: Any, data: int, replica: int, flat: bool = False) -> Any:
     """Phases 1–3 for one bucket: mean over ``data`` (and ``replica``) of local gradients.
 
     Args:
       grads: local gradient leaves (inside the shard_map; no stage axis).
       dims: matching tree of the local dimension to scatter over ``data``, or -1.
       data: data-parallel degree; replica: cross-island copies.
+      flat: one collective for all the scattered leaves and one for the whole ones
+        (:func:`_reduce_flat`), instead of one per leaf. Same result.
 
     Returns:
       Leaves reduced to their 1/d shard along ``dim`` (or whole, where dim is -1),
       averaged over all data-parallel ranks of all replicas.
     """
+    if flat and data > 1:
+        return _reduce_flat(grads, dims, data, replica)
     scale = 1.0 / (data * replica)
 
     def one(g, dim):
@@ -99,6 +107,44 @@ def reduce_bucket(grads: Any, dims: Any, data: int, replica: int) -> Any:
         return out * scale
 
     return jax.tree.map(one, grads, dims)
+
+
+def _reduce_flat(grads: Any, dims: Any, data: int, replica: int) -> Any:
+    """:func:`reduce_bucket` with one buffer per collective, for runtimes that make one
+    call per operand (XLA:CPU's gloo collectives: a call costs a rendezvous of every rank).
+
+    A scattered leaf goes in as ``[data, n/data * rest]`` (its ``dim`` first, split in
+    ``data`` rows: row r is what rank r keeps); the leaves' rows are concatenated into
+    ``[data, W]`` and reduce-scattered over its rows, so each rank gets ``[1, W]``, every
+    leaf's shard side by side. The whole leaves are concatenated flat and all-reduced."""
+    leaves, tree = jax.tree.flatten(grads)
+    dim_of = jax.tree.leaves(dims)
+    g32 = [g.astype(jnp.float32) for g in leaves]  # reductions always in fp32
+    scale = 1.0 / (data * replica)
+    out: list = [None] * len(leaves)
+
+    def across_replicas(x):
+        return lax.psum(x, REPLICA) if replica > 1 else x  # 1/d-sized shards cross
+
+    scattered = [i for i, dim in enumerate(dim_of) if dim >= 0]
+    if scattered:
+        moved = [jnp.moveaxis(g32[i], dim_of[i], 0) for i in scattered]  # [n, rest...]
+        rows = [m.reshape(data, -1) for m in moved]
+        mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), DATA, tiled=True)  # [1, W]
+        mine = across_replicas(mine)[0]
+        cuts = list(itertools.accumulate(r.shape[1] for r in rows))[:-1]
+        for i, m, part in zip(scattered, moved, jnp.split(mine, cuts), strict=True):
+            shard = part.reshape(m.shape[0] // data, *m.shape[1:])
+            out[i] = jnp.moveaxis(shard, 0, dim_of[i]) * scale
+    whole = [i for i, dim in enumerate(dim_of) if dim < 0]
+    if whole:
+        summed = across_replicas(
+            lax.psum(jnp.concatenate([g32[i].reshape(-1) for i in whole]), DATA)
+        )
+        cuts = list(itertools.accumulate(g32[i].size for i in whole))[:-1]
+        for i, part in zip(whole, jnp.split(summed, cuts), strict=True):
+            out[i] = part.reshape(g32[i].shape) * scale
+    return jax.tree.unflatten(tree, out)
 
 
 def shard_shape(shape: tuple[int, ...], dim: int, data: int) -> tuple[int, ...]:
