@@ -18,7 +18,9 @@ Rows, each one set of config overrides that the trainer runs and the planner pri
   ``optimizer.zero1=false``. On CPUs gloo's collectives block the device, so nothing
   overlaps in a measured run whatever the setting (its prediction is priced that way);
   ``gpu_predicted_ms`` beside it is the same row priced with asynchronous collectives;
-- all-off: nic-off with overlap-off (Megatron-LM-like; one stage, so no split to turn off);
+- all-off: nic-off with overlap-off (Megatron-LM-like: one stage, so no split to turn off;
+  on CPUs the engine reduces the step's gradients as one buffer, as Megatron-LM's
+  contiguous gradient buffer does);
 - homogeneous: full on the all-fast twin (every island at the fastest island's speed and
   link, the inter-island links too): the reference the components try to approach.
 
@@ -43,8 +45,8 @@ reduces none and sends a micro-batch's activations (4 x 32 x 192 fp32, 96 KiB) a
 quota slows every op, and the probe measured roce's layer 2.0-2.2x slower than ib's.
 The batch (36 x 32 tokens, divisible by 4 and 6 data ranks) sets compute against those
 bytes: more tokens favour the split and dilute NIC-off (the two targets pull it in opposite
-directions). Priced at the meshes' nominal speeds (``--plan-only``): on "two" full 0.83 s,
-partition-off 1.32x and NIC-off 4.1x slower; on "three" 1.26x and 5.3x.
+directions). Priced at the meshes' nominal speeds (``--plan-only``): on "two" full 0.78 s,
+partition-off 1.31x and NIC-off 4.35x slower; on "three" 1.35x and 5.64x.
 
 ``--plan-only`` (no root, seconds): the same rows priced for the GPT-7.5B shape (36 layers,
 hidden 4096, 32 heads, seq 2048, bf16, batch 512) on meshes/paper-ib-roce-4x8.yaml and
