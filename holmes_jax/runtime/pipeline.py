@@ -340,9 +340,8 @@ class PipelineEngine(TickOps):
         """Steps 3–4: reduced gradients, mean loss over all stages and the global norm."""
         S, d, r, dims = self.layout.stages, self.data, self.replica, st.dims
         # 3. gradients reduced over data (inside an island) and replicas (zero.py phases 1-3):
-        #    the blocks bucket by bucket during the last backward (per-layer buckets) or all
-        #    layers of each leaf at once now (one bucket per step, with the embedding and
-        #    head); embedding and head now.
+        #    per-layer buckets: the blocks layer by layer during the last backward, the
+        #    embedding and head now, as one bucket; one bucket per step: all of it now.
         g = c["grads"]
         parts = ("embed", "head") if self.per_layer else ("embed", "blocks", "head")
         grads = reduce_bucket(

@@ -289,3 +289,13 @@ def test_flat_buckets_reduce_as_one_call_per_leaf():
             want = mean if dim < 0 else np.split(mean, 4, axis=dim)[rank % 4]
             np.testing.assert_allclose(per_leaf[k][rank], want, rtol=0, atol=1e-6)
             np.testing.assert_allclose(flat[k][rank], want, rtol=0, atol=1e-6)
+
+
+def test_plain_data_parallel_on_cpu_runs_through_the_engine(make_program):
+    """On CPU (blocking collectives) data parallelism without a pipeline or ZeRO-1 still
+    goes through the engine, which reduces each bucket as one buffer; one device alone
+    stays the plain GSPMD reference."""
+    cfg = load_config(None, MODEL + ["optimizer.zero1=false"])
+    program = make_program(cfg, Degrees(stages=1, data=4, tensor=1))
+    assert program.pipelined and program.engine.flat
+    assert not make_program(cfg, Degrees(1, 1, 1)).pipelined
