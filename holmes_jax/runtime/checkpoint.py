@@ -80,6 +80,7 @@ class Checkpointer:
         # The handlers the manager uses for these items, called directly by restore.
         self._state_handler = ocp.StandardCheckpointHandler()
         self._meta_handler = ocp.JsonCheckpointHandler()
+        self._pending: int | None = None  # the step whose save may not have committed yet
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -94,7 +95,9 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
     ) -> None:
         """Start saving ``state`` (logical layout) as checkpoint ``step``; ``extra`` goes
-        into ``meta`` beside the step, the data position and the config."""
+        into ``meta`` beside the step, the data position and the config. With
+        ``checkpoint.async_save`` the save commits in the background: :meth:`committed` says
+        when. A save waits for the one before it to commit."""
         meta = {"step": int(step), "data_position": int(data_position), "config": config.to_dict()}
         meta.update(extra or {})
         self.manager.save(
@@ -104,6 +107,7 @@ class Checkpointer:
             ),
             force=True,
         )
+        self._pending = int(step)
 
     def restore(
         self,
@@ -232,6 +236,19 @@ class Checkpointer:
                 )
             elif why and 0 not in failed:
                 warn(f"warning: process {me}: checkpoint step {k} is unusable ({why})")
+
+    def committed(self, wait: bool = False) -> int | None:
+        """The step of the last :meth:`save` once it has committed (a restart finds it), at
+        most once per save; None while it is still being written, or when already told.
+        ``wait``: wait for it to commit first."""
+        if self._pending is None:
+            return None
+        if wait:
+            self.manager.wait_until_finished()
+        elif self.manager.is_saving_in_progress():
+            return None
+        step, self._pending = self._pending, None
+        return step
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

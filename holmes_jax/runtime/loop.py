@@ -320,12 +320,22 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     if started_from:
         logger.message(f"initialised from {started_from} (fresh optimizer, step 0)")
 
+    def report_saved(wait: bool = False) -> None:
+        """Name the newest checkpoint once its save has committed: a restart then finds it.
+        An asynchronous save commits in the background, steps after it started."""
+        saved = ckpt.committed(wait)
+        if saved is not None:
+            logger.message(
+                f"checkpoint step {saved}: {os.path.join(cfg.checkpoint.dir, str(saved))}"
+            )
+
     def save(step: int, state) -> None:
+        report_saved(wait=True)  # a save starts after the one before it committed
         with jax.profiler.TraceAnnotation("checkpoint_save", step=step):
             ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
             if island is not None:  # independent DiLoCo: the outer state beside it
                 island.save_outer(cfg.checkpoint.dir, step)
-        logger.message(f"checkpoint step {step}: {os.path.join(cfg.checkpoint.dir, str(step))}")
+        report_saved()
 
     # 5. loop
     history: list[dict[str, Any]] = []
@@ -415,6 +425,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                 if ckpt is not None and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     save(step, state)
                     last_saved = step
+                elif ckpt is not None:
+                    report_saved()
                 # Starts or stops the trace; writing it takes seconds no step took.
                 window_start += profiler.after_step(step, state)
                 if log_step or stopping:  # the next window starts after eval and saving
@@ -428,6 +440,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     if ckpt is not None and last_saved != step:
                         save(step, state)
                         last_saved = step
+                    if ckpt is not None:
+                        report_saved(wait=True)
                     where = f"; checkpoint saved in {cfg.checkpoint.dir}" if ckpt else ""
                     logger.message(f"stopping after step {step} ({why}){where}")
                     break
@@ -435,6 +449,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         # 6. final save
         if ckpt is not None and last_saved != step:
             save(step, state)
+        if ckpt is not None:
+            report_saved(wait=True)
     finally:
         profiler.close(step, state)  # a run stopped inside the profiled window
         if island is not None:

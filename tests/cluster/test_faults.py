@@ -128,6 +128,7 @@ def test_killing_process_0_names_it_on_every_survivor(tmp_path, proc_env):
 # pipeline stage each, ZeRO-1, 6 steps.
 JOB = [o for o in TWO if not o.startswith("train.steps")]
 JOB += ["train.steps=6", "checkpoint.every=3", "distributed.heartbeat_timeout_s=5"]
+SYNC_SAVES = "checkpoint.async_save=false"  # a checkpoint has committed when its line prints
 
 
 @dataclass(frozen=True)
@@ -214,11 +215,15 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     step 4. The job restarts twice, continues its run directory (no ``-2``), its restarts
     compile from the run's compilation cache (filled by the uninterrupted run, which
     compiled cold), and every loss any attempt logged equals the uninterrupted run's at that
-    step, bitwise."""
+    step, bitwise. Saves are synchronous: the kill one step after the step-3 checkpoint must
+    find it committed (an asynchronous save may still be writing then), and its line comes
+    before the kill."""
     assert "compiled in " in straight.out and "(compilation cache: miss)" in straight.out
     chaos = tmp_path / "chaos"
     flags = ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"]
-    out = launch(straight.mesh, straight.env, chaos, flags, [straight.cache])
+    out = launch(straight.mesh, straight.env, chaos, flags, [straight.cache, SYNC_SAVES])
+    saved = out.index(f"] checkpoint step 3: {chaos}/checkpoints/3\n")
+    assert saved < out.index("launch: --fail-host ib-0@4: SIGKILL"), out[-4000:]
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
     resumed = [line for line in lines if line.startswith("launch: training resumed")]
     assert "launch: --fail-host roce-0@2:+2: SIGKILL to roce-0 at step 2, away for 2 s" in lines
@@ -247,12 +252,12 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     alone with ``parallel.exclude_hosts=[roce-0]``; the trainer re-plans for one island (no
     pipeline across islands any more), resumes from the step-2 checkpoint and finishes. The
     global batch is unchanged, so every step's loss equals the uninterrupted run's up to the
-    reduction order."""
+    reduction order. Saves are synchronous, so the step-2 checkpoint has committed when
+    roce-0 dies."""
     survivors = tmp_path / "survivors"
     flags = ["--fail-host", "roce-0@3:permanent", "--rejoin-timeout", "1"]
-    out = launch(
-        straight.mesh, straight.env, survivors, flags, [straight.cache, "checkpoint.every=2"]
-    )
+    overrides = [straight.cache, "checkpoint.every=2", SYNC_SAVES]
+    out = launch(straight.mesh, straight.env, survivors, flags, overrides)
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
     assert (
         "launch: roce-0 did not come back within 1 s: the others go on without it, "

@@ -8,6 +8,7 @@ import glob
 import os
 import re
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from holmes_jax.core.spec import Degrees
 from holmes_jax.runtime import checkpoint as checkpoint_module
 from holmes_jax.runtime.checkpoint import Checkpointer, find_step, read_params
 from holmes_jax.runtime.loop import run
+from holmes_jax.runtime.storage import committed_steps
 from tests.common import TINY_MODEL, TINY_RUN
 
 
@@ -72,6 +74,25 @@ def _saved(directory, cfg, steps, keep=3) -> Checkpointer:
 
 def _entries(directory) -> list[str]:
     return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_committed_names_each_save_once_and_only_once_a_restart_finds_it(tmp_path, cfg, async_save):
+    """The training log names a checkpoint when :meth:`Checkpointer.committed` returns its
+    step: by then it must be on disk, committed, and each save is named once."""
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path), keep=3, async_save=async_save))
+    for step in (1, 2):
+        ckpt.save(step, _state(step), data_position=step, config=cfg)
+        told = ckpt.committed()
+        while told is None:  # an asynchronous save: poll until it has committed
+            assert async_save, "a synchronous save has committed when save returns"
+            time.sleep(0.005)
+            told = ckpt.committed()
+        assert told == step and step in committed_steps(ckpt.path)
+        assert ckpt.committed() is None and ckpt.committed(wait=True) is None
+    ckpt.save(3, _state(3), data_position=3, config=cfg)
+    assert ckpt.committed(wait=True) == 3 and committed_steps(ckpt.path) == [1, 2, 3]
+    ckpt.close()
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
