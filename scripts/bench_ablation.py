@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python scripts/bench_ablation.py [--meshes two,three] [--steps 21] \\
         [--rows full,partition-off,...] [--cpu-quota auto|on|off] [--keep-logs DIR] \\
-        [--compile-cache DIR] [--reuse-profile]
+        [--rounds N] [--compile-cache DIR] [--reuse-profile]
     python scripts/bench_ablation.py --plan-only
 
 Rows, each one set of config overrides that the trainer runs and the planner prices
@@ -54,16 +54,20 @@ meshes/paper-ib-roce-8x8.yaml, plus the emulated meshes at their nominal speeds;
 a JSON line with ``row``, ``predicted_ms`` and ``tflops_per_gpu`` (model FLOPs, 6 x weights x
 tokens, no attention or recompute term), then the tables on stderr.
 
-A row's step time is the mean over steps 6 to ``--steps`` (the trainer logs every 5 steps;
-the compiling first step and the window after it, the first steps after compilation, are
-left out); ``window_ms`` lists every logged window's mean step, the spread
-within the run, and ``thp_fallbacks`` the page faults during the row that asked for a huge
-page and got small ones (each costs a quota'd host kernel time; docs/training.md, "CPU
-runs: huge pages"). ``--rows`` runs some rows only (no shares or rankings then); ``--cpu-quota``
-is ``launch --cpu-quota`` for every launch (``auto``: quotas where the islands' speeds
-differ, and for the homogeneous row every host the fastest island's share, as priced: its
-hosts would otherwise lend each other the cores they idle on in bubbles; ``on``: every host
-its fixed share; ``off``: none, that row included).
+A launch's step time is the mean over steps 6 to ``--steps`` (the trainer logs every 5
+steps; the compiling first step and the window after it, the first steps after
+compilation, are left out). ``--rounds N`` launches every row N times, interleaved (round
+k runs the rows in order, odd rounds in reverse), and a row's step time is its fastest
+round's: under the quotas a launch's level can sit a third above another launch of the
+same program for its whole run, so the slower rounds measure the machine, not the row
+(``round_ms`` lists every round). ``window_ms`` lists each round's logged windows (the
+spread within a launch), and ``thp_fallbacks`` each round's page faults that asked for a
+huge page and got small ones (each costs a quota'd host kernel time; docs/training.md,
+"CPU runs: huge pages"). ``--rows`` runs some rows only (no shares or rankings then);
+``--cpu-quota`` is ``launch --cpu-quota`` for every launch (``auto``: quotas where the
+islands' speeds differ, and for the homogeneous row every host the fastest island's share,
+as priced: its hosts would otherwise lend each other the cores they idle on in bubbles;
+``on``: every host its fixed share; ``off``: none, that row included).
 ``--compile-cache DIR`` gives every run that compilation cache: a slow island compiles at
 its quota's pace, minutes for each row, and a row whose program an earlier run compiled
 (the homogeneous row runs full's; a rerun with the same cache runs all of them) loads it
@@ -211,6 +215,12 @@ def ablation_rows(
     }
 
 
+def run_order(rows: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, row) in the order they run: every row once a round, the odd rounds in
+    reverse, so that a drift of the machine over the run weighs on every row alike."""
+    return [(k, name) for k in range(rounds) for name in (rows[::-1] if k % 2 else rows)]
+
+
 def replaced(overrides: list[str], changes: list[str]) -> list[str]:
     """``overrides`` with the keys ``changes`` sets replaced by them (one value per key)."""
     keys = {c.split("=", 1)[0] for c in changes}
@@ -316,29 +326,42 @@ def measure(args, folder: str) -> dict:
         )
         rows = ablation_rows(EMULATED, mesh, calibration, topology)
         rows = {name: extra for name, extra in rows.items() if name in args.rows.split(",")}
-        cache = [f"train.compilation_cache={args.compile_cache}"] if args.compile_cache else []
         table = {}
-        for name, extra in rows.items():
+        cache = [f"train.compilation_cache={args.compile_cache}"] if args.compile_cache else []
+        runs: dict[str, list[dict]] = {name: [] for name in rows}
+        for k, name in run_order(list(rows), args.rounds):
+            extra = rows[name]
             run_mesh, topo, cal, quota = mesh, topology, calibration, args.cpu_quota
             if name == "homogeneous":
                 run_mesh = write_fast_mesh(mesh, fast)
                 topo, cal = fast_twin(topology, calibration)
                 quota = homogeneous_quota(args.cpu_quota)
-            cfg = row_config(EMULATED, run_mesh, extra)
-            predicted = predict_config(cfg, topo, cal, sync_collectives=True).step_s
             fallbacks = benchlib.thp_fallbacks()
             records = benchlib.emulated_run(
                 run_mesh,
                 EMULATED + extra + cache,
                 args.steps,
                 folder,
-                f"{label}-{name}",
+                f"{label}-{name}" + (f"-r{k}" if k else ""),
                 "bench_ablation",
                 cpu_quota=quota,
             )
             step = benchlib.steady_step_s(records, warmup_windows=1)
             if fallbacks is not None:
                 fallbacks = benchlib.thp_fallbacks() - fallbacks
+            runs[name].append(
+                {
+                    "step_s": step,
+                    "window_ms": [round(t * 1e3, 1) for _, t in benchlib.windows(records)],
+                    "thp_fallbacks": fallbacks,
+                }
+            )
+            log(f"{label} {name} round {k + 1}/{args.rounds}: {step * 1e3:.1f} ms a step")
+            if len(runs[name]) < args.rounds:
+                continue
+            cfg = row_config(EMULATED, run_mesh, extra)
+            predicted = predict_config(cfg, topo, cal, sync_collectives=True).step_s
+            step = min(r["step_s"] for r in runs[name])
             model, run = specs_from_config(cfg)
             tokens = run.global_batch_size * model.seq_len
             table[name] = {
@@ -346,13 +369,15 @@ def measure(args, folder: str) -> dict:
                 "tokens_per_s": round(tokens / step, 1),
                 "predicted_ms": round(predicted * 1e3, 1),
                 "prediction_error": round((predicted - step) / step, 3),
-                "window_ms": [round(t * 1e3, 1) for _, t in benchlib.windows(records)],
+                "round_ms": [round(r["step_s"] * 1e3, 1) for r in runs[name]],
+                "window_ms": [r["window_ms"] for r in runs[name]],
                 "cpu_quota": quota,
-                "thp_fallbacks": fallbacks,
+                "thp_fallbacks": [r["thp_fallbacks"] for r in runs[name]],
                 "overrides": extra,
             }
             line = {"mesh": label, "row": name, **table[name]}
             print(json.dumps(line), flush=True)
+        table = {name: table[name] for name in rows}  # the rows' order, not the last round's
         result[label] = block = {
             "rows": table,
             "cpu_quota": args.cpu_quota,
@@ -437,8 +462,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="take <keep-logs>/profile-<mesh>.json where an earlier run's probe wrote it",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="launches per row, interleaved (odd rounds in reverse); a row's step is its "
+        "fastest round's",
+    )
     benchlib.add_cpu_quota_arg(parser)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds={args.rounds}: must be at least 1")
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown:
         parser.error(f"--rows={args.rows}: {', '.join(sorted(unknown))} unknown")

@@ -141,3 +141,15 @@ def test_the_homogeneous_row_runs_at_the_fastest_islands_share(bench, monkeypatc
     assert bench.homogeneous_quota("on") == "on"
     monkeypatch.setattr(cgroups, "available", lambda root=cgroups.CPU_ROOT: False)
     assert bench.homogeneous_quota("auto") == "auto"  # launch warns and runs without
+
+
+def test_rounds_interleave_and_every_row_runs_once_a_round(bench):
+    rows = ["full", "nic-off", "homogeneous"]
+    assert bench.run_order(rows, 3) == [
+        *[(0, "full"), (0, "nic-off"), (0, "homogeneous")],
+        *[(1, "homogeneous"), (1, "nic-off"), (1, "full")],
+        *[(2, "full"), (2, "nic-off"), (2, "homogeneous")],
+    ]
+    assert bench.run_order(rows, 1) == [(0, r) for r in rows]
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
