@@ -207,22 +207,42 @@ class ModelSpec:
         return self.num_layers * self.layer_params + self.embedding_params + self.head_params
 
     # Parameter leaves (one collective call each in the trainer's gradient reduction and
-    # parameter all-gather). gpt2: LayerNorm scale+bias x2, QKV, attention output, MLP in
-    # and out kernels+biases (12); token + position embeddings; final LayerNorm (+ untied
-    # head). llama: two norm scales, q, k, v, output, gate, up, down (9); token embedding;
-    # final norm scale (+ untied head).
+    # parameter all-gather), as runtime.model builds them. gpt2: QKV, attention output, MLP
+    # in and out kernels, their biases, LayerNorm scale+bias x2 (12); token + position
+    # embeddings; final LayerNorm (+ untied head). llama: q, k, v, output, gate, up, down,
+    # two norm scales (9); token embedding; final norm scale (+ untied head).
+    @property
+    def layer_leaf_params(self) -> tuple[int, ...]:
+        """Parameters of each leaf of one layer; they sum to :attr:`layer_params`."""
+        h, f, k = self.hidden_size, self.mlp_size, self.kv_size
+        if self.arch == "llama":
+            return (h * h, h * k, h * k, h * h, h * f, h * f, f * h, h, h)
+        return (h * (h + 2 * k), h * h, h * f, f * h, h + 2 * k, h, f, h, h, h, h, h)
+
+    @property
+    def embedding_leaf_params(self) -> tuple[int, ...]:
+        """Parameters of each embedding leaf: tokens (+ learned positions for gpt2)."""
+        positions = (self.position_params,) if self.arch == "gpt2" else ()
+        return (self.vocab_size * self.hidden_size, *positions)
+
+    @property
+    def head_leaf_params(self) -> tuple[int, ...]:
+        """Parameters of each head leaf: the final norm's (+ the untied LM head)."""
+        h = self.hidden_size
+        norm = (h, h) if self.arch == "gpt2" else (h,)
+        return norm + (() if self.tied_embeddings else (self.vocab_size * h,))
+
     @property
     def layer_leaves(self) -> int:
-        return 12 if self.arch == "gpt2" else 9
+        return len(self.layer_leaf_params)
 
     @property
     def embedding_leaves(self) -> int:
-        return 2 if self.arch == "gpt2" else 1
+        return len(self.embedding_leaf_params)
 
     @property
     def head_leaves(self) -> int:
-        norm = 2 if self.arch == "gpt2" else 1
-        return norm + (0 if self.tied_embeddings else 1)
+        return len(self.head_leaf_params)
 
 
 # --------------------------------------------------------------------------- FLOPs

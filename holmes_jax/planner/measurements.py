@@ -247,7 +247,30 @@ def profile_dict(m: Measurement) -> dict[str, Any]:
             c.island: {"layer_fwd_s": _round(c.fwd_s), "layer_bwd_s": _round(c.bwd_s)}
             for c in m.compute
         },
-        "links": {k: {n: _round(v) for n, v in link_dict(lk).items()} for k, lk in links.items()},
+        "links": {
+            k: {n: _round(v) for n, v in link_dict(lk).items()} | _points(k, m.links)
+            for k, lk in links.items()
+        },
+    }
+
+
+def _points(key: str, timings: Sequence[LinkTiming]) -> dict[str, Any]:
+    """``{"points": ...}`` for a data ring through every island (the sizes and times the
+    planner prices that layout's calls from, :class:`~holmes_jax.planner.placement.
+    MeasuredOp`); {} for any other link."""
+    timed = [x for x in timings if x.key == key]
+    if not key.startswith(f"{DATA}:{SPANNING}") or not timed:
+        return {}
+    x = timed[0]
+    if not all(math.isfinite(v) and v > 0 for v in x.times_s):
+        return {}
+    return {
+        "points": {
+            "ranks": x.ranks,
+            "tensor": x.share,
+            "bytes": list(x.sizes),
+            "seconds": [_round(v) for v in x.times_s],
+        }
     }
 
 

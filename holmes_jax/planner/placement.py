@@ -19,7 +19,7 @@ Conventions (the mesh builder follows the same ones):
   gradient ring runs through every host in device order and crosses the islands.
 
 Bandwidth sharing: a host NIC is shared by every ring or sender leaving the host at the
-same time; NVLink-style intra-host bandwidth is per device. Pure Python; no jax import.
+same time; NVLink-style intra-host bandwidth is per device. Python + NumPy; no jax import.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Layout
@@ -44,6 +46,30 @@ _NONE: Path = (math.inf, 0.0)
 
 
 @dataclass(frozen=True)
+class MeasuredOp:
+    """One collective timed at several buffer sizes on a data ring through every island (a
+    profile's ``points``). Where a plan runs it on a ring of the same layout, each call is
+    priced from these times: a runtime's own algorithm can take time that grows faster
+    than its bytes (gloo's all-gather across the emulated islands: 1 MiB in 0.24 s, 8 MiB
+    in 4.2 s), which no one line through every size reproduces."""
+
+    ranks: int  # data ranks of the ring it was timed on
+    tensor: int  # rings that ran at once, one per tensor position, sharing each NIC
+    sizes: tuple[float, ...]  # bytes of the full buffer per device, ascending
+    times_s: tuple[float, ...]  # seconds of one call at each size
+
+    def time(self, nbytes):
+        """Seconds of one call moving ``nbytes`` per device (array-wise): piecewise linear
+        through the points; below the smallest size that size's time (latency-bound);
+        above the largest, the last segment extended; 0 for no bytes."""
+        x, y = np.asarray(self.sizes), np.asarray(self.times_s)
+        nb = np.asarray(nbytes, dtype=np.float64)
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        t = np.where(nb > x[-1], y[-1] + (nb - x[-1]) * slope, np.interp(nb, x, y))
+        return np.where(nb > 0, np.maximum(t, 0.0), 0.0)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Achieved device speed: a fraction of peak, or measured FLOP/s per island."""
 
@@ -57,6 +83,9 @@ class Calibration:
     # {"all-reduce" | "reduce-scatter" | "all-gather": per-host Link} of one data ring
     # through every island in device order (a profile's data:* links); naive placement only.
     spanning_ops: Mapping[str, Link] = field(default_factory=dict)
+    # {op: MeasuredOp} of the same rings at each size timed (a profile's data:* points):
+    # they price a naive placement on the probed layout call by call.
+    spanning_points: Mapping[str, MeasuredOp] = field(default_factory=dict)
 
     def flops_per_s(self, topology: Topology, island: int) -> tuple[float, float]:
         """(forward, backward) FLOP/s of one device of ``island``."""
@@ -91,6 +120,9 @@ class StageHardware:
     gather: tuple[float, float] | None = None
     # Bytes the element-wise work moves per stored activation byte (Calibration).
     elementwise_passes: float = DEFAULT_ELEMENTWISE_PASSES
+    # (op, MeasuredOp) timed on exactly this stage's data rings: they price each call of
+    # that op by its size instead of the path's line (naive placement on the probed layout).
+    measured: tuple[tuple[str, MeasuredOp], ...] = ()
 
     @property
     def scatter_path(self) -> tuple[float, float]:
@@ -248,6 +280,9 @@ def naive_hardware(
     shared by the t rings: the runtime's own algorithm and stalls are measured, not
     modelled. The price reproduces the probe's times for its layout (data = the probed
     ranks, tensor = the gcd of ``devices_per_host``) and follows the ring formula elsewhere.
+    On that layout the probe's sizes and times (``Calibration.spanning_points``) go into
+    :attr:`StageHardware.measured`, and :mod:`holmes_jax.planner.pricing` prices each call
+    from them by its size.
 
     Device speed, memory and memory bandwidth are the slowest island's (data parallel ranks
     step in lockstep).
@@ -292,6 +327,11 @@ def naive_hardware(
     spanning = {  # measured on one ring through every island; t rings share its NICs
         op: _per(link, t) for op, link in cal.spanning_ops.items() if layout.data > 1
     }
+    measured = tuple(  # timed on this very layout: each call priced from the times
+        (op, m)
+        for op, m in sorted(cal.spanning_points.items())
+        if (m.ranks, m.tensor) == (layout.data, t)
+    )
 
     def op_path(op: str) -> Path | None:
         if op in spanning:
@@ -320,6 +360,7 @@ def naive_hardware(
             scatter=op_path("reduce-scatter"),
             gather=op_path("all-gather"),
             elementwise_passes=cal.elementwise_passes,
+            measured=measured,
         )
     ]
 

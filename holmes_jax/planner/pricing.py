@@ -322,6 +322,10 @@ def stage_costs(
         gather = all_gather_time(
             params * run.param_bytes, d, *_paths(hw, "gather_path"), gather_calls
         )
+    if any(x.measured for x in hw):  # timed on this layout: every call priced by its size
+        reduce, gather = _measured_collectives(
+            model, run, layout, hw, n, first, last, reduce, gather
+        )
     touched = run.grad_bytes + 2 * run.optimizer_bytes + run.param_bytes  # read/write
     optimizer = params / shards * touched / mem_bw
 
@@ -423,6 +427,43 @@ def _dp_reduce(
         if not zero1:  # plain hierarchical all-reduce: gather the reduced shards back
             out = out + all_gather_time(grads, d, *_paths(hw, "gather_path"), calls)
     return out
+
+
+def _measured_collectives(model, run, layout, hw, n, first, last, reduce, gather):
+    """``reduce`` and ``gather`` with the stages whose hardware timed the op on their own
+    layout (:class:`~holmes_jax.planner.placement.MeasuredOp`) priced call by call: each
+    call's bytes (the trainer's buckets, as counted in :func:`stage_costs`) through the
+    measured times. Only for one replica (the naive placement's single stage)."""
+    t = layout.tensor
+    layer = np.array(model.layer_leaf_params, dtype=np.float64) / t
+    ends = [  # (params per device, calls) of the embedding's and head's leaves
+        (first * size / t, 1.0) for size in model.embedding_leaf_params
+    ] + [(last * size / t, 1.0) for size in model.head_leaf_params]
+    stacked = [(n * size, 1.0) for size in layer]  # GSPMD: each stacked leaf whole
+
+    def price(op, calls, nbytes):
+        return sum(op.time(size * nbytes) * count for size, count in calls)
+
+    flat = run.sync_collectives and run.engine == "holmes_jax"  # a bucket is one buffer
+    everything = [(n * layer.sum() + sum(size for size, _ in ends), 1.0)]
+    if run.engine == "megatron" or (flat and run.buckets == "step"):
+        grad_calls = everything
+    elif flat:  # a bucket per layer, and one for the embedding and head
+        grad_calls = [(layer.sum() + 0 * n, n), (sum(size for size, _ in ends), 1.0)]
+    elif run.buckets == "layer":  # each layer's leaves, one call each
+        grad_calls = [(size + 0 * n, n) for size in layer] + ends
+    else:
+        grad_calls = stacked + ends
+    gather_calls = everything if run.engine == "megatron" else stacked + ends
+    ops = [dict(x.measured) for x in hw]
+    scatter_op = "reduce-scatter" if run.zero1 else "all-reduce"
+    rows_reduce, rows_gather = reduce.copy(), gather.copy()
+    for s_, measured in enumerate(ops):
+        if (op := measured.get(scatter_op)) is not None and layout.replica == 1:
+            rows_reduce[s_] = price(op, grad_calls, run.grad_bytes)[s_]
+        if (op := measured.get("all-gather")) is not None and run.zero1:
+            rows_gather[s_] = price(op, gather_calls, run.param_bytes)[s_]
+    return rows_reduce, rows_gather
 
 
 def _paths(hw: list[StageHardware], name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,9 @@ an unknown key is an error). The schema and the bounds: docs/planner.md, "Profil
 - ``data:*`` and ``data:*:<op>``: the three collectives over one data ring through every
   island (:data:`SPANNING`). They price the naive placement's data group
   (``Calibration.spanning_ops``), whose runtime algorithm and stalls no hop captures.
+  Their ``points`` (the probe's sizes and times, and the ring's ranks and tensor degree)
+  price each call of a plan on that very layout by its size
+  (``Calibration.spanning_points``): the runtime's time can grow faster than the bytes.
 
 Bounds have one home, :mod:`holmes_jax.core.spec`. Pure Python; no jax import.
 """
@@ -33,10 +36,12 @@ from holmes_jax.core.spec import (
     ACT_BYTES,
     ARCHS,
     BATCH,
+    DEVICES,
     DEVICES_PER_HOST,
     HEADS,
     HIDDEN,
     LAYER_S,
+    MESSAGE_BYTES,
     MLP,
     MLP_RATIO,
     SEQ,
@@ -46,7 +51,7 @@ from holmes_jax.core.spec import (
 )
 from holmes_jax.core.yamlio import read_text
 from holmes_jax.planner.formulas import layer_activation_bytes
-from holmes_jax.planner.placement import Calibration
+from holmes_jax.planner.placement import Calibration, MeasuredOp
 from holmes_jax.planner.topology import Link, Topology, TopologyReader
 
 PROFILE_VERSION = 1
@@ -155,7 +160,16 @@ def profile_from_dict(
         + tuple(f"{STAGE}:{a}:{c}" for a in names for c in names if a != c)
     )
     r.mapping(links, "links", optional=allowed)
-    new = {key: r.link(value, f"links.{key}") for key, value in links.items()}
+    spanning_keys = {data_key(SPANNING, op): op for op in DATA_RING_OPS}
+    new = {
+        key: r.link(value, f"links.{key}", extra=("points",) if key in spanning_keys else ())
+        for key, value in links.items()
+    }
+    points = {
+        spanning_keys[key]: _points(r, value["points"], f"links.{key}.points")
+        for key, value in links.items()
+        if key in spanning_keys and "points" in value
+    }
     islands = tuple(
         dataclasses.replace(isl, link=new.get(f"{DATA}:{isl.name}", isl.link))
         for isl in topology.islands
@@ -183,8 +197,28 @@ def profile_from_dict(
         island_flops=speeds,
         data_ops=data_ops,
         spanning_ops=spanning,
+        spanning_points=points,
     )
     return profiled, calibration
+
+
+def _points(r: TopologyReader, raw, key: str) -> MeasuredOp:
+    """A ``points`` entry: ``{ranks, tensor, bytes: [...], seconds: [...]}``, at least two
+    distinct sizes in ascending order, one positive time each."""
+    m = r.mapping(raw, key, required=("ranks", "tensor", "bytes", "seconds"))
+    ranks = r.integer(m["ranks"], f"{key}.ranks", 2, DEVICES)
+    tensor = r.integer(m["tensor"], f"{key}.tensor", 1, DEVICES_PER_HOST)
+    sizes, times = m["bytes"], m["seconds"]
+    for name, v in (("bytes", sizes), ("seconds", times)):
+        if not isinstance(v, list) or len(v) < 2:
+            r.fail(f"{key}.{name}", v, "must be a list of at least two numbers")
+    if len(times) != len(sizes):
+        r.fail(f"{key}.seconds", times, f"must hold one time per size ({len(sizes)})")
+    x = [r.number(v, f"{key}.bytes[{i}]", bound=MESSAGE_BYTES) for i, v in enumerate(sizes)]
+    y = [r.number(v, f"{key}.seconds[{i}]", bound=LAYER_S) for i, v in enumerate(times)]
+    if any(b <= a for a, b in zip(x, x[1:], strict=False)):
+        r.fail(f"{key}.bytes", sizes, "must be strictly ascending")
+    return MeasuredOp(ranks, tensor, tuple(x), tuple(y))
 
 
 def data_key(island: str, op: str) -> str:

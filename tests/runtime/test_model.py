@@ -338,6 +338,13 @@ def test_spec_counts_the_models_parameters(tied, arch):
     assert sum(math.prod(x.shape) for x in blocks) == cfg.num_layers * spec.layer_params
     assert len(blocks) == spec.layer_leaves
     assert len(leaves) == spec.layer_leaves + spec.embedding_leaves + spec.head_leaves
+
+    def sizes(tree, per=1):  # the leaves' sizes, in any order (the planner prices each)
+        return sorted(math.prod(x.shape) // per for x in jax.tree.leaves(tree))
+
+    assert sizes(shapes["blocks"], per=cfg.num_layers) == sorted(spec.layer_leaf_params)
+    assert sizes(shapes["embed"]) == sorted(spec.embedding_leaf_params)
+    assert sizes(shapes["head"]) == sorted(spec.head_leaf_params)
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["embed"])) == (
         spec.embedding_params
     )
