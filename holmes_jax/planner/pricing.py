@@ -19,6 +19,8 @@ are seconds, sizes bytes, rates per second. :func:`stage_costs` combines the FLO
   crosses the link s → s+1 v times per direction and the wrap link p−1 → 0 v−1 times.
 - Collectives per stage: the tensor all-reduces, the gradient reduction over ``data`` (then
   ``replica``) and the ZeRO-1 all-gather, one call per leaf (and layer, per-layer buckets).
+  On a layout a profile timed them on (the naive placement's data rings), each call is
+  read off the measured times by its size instead of the fitted line.
 
 Per-stage speeds and bandwidths come from :mod:`holmes_jax.planner.placement`; measured
 ones from :mod:`holmes_jax.planner.profiles`. Pure Python + NumPy; no jax import.
@@ -430,40 +432,43 @@ def _dp_reduce(
 
 
 def _measured_collectives(model, run, layout, hw, n, first, last, reduce, gather):
-    """``reduce`` and ``gather`` with the stages whose hardware timed the op on their own
-    layout (:class:`~holmes_jax.planner.placement.MeasuredOp`) priced call by call: each
-    call's bytes (the trainer's buckets, as counted in :func:`stage_costs`) through the
-    measured times. Only for one replica (the naive placement's single stage)."""
+    """``reduce`` and ``gather`` ((p, L+1) seconds) with every stage whose hardware timed
+    the op on its own layout (:class:`~holmes_jax.planner.placement.MeasuredOp`) priced
+    call by call: each call's buffer, as the trainer cuts them (the buckets and leaves
+    :func:`stage_costs` counts), read off the measured times. ``n`` is the (1, L+1) layer
+    count, ``first`` / ``last`` (p, 1) mark the stages holding the embedding / head. One
+    replica only (the naive placement)."""
     t = layout.tensor
-    layer = np.array(model.layer_leaf_params, dtype=np.float64) / t
-    ends = [  # (params per device, calls) of the embedding's and head's leaves
-        (first * size / t, 1.0) for size in model.embedding_leaf_params
-    ] + [(last * size / t, 1.0) for size in model.head_leaf_params]
-    stacked = [(n * size, 1.0) for size in layer]  # GSPMD: each stacked leaf whole
-
-    def price(op, calls, nbytes):
-        return sum(op.time(size * nbytes) * count for size, count in calls)
-
+    layer = np.array(model.layer_leaf_params, dtype=np.float64) / t  # per device
+    # (params per device, calls) of each call kind; arrays broadcast to (p, L+1)
+    ends = [(first * x / t, 1.0) for x in model.embedding_leaf_params]
+    ends += [(last * x / t, 1.0) for x in model.head_leaf_params]
+    ends_total = sum(x for x, _ in ends)
+    stacked = [(n * x, 1.0) for x in layer]  # GSPMD gathers each stacked leaf whole
+    everything = [(n * layer.sum() + ends_total, 1.0)]
     flat = run.sync_collectives and run.engine == "holmes_jax"  # a bucket is one buffer
-    everything = [(n * layer.sum() + sum(size for size, _ in ends), 1.0)]
     if run.engine == "megatron" or (flat and run.buckets == "step"):
         grad_calls = everything
-    elif flat:  # a bucket per layer, and one for the embedding and head
-        grad_calls = [(layer.sum() + 0 * n, n), (sum(size for size, _ in ends), 1.0)]
-    elif run.buckets == "layer":  # each layer's leaves, one call each
-        grad_calls = [(size + 0 * n, n) for size in layer] + ends
-    else:
+    elif flat:  # one bucket per layer, one for the embedding and head
+        grad_calls = [(layer.sum() + 0 * n, n), (ends_total, 1.0)]
+    elif run.buckets == "layer":  # every leaf of every layer
+        grad_calls = [(x + 0 * n, n) for x in layer] + ends
+    else:  # every stacked leaf
         grad_calls = stacked + ends
     gather_calls = everything if run.engine == "megatron" else stacked + ends
-    ops = [dict(x.measured) for x in hw]
+
+    def price(op, calls, nbytes):  # (p, L+1) seconds
+        return sum(op.time(size * nbytes) * count for size, count in calls)
+
+    reduce, gather = reduce.copy(), gather.copy()
     scatter_op = "reduce-scatter" if run.zero1 else "all-reduce"
-    rows_reduce, rows_gather = reduce.copy(), gather.copy()
-    for s_, measured in enumerate(ops):
+    for s, x in enumerate(hw):
+        measured = dict(x.measured)
         if (op := measured.get(scatter_op)) is not None and layout.replica == 1:
-            rows_reduce[s_] = price(op, grad_calls, run.grad_bytes)[s_]
+            reduce[s] = price(op, grad_calls, run.grad_bytes)[s]
         if (op := measured.get("all-gather")) is not None and run.zero1:
-            rows_gather[s_] = price(op, gather_calls, run.param_bytes)[s_]
-    return rows_reduce, rows_gather
+            gather[s] = price(op, gather_calls, run.param_bytes)[s]
+    return reduce, gather
 
 
 def _paths(hw: list[StageHardware], name: str) -> tuple[np.ndarray, np.ndarray]:
