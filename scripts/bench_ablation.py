@@ -60,10 +60,12 @@ compilation, are left out). ``--rounds N`` launches every row N times, interleav
 k runs the rows in order, odd rounds in reverse), and a row's step time is its fastest
 round's: under the quotas a launch's level can sit a third above another launch of the
 same program for its whole run, so the slower rounds measure the machine, not the row
-(``round_ms`` lists every round). ``window_ms`` lists each round's logged windows (the
-spread within a launch), and ``thp_fallbacks`` each round's page faults that asked for a
-huge page and got small ones (each costs a quota'd host kernel time; docs/training.md,
-"CPU runs: huge pages"). ``--rows`` runs some rows only (no shares or rankings then);
+(``round_ms`` lists every round; ``median_ms`` is the median round, and with several
+rounds ``measured_median`` gives the shares, rankings and ratios from those).
+``window_ms`` lists each round's logged windows (the spread within a launch), and
+``thp_fallbacks`` each round's page faults that asked for a huge page and got small ones
+(each costs a quota'd host kernel time; docs/training.md, "CPU runs: huge pages").
+``--rows`` runs some rows only (no shares or rankings then);
 ``--cpu-quota`` is ``launch --cpu-quota`` for every launch (``auto``: quotas where the
 islands' speeds differ, and for the homogeneous row every host the fastest island's share,
 as priced: its hosts would otherwise lend each other the cores they idle on in bubbles;
@@ -88,6 +90,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -370,6 +373,7 @@ def measure(args, folder: str) -> dict:
                 "predicted_ms": round(predicted * 1e3, 1),
                 "prediction_error": round((predicted - step) / step, 3),
                 "round_ms": [round(r["step_s"] * 1e3, 1) for r in runs[name]],
+                "median_ms": round(statistics.median(r["step_s"] for r in runs[name]) * 1e3, 1),
                 "window_ms": [r["window_ms"] for r in runs[name]],
                 "cpu_quota": quota,
                 "thp_fallbacks": [r["thp_fallbacks"] for r in runs[name]],
@@ -387,6 +391,8 @@ def measure(args, folder: str) -> dict:
         if set(table) == set(ROWS):  # the shares and rankings need every row
             block["measured"] = summary(table, "step_ms")
             block["predicted"] = summary(table, "predicted_ms")
+            if args.rounds > 1:  # the same from each row's median round, for comparison
+                block["measured_median"] = summary(table, "median_ms")
             block["component_ranking_equal"] = (
                 block["measured"]["component_ranking"] == block["predicted"]["component_ranking"]
             )

@@ -153,3 +153,54 @@ def test_rounds_interleave_and_every_row_runs_once_a_round(bench):
     assert bench.run_order(rows, 1) == [(0, r) for r in rows]
     with pytest.raises(SystemExit):
         bench.main(["--rounds", "0"])
+
+
+def test_a_rows_figure_is_its_fastest_round_and_the_medians_are_kept(bench, monkeypatch, tmp_path):
+    """``measure`` with the launches faked: each row's step is its fastest round, its
+    median round is kept beside it, and the summary is given for both; the launches run
+    in the interleaved order and each round keeps its own log name."""
+    from types import SimpleNamespace
+
+    from holmes_jax.cluster import netns
+    from holmes_jax.planner.topology import load_topology
+
+    mesh = bench.EMULATED_MESHES["two"]
+    monkeypatch.setattr(netns, "check_privileges", lambda: None)
+    monkeypatch.setattr(
+        bench.benchlib, "emulated_probe", lambda *a, **k: (load_topology(mesh), None, {})
+    )
+    rounds = {  # seconds a step, by row and round
+        "full": [1.3, 1.1, 1.2],
+        "partition-off": [1.5, 1.6, 1.4],
+        "nic-off": [4.0, 4.4, 4.2],
+        "overlap-off": [1.2, 1.25, 1.3],
+        "all-off": [3.0, 3.1, 3.2],
+        "homogeneous": [1.0, 1.05, 0.9],
+    }
+    launched = []
+
+    def run(run_mesh, overrides, steps, folder, name, tag, cpu_quota):
+        launched.append(name)
+        row, _, k = name.removeprefix("two-").partition("-r")
+        t = rounds[row][int(k or 0)]
+        return [
+            {"step": 1, "step_time_s": 9.0, "compile_s": 60.0},
+            {"step": 5, "step_time_s": 2 * t},  # the warm-up window: left out
+            {"step": 10, "step_time_s": t},
+        ]
+
+    monkeypatch.setattr(bench.benchlib, "emulated_run", run)
+    args = SimpleNamespace(
+        meshes="two", rows=",".join(bench.ROWS), rounds=3, cpu_quota="off",
+        compile_cache=None, reuse_profile=False, steps=10,
+    )  # fmt: skip
+    block = bench.measure(args, str(tmp_path))["two"]
+    assert launched[5:8] == ["two-homogeneous", "two-homogeneous-r1", "two-all-off-r1"]
+    assert len(launched) == 18 and launched[-1] == "two-homogeneous-r2"
+    table = block["rows"]
+    assert list(table) == list(bench.ROWS)
+    assert table["full"]["round_ms"] == [1300.0, 1100.0, 1200.0]
+    assert table["full"]["step_ms"] == 1100.0 and table["full"]["median_ms"] == 1200.0
+    assert block["measured"]["full_over_partition_off"] == round(1.4 / 1.1, 2)
+    assert block["measured_median"]["full_over_partition_off"] == round(1.5 / 1.2, 2)
+    assert block["measured_median"]["nic_off_over_full"] == round(4.2 / 1.2, 2)
