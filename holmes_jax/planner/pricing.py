@@ -450,9 +450,9 @@ def _measured_collectives(model, run, layout, hw, n, first, last, reduce, gather
     if run.engine == "megatron" or (flat and run.buckets == "step"):
         grad_calls = everything
     elif flat:  # one bucket per layer, one for the embedding and head
-        grad_calls = [(layer.sum() + 0 * n, n), (ends_total, 1.0)]
+        grad_calls = [(layer.sum(), n), (ends_total, 1.0)]
     elif run.buckets == "layer":  # every leaf of every layer
-        grad_calls = [(x + 0 * n, n) for x in layer] + ends
+        grad_calls = [(x, n) for x in layer] + ends
     else:  # every stacked leaf
         grad_calls = stacked + ends
     gather_calls = everything if run.engine == "megatron" else stacked + ends

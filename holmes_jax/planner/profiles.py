@@ -180,7 +180,7 @@ def profile_from_dict(
         for n in names
         if (ops := {o: new[k] for o in DATA_OPS if (k := data_key(n, o)) in new})
     }
-    spanning = {o: new[k] for o in DATA_RING_OPS if (k := data_key(SPANNING, o)) in new}
+    spanning = {op: new[k] for k, op in spanning_keys.items() if k in new}
     for key, link in new.items():
         if key.startswith(f"{STAGE}:"):
             _, a, c = key.split(":")
