@@ -28,8 +28,11 @@ signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 d, pid = pathlib.Path(os.environ["FAKE_DIR"]), int(os.environ["FAKE_PID"])
 n, attempt = int(os.environ["FAKE_HOSTS"]), os.environ["FAKE_ATTEMPT"]
 steps, code = int(os.environ["FAKE_STEPS"]), int(os.environ.get("FAKE_EXIT", "0"))
-(d / f"env-{attempt}-{pid}").write_text(os.environ.get("HOLMES_CONTINUE_RUN_DIR", "-"))
-(d / f"pid-{attempt}-{pid}").write_text(str(os.getpid()))
+def put(name, text):  # whole or absent: a peer may read it the moment it exists
+    (d / f".{name}.{os.getpid()}").write_text(text)
+    os.replace(d / f".{name}.{os.getpid()}", d / name)
+put(f"env-{attempt}-{pid}", os.environ.get("HOLMES_CONTINUE_RUN_DIR", "-"))
+put(f"pid-{attempt}-{pid}", str(os.getpid()))
 deadline = time.time() + float(os.environ.get("FAKE_JOIN_S", "3"))
 while len(list(d.glob(f"pid-{attempt}-*"))) < n:
     if time.time() > deadline:
@@ -60,10 +63,10 @@ for step in range(start + 1, steps + 1):
     if pid == 0:
         print(f"step {step} | loss 1.0", flush=True)
         if step % 2 == 0 or stop:
-            (d / "ckpt").write_text(str(step))
+            put("ckpt", str(step))
     if stop:  # as the trainer: checkpoint, then exit 0
         break
-(d / f"fin-{attempt}-{pid}").write_text("")
+put(f"fin-{attempt}-{pid}", "")
 """
 
 
