@@ -1,6 +1,7 @@
 """Benchmark: what the emulated islands deliver against what their topology asks for.
 
-    sudo .venv/bin/python scripts/bench_emulation.py [--latencies-us 0,100,1000,5000,25000]
+    sudo .venv/bin/python scripts/bench_emulation.py [--latencies-us 0,100,1000,5000,25000] \\
+        [--burst-periods-us 10000,4000] [--probe [--probe-latencies-us 100,2500]]
 
 ``launch --emulate`` builds the network of :mod:`holmes_jax.cluster.netns`: ``tc htb`` for
 bandwidth, the delaying wire (:mod:`holmes_jax.cluster.delay`) for latency, and cgroup CPU
@@ -23,18 +24,30 @@ wire off, as ``--no-latency``):
   per send, a probed profile what was measured;
 - ``quota``: on meshes/emu-4host-2island-slow-compute.yaml, a busy loop in each host's
   CPU group, all four at once, against the share the quota gives (cores / hosts x
-  peak_tflops / max peak_tflops).
+  peak_tflops / max peak_tflops);
+- ``burst``: the same quotas as a pipeline stage meets them: a burst of 10 ms of CPU after
+  an idle gap of three periods or more, in an ib and a roce group alone, at each CFS period
+  of ``--burst-periods-us`` (the launcher's 10 ms, and shorter). CFS bandwidth control
+  refills a group's quota every period and a group that idled has its whole quota when it
+  wakes, so a burst runs faster than ``burst / share``, by up to ``2 x (1 - share) x
+  period`` of wall time (its first and last periods need not wait), depending on where in
+  the period it wakes (min / median / max over 8 phases). A quota gives a steady
+  computation exactly its share; a stage that waits between computations gets up to that
+  much back per computation, and by how much is set by the phases of the hosts' periods.
 
 Targets: round trips within 10% (+0.3 ms for the veths and the wire) of twice the latency;
-bulk within 10% of the rate; each busy loop within 0.05 core of its share. Needs root.
+bulk within 10% of the rate; each busy loop within 0.05 core of its share (``burst`` has
+none: it measures how far the emulation is from a slower chip). Needs root.
 Prints one JSON line per measurement, then a table on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -88,6 +101,21 @@ while time.monotonic() - t0 < 3.0:
     pass
 print((time.process_time() - c0) / (time.monotonic() - t0))
 """
+# A burst of argv[1] ms of CPU after each idle gap of argv[2:] ms; prints each burst's wall ms.
+BURSTS = """
+import sys, time
+burst, gaps = float(sys.argv[1]) / 1e3, [float(g) / 1e3 for g in sys.argv[2:]]
+def spin(seconds):  # this thread's CPU time, not the wall's
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+for gap in gaps:
+    time.sleep(gap)
+    start = time.monotonic()
+    spin(burst)
+    print(1e3 * (time.monotonic() - start))
+"""
+BURST_MS = 10.0  # CPU per burst: a few stage computations' worth at the emulated sizes
 
 
 def emit(record: dict) -> None:
@@ -190,11 +218,56 @@ def quota_rows() -> list[dict]:
     return rows
 
 
+def burst_rows(periods_us: list[int]) -> list[dict]:
+    """A burst of :data:`BURST_MS` of CPU after an idle gap, in one ib and one roce group
+    alone, at each CFS period: the gap is 3 periods (the group's quota is back) plus an
+    eighth of a period more each time, 3 bursts at each of the 8 phases."""
+    topology = load_topology(SLOW_MESH)
+    cores = len(os.sched_getaffinity(0))
+    planned = cgroups.plan_quotas(topology, str(os.getpid()), "on", cores=cores)
+    rows = []
+    for period in periods_us:
+        for host in ("ib-0", "roce-0"):
+            (q,) = [q for q in planned if q.host == host]
+            quota = dataclasses.replace(
+                q, period_us=period, quota_us=max(cgroups.MIN_QUOTA_US, round(q.share * period))
+            )
+            gaps = [(3 + k / 8) * period / 1e3 for k in range(8) for _ in range(3)]
+            with cgroups.CpuGroups([quota]) as groups:
+                cmd = groups.wrap(None)(host) + [sys.executable, "-c", BURSTS, str(BURST_MS)]
+                out = subprocess.run(
+                    cmd + [f"{g:.3f}" for g in gaps], capture_output=True, text=True,
+                    check=True, timeout=120,
+                )  # fmt: skip
+            walls = sorted(float(x) for x in out.stdout.split())
+            row = {
+                "bench": "emulation",
+                "what": "burst",
+                "host": host,
+                "cores": q.share,
+                "period_us": period,
+                "quota_us": quota.quota_us,
+                "burst_cpu_ms": BURST_MS,
+                "at_share_ms": BURST_MS * period / quota.quota_us,
+                "wall_ms_min": walls[0],
+                "wall_ms_median": statistics.median(walls),
+                "wall_ms_max": walls[-1],
+            }
+            emit(row)
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--latencies-us", default="0,100,1000,5000,25000")
     parser.add_argument("--probe", action="store_true", help="also fit latencies by the probe")
     parser.add_argument("--probe-latencies-us", default="100,2500")
+    parser.add_argument(
+        "--burst-periods-us",
+        default=f"{cgroups.PERIOD_US},4000",
+        help="CFS periods at which to time a CPU burst after an idle gap",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("error: bench_emulation needs root (namespaces, cgroups)", file=sys.stderr)
@@ -205,6 +278,8 @@ def main() -> int:
     latencies = [float(x) for x in args.latencies_us.split(",")]
     net = network_rows(latencies)
     quota = quota_rows() if cgroups.available() else []
+    periods = [int(x) for x in args.burst_periods_us.split(",")]
+    bursts = burst_rows(periods) if cgroups.available() else []
     probe = probe_rows([float(x) for x in args.probe_latencies_us.split(",")]) if args.probe else []
     print(f"load average at start {load:.2f}; {time.time() - start:.0f} s", file=sys.stderr)
     print("| one-way latency | expected RTT | RTT to roce-0 | RTT to ib-1 | bulk / rate |",
@@ -219,6 +294,11 @@ def main() -> int:
     for r in quota:
         print(f"| quota {r['host']} | {r['cores']:.3f} cores | measured "
               f"{r['measured_cores']:.3f} |", file=sys.stderr)  # fmt: skip
+    for r in bursts:
+        print(f"| burst {r['host']} ({r['cores']:.2f} core, period {r['period_us'] / 1e3:g} ms) "
+              f"| {r['burst_cpu_ms']:g} ms of CPU: {r['at_share_ms']:.1f} ms at the share "
+              f"| measured {r['wall_ms_min']:.1f} / {r['wall_ms_median']:.1f} / "
+              f"{r['wall_ms_max']:.1f} ms (min / median / max) |", file=sys.stderr)  # fmt: skip
     for r in probe:
         fits = ", ".join(f"{k} {v:.0f} µs" for k, v in r["fitted_latency_us"].items())
         print(f"| probe at {r['latency_us']:.0f} µs one-way | fitted {fits} |", file=sys.stderr)

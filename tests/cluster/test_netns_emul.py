@@ -1,7 +1,8 @@
 """Latency and compute speed in the emulation: the delaying wire and the CPU quotas.
 
-The plans, commands, the wire's release order and the quota arithmetic run anywhere; two
-root tests (skipped otherwise) check a real round trip and a real quota.
+The plans, commands, the wire's release order and the quota arithmetic run anywhere; three
+root tests (skipped otherwise) check a real round trip, a real quota and the bursts
+bench_emulation times under one.
 """
 
 import os
@@ -21,7 +22,7 @@ from holmes_jax.planner.cost import RunSpec
 from holmes_jax.planner.profiles import profile_from_dict
 from holmes_jax.planner.search import split_layers
 from holmes_jax.planner.topology import load_topology, topology_from_dict
-from tests.common import ROOT
+from tests.common import ROOT, load_script
 
 MESHES = os.path.join(ROOT, "meshes")
 SLOW = load_topology(os.path.join(MESHES, "emu-4host-2island-slow-compute.yaml"))
@@ -319,3 +320,21 @@ def test_busy_loop_in_a_quota_group_runs_at_its_share():
         assert held.periods > 10 and held.throttled > 0.8 * held.periods and held.throttled_s > 0
     assert share == pytest.approx(0.25, abs=0.03)  # roce-0: 0.25 of a core
     assert not os.path.exists(quotas[0].group)
+
+
+@root_only
+@pytest.mark.skipif(not cgroups.available(), reason="no cgroup v1 cpu controller")
+def test_bench_emulation_times_bursts_at_each_period_and_removes_its_groups():
+    bench = load_script("bench_emulation")
+    rows = bench.burst_rows([10_000, 2_000])
+    assert [(r["host"], r["period_us"]) for r in rows] == [
+        ("ib-0", 10_000), ("roce-0", 10_000), ("ib-0", 2_000), ("roce-0", 2_000)
+    ]  # fmt: skip
+    # roce-0's quarter core at 2 ms would be 500 µs: the kernel's floor of 1000 holds.
+    assert [r["quota_us"] for r in rows] == [5_000, 2_500, 1_000, 1_000]
+    for r in rows:
+        assert r["at_share_ms"] == pytest.approx(bench.BURST_MS * r["period_us"] / r["quota_us"])
+        # One thread's 10 ms of CPU takes 10 ms of wall time at least.
+        assert bench.BURST_MS <= r["wall_ms_min"] <= r["wall_ms_median"] <= r["wall_ms_max"]
+        assert r["wall_ms_max"] < 3 * r["at_share_ms"]
+    assert not any(n.startswith(f"hj{os.getpid()}-") for n in os.listdir(cgroups.CPU_ROOT))
