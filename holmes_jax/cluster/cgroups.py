@@ -22,9 +22,7 @@ slower chip for one that waits between bursts, as a pipeline stage does: the quo
 refilled each period and a group that idled wakes with all of it, so a burst of ``c``
 seconds of CPU takes between ``c / share - 2 (1 - share) period`` and ``c / share`` of
 wall time, depending on where in its period the host wakes (``scripts/bench_emulation.py``
-measures it: 10 ms of CPU at a quarter of a core in 24-35 ms, not 40). The hosts' periods
-keep their phases for a whole launch, so two launches of one pipeline program can differ
-for their whole run.
+measures it).
 
 ``--cpu-quota``: ``auto`` (the default) applies quotas when the islands' ``peak_tflops``
 differ, and warns and goes on without them where the cgroup v1 ``cpu`` controller is absent
