@@ -33,8 +33,8 @@ from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from holmes_jax.cluster.detect import Settings, resolve
-from holmes_jax.cluster.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
-from holmes_jax.core.errors import ConfigError, one_line
+from holmes_jax.cluster.watchdog import FAILED_EXIT, NONFINITE_REASON, PEER_LOST_EXIT, Watchdog
+from holmes_jax.core.errors import NONFINITE_EXIT, ConfigError, NonFiniteError, one_line
 
 if TYPE_CHECKING:
     from holmes_jax.core.config import Config
@@ -91,7 +91,8 @@ def run_joined(cfg: Config, body: Callable[[], int], environ=None) -> int:
     """:func:`start`, then ``body()``, mapping failures to the entry points' exit codes.
 
     A :class:`ConfigError` prints one line and returns 2 (peers are told, so they name
-    this process instead of waiting on it); a failed join returns 1; any other error of
+    this process instead of waiting on it); a :class:`NonFiniteError` (every process
+    raises it after the same step) likewise returns 4; a failed join returns 1; any other error of
     one of several processes goes to :meth:`Watchdog.fail` (a lost peer is named and the
     process exits 3; its own error returns 1). A single process re-raises it.
 
@@ -107,6 +108,11 @@ def run_joined(cfg: Config, body: Callable[[], int], environ=None) -> int:
             watchdog.abort(f"ConfigError: {e}")
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        if watchdog is not None:
+            watchdog.abort(f"{NONFINITE_REASON}{e}", exit_code=NONFINITE_EXIT)
+        print(f"error: {e}", file=sys.stderr)
+        return NONFINITE_EXIT
     except JoinError as e:
         print(f"error: {e}", file=sys.stderr)
         return FAILED_EXIT

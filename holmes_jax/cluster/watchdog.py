@@ -19,10 +19,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from holmes_jax.core.errors import one_line
+from holmes_jax.core.errors import NONFINITE_EXIT, one_line
 
 PEER_LOST_EXIT = 3  # exit code when a peer died or failed
 FAILED_EXIT = 1  # this process's own step failed
+# How a process that stopped for non-finite steps publishes its reason: a peer that learns
+# it from the store exits with NONFINITE_EXIT too (it would have stopped at the same step).
+NONFINITE_REASON = "NonFiniteError: "
 _PREFIX = "holmes_jax/"
 
 
@@ -116,7 +119,7 @@ class Watchdog:
         while not self._stop.wait(self.interval_s):
             message = self.verdict()
             if message is not None:
-                self._die(message, PEER_LOST_EXIT)
+                self._die(message, self._verdict_exit(message))
                 return
 
     # -- one round (public for tests)
@@ -178,6 +181,16 @@ class Watchdog:
                 peers = "peer" if len(lost) == 1 else "peers"
                 return f"lost {peers} {names}: no heartbeat for {quiet:.0f} s"
         return None
+
+    def _verdict_exit(self, message: str) -> int:
+        """The exit code of a verdict: a peer that stopped for non-finite steps ends this
+        process with the same code (every process stops after that step), else 3."""
+        with self._lock:
+            failed = [self._failed[p] for p in sorted(self._failed) if p not in self._done]
+        first = failed[0] if failed else ""
+        if first.startswith(NONFINITE_REASON) and message.endswith(first):
+            return NONFINITE_EXIT
+        return PEER_LOST_EXIT
 
     def _name(self, p: int) -> str:
         return self._labels.get(p, f"process {p}")

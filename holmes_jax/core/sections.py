@@ -27,10 +27,12 @@ from holmes_jax.core.spec import (
     CROSS_ISLAND_CHOICES,
     DILOCO_CHOICES,
     GRAD_BUCKET_CHOICES,
+    INJECTED,
     OUTER_DTYPES,
     PRECISIONS,
     REMAT_CHOICES,
     SCHEDULE_CHOICES,
+    STEPS,
     Degrees,
     Layout,
     ModelSpec,
@@ -503,9 +505,34 @@ class TrainConfig:
     # abort on a cached program), and JAX_COMPILATION_CACHE_DIR wins over it; null = none
     # of ours (JAX_COMPILATION_CACHE_DIR still applies); a path wins over both.
     compilation_cache: str | None = "auto"
+    # A step whose loss or gradient norm is not finite changes no parameter or optimizer
+    # state and is counted (skipped_steps in the metrics); more than this many in a row
+    # stop the run with one line and exit code 4, before any checkpoint past them is saved.
+    max_skipped_steps: int = 5
+    # Fault injection for tests: these steps (as logged, from 1) get a non-finite loss and
+    # gradients; launch --fail-host HOST@STEP:nan sets it for the job holding HOST. Compiled
+    # in only when set, so the default run's program is unchanged; [] = none.
+    inject_nonfinite_steps: tuple[int, ...] = ()
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "global_batch_size", "eval_batches"))
+        if self.max_skipped_steps < 0:
+            raise ConfigError(
+                f"train.max_skipped_steps={self.max_skipped_steps}: must be >= 0 "
+                "(0 = stop at the first non-finite step)"
+            )
+        steps = self.inject_nonfinite_steps
+        if len(steps) > INJECTED.limit:
+            raise ConfigError(
+                f"train.inject_nonfinite_steps=[{steps[0]}, ...]: {len(steps)} steps, must be "
+                f"<= {INJECTED.text} ({INJECTED.what})"
+            )
+        for step in steps:
+            if not 1 <= step <= STEPS.limit:
+                raise ConfigError(
+                    f"train.inject_nonfinite_steps={list(steps)}: step {step} must be >= 1 "
+                    f"and <= {STEPS.text} (steps count from 1, as logged)"
+                )
         if self.seed < 0:
             raise ConfigError(f"train.seed={self.seed}: must be >= 0")
         if self.eval_every < 0:

@@ -443,6 +443,7 @@ VIRTUAL_STAGES = Bound(64, "model chunks per device")
 INNER_STEPS = Bound(1_000_000, "inner steps per DiLoCo outer step")
 STEPS = Bound(1_000_000_000, "steps")
 EVAL_BATCHES = Bound(100_000, "evaluation batches")
+INJECTED = Bound(10_000, "injected non-finite steps")  # train.inject_nonfinite_steps
 KEEP = Bound(10_000, "checkpoints kept")
 DATA_BYTES = Bound(10**15, "bytes of text read")
 SEED = Bound(4_294_967_295, "a 32-bit seed")
@@ -488,6 +489,7 @@ CONFIG_LIMITS: dict[str, Bound] = {
     "train.seed": SEED,
     "train.eval_every": STEPS,
     "train.eval_batches": EVAL_BATCHES,
+    "train.max_skipped_steps": STEPS,
     "checkpoint.every": STEPS,
     "checkpoint.keep": KEEP,
     "logging.log_every": STEPS,

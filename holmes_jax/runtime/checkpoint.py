@@ -190,15 +190,29 @@ class Checkpointer:
                 )
             self._check_model(meta, config, step)
             item = "state"
-            state = self._state_handler.restore(
-                path / "state", args=ocp.args.StandardRestore(abstract_state)
-            )
+            state = self._restore_state(path / "state", abstract_state)
             return _OK, (state, meta)
         except ConfigError as e:
             return _WRONG_MODEL, e
         except Exception as e:  # noqa: BLE001 (any failed read makes the step unusable)
             _quiet_abandoned_reads()
             return _UNUSABLE, f"{item}: {_reason(e, str(path))}"
+
+    def _restore_state(self, path, abstract_state: Any) -> Any:
+        """The ``state`` item into ``abstract_state``. A train state written before the
+        skip counters existed (no ``skips`` in it) restores with them at zero."""
+        try:
+            return self._state_handler.restore(path, args=ocp.args.StandardRestore(abstract_state))
+        except Exception:
+            if not isinstance(abstract_state, TrainState) or abstract_state.skips is None:
+                raise
+            stored = self._state_handler.metadata(path).tree
+            if stored.get("skips") is not None or "params" not in stored:
+                raise
+        names = [f.name for f in dataclasses.fields(TrainState) if f.name != "skips"]
+        older = {name: getattr(abstract_state, name) for name in names}  # as it was saved
+        state = self._state_handler.restore(path, args=ocp.args.StandardRestore(older))
+        return TrainState(**state, skips=jax.tree.map(_zeros, abstract_state.skips))
 
     def _check_model(self, meta: dict, config: Config, step: int) -> None:
         saved_model = resolved_model(meta["config"]["model"])
@@ -566,6 +580,15 @@ def _unfinished_saves(directory: epath.Path, resumed: int) -> list[str]:
         n
         for n, s in stems.items()
         if s.isdigit() and int(s) > resumed and (n != s or int(s) not in committed)
+    )
+
+
+def _zeros(abstract: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``abstract``'s shape and dtype, in its sharding (every process its part)."""
+    return jax.make_array_from_callback(
+        abstract.shape,
+        abstract.sharding,
+        lambda index: np.zeros(abstract.shape, abstract.dtype)[index],
     )
 
 

@@ -16,7 +16,9 @@ Read top to bottom, :func:`run` does:
    each fragment due), and on log steps fetch metrics (only then does the host wait for
    the device), evaluate, checkpoint. The first step compiles: the compile is announced,
    timed (``compile_s``; the line says whether the compilation cache served it) and left
-   out of the progress bar and the step times;
+   out of the progress bar and the step times. A non-finite step changes no state; the
+   guard (:class:`holmes_jax.runtime.nonfinite.SkipGuard`) reads its counters a step late
+   and stops the run past ``train.max_skipped_steps`` in a row, before any save;
 6. on SIGTERM/SIGINT finish the current step, save, and return; at the end save. With
    several processes all stop after the same step: SIGTERM through jax's preemption sync
    point (asked every step), SIGINT by agreeing on log steps.
@@ -85,6 +87,7 @@ from holmes_jax.runtime.islands import (
 from holmes_jax.runtime.mesh import build_mesh, collectives_block
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
+from holmes_jax.runtime.nonfinite import SKIPPED, SkipGuard
 from holmes_jax.runtime.profiling import StepProfiler
 from holmes_jax.runtime.program import Program, compute_dtype
 from holmes_jax.runtime.rundir import (
@@ -208,6 +211,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
 
     Raises:
       ConfigError: settings that are impossible on the visible devices or data.
+      NonFiniteError: more than ``train.max_skipped_steps`` non-finite steps in a row
+        (:mod:`holmes_jax.runtime.nonfinite`); no checkpoint was saved after them.
     """
     # 0. outputs: the run directory, decided before anything is written
     outputs = choose_run_dir(island_outputs(cfg))
@@ -330,6 +335,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             )
 
     def save(step: int, state) -> None:
+        guard.settle()  # never save past train.max_skipped_steps non-finite steps in a row
         report_saved(wait=True)  # a save starts after the one before it committed
         with jax.profiler.TraceAnnotation("checkpoint_save", step=step):
             ckpt.save(step, program.to_logical(state), data_position=step, config=cfg)
@@ -348,6 +354,14 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     # in-process collectives can miss a rendezvous when two steps overlap. GPUs overlap.
     one_step_at_a_time = devices[0].platform == "cpu" and jax.local_device_count() > 1
     local_devices = jax.local_devices()  # peak memory: only this process's can be asked
+    # Non-finite steps: counted on the device, read a step late, stopped past the limit.
+    guard = SkipGuard(
+        cfg.train.max_skipped_steps,
+        logger.message,
+        lambda: (last_saved, cfg.checkpoint.dir if ckpt is not None else None),
+        agree=multi_process and program.diloco,  # [R] counters: each process sees its own
+        outer_sync=program.diloco or island is not None,
+    )
     profiler = StepProfiler(cfg, start, logger.message, topology)
     try:
         # Several processes: jax's preemption sync point (when its service runs) owns
@@ -375,6 +389,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     jax.block_until_ready(state)
                 step += 1
                 window_steps += 1
+                metrics = guard.after_step(step, metrics, done=one_step_at_a_time)
                 if island is not None:  # independent DiLoCo: the outer sync between jobs
                     with jax.profiler.TraceAnnotation("diloco_outer_sync"):
                         state, step = island.after_step(state, step)
@@ -403,6 +418,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     requested = preempted or (log_step and any_process(requested))
                 stopping = requested or (stop_at_step is not None and step >= stop_at_step)
                 if log_step or stopping:
+                    guard.settle()  # waits for this step, as the metrics do
                     with jax.profiler.TraceAnnotation("metrics"):
                         values = fetch_metrics(metrics)  # waits for this step
                     elapsed = (time.perf_counter() - window_start) / window_steps
@@ -447,6 +463,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
                     break
 
         # 6. final save
+        guard.settle()
         if ckpt is not None and last_saved != step:
             save(step, state)
         if ckpt is not None:
@@ -510,9 +527,10 @@ def diloco_lines(cfg: Config, program: Program, asked, choice) -> list[str]:
 
 def fetch_metrics(metrics: dict[str, jax.Array]) -> dict[str, Any]:
     """Device metrics to host numbers: waits for the step. Per-replica values (DiLoCo's
-    loss and grad norm, ``[R]`` sharded over ``replica``) are averaged here, on the host;
-    with several processes they are first gathered with ``process_allgather`` (only on the
-    steps that log, so the inner steps between stay free of cross-island traffic)."""
+    loss and grad norm, ``[R]`` sharded over ``replica``) are averaged here, on the host,
+    and the skipped steps summed; with several processes they are first gathered with
+    ``process_allgather`` (only on the steps that log, so the inner steps between stay free
+    of cross-island traffic)."""
     out = {}
     for key, value in metrics.items():
         if not value.is_fully_addressable and not value.is_fully_replicated:
@@ -520,7 +538,7 @@ def fetch_metrics(metrics: dict[str, jax.Array]) -> dict[str, Any]:
 
             value = multihost_utils.process_allgather(value, tiled=True)
         value = np.asarray(jax.device_get(value))
-        out[key] = value.mean() if value.ndim else value
+        out[key] = (value.sum() if key == SKIPPED else value.mean()) if value.ndim else value
     return out
 
 

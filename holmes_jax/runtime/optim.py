@@ -49,6 +49,15 @@ def clip_by_global_norm(grads, norm: jax.Array, max_norm: float):
     )
 
 
+def step_count(opt_state) -> jax.Array:
+    """The optimizer's step count (AdamW's; the schedule's is the same): steps applied, so
+    the learning rate :func:`make_optimizer`'s next update uses is ``schedule(count)``."""
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    if not counts:
+        raise ValueError("step_count: the optimizer state holds no step count")
+    return counts[0][1]
+
+
 def make_optimizer(
     cfg: OptimizerConfig, total_steps: int, *, clip: bool = True
 ) -> optax.GradientTransformation:

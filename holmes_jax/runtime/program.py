@@ -18,6 +18,9 @@ A :class:`Program` is built once per (config, mesh). It owns
   ``replica``: the host averages them) and ``outer_step(state, fragment, steps_done)``
   (plain averaging within ``diloco.warmup_steps``).
 
+A step whose loss or gradient norm is not finite changes no parameter or optimizer state;
+``TrainState.skips`` counts it (:mod:`holmes_jax.runtime.nonfinite`).
+
 Batches are ``[B, T + 1]`` int32 token windows sharded over ``data``: inputs are
 ``[:, :-1]`` and targets ``[:, 1:]``. Dropout keys derive from (seed, step), so a resumed
 run draws the same masks as an uninterrupted one.
@@ -44,7 +47,19 @@ from holmes_jax.runtime.compress import crossing_pairs
 from holmes_jax.runtime.diloco import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.runtime.mesh import batch_sharding, collectives_block, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES, init_model
-from holmes_jax.runtime.optim import clip_by_global_norm, learning_rate_schedule, make_optimizer
+from holmes_jax.runtime.nonfinite import (
+    count_skips,
+    fresh_skips,
+    inject_nonfinite,
+    keep_finite,
+    skip_metrics,
+)
+from holmes_jax.runtime.optim import (
+    clip_by_global_norm,
+    learning_rate_schedule,
+    make_optimizer,
+    step_count,
+)
 from holmes_jax.runtime.pipeline import PipelineEngine
 from holmes_jax.runtime.stages import layout_from_config, pipeline_shardings
 from holmes_jax.runtime.zero import shard_dim, sharded_spec
@@ -52,12 +67,15 @@ from holmes_jax.runtime.zero import shard_dim, sharded_spec
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar: optimizer steps taken
+    step: jax.Array  # int32 scalar: batches consumed (steps run, skipped ones included)
     params: Any  # {'embed', 'blocks' (every leaf [L, ...]), 'head'}, compute dtype
     opt_state: Any  # optax state mirroring the fp32 parameters
     master: Any = None  # bf16 runs: the fp32 master parameters (sharded like opt_state)
     # DiLoCo: {'global': fp32 params (no [R] axis), 'momentum': the same}; None otherwise.
     outer: Any = None
+    # Non-finite steps skipped, int32: {'total': since step 0, 'run': in a row up to now};
+    # [R] over replica under DiLoCo (runtime.nonfinite). Set by every Program.
+    skips: Any = None
 
 
 class Program:
@@ -179,6 +197,7 @@ class Program:
         per_replica = NamedSharding(mesh, PartitionSpec(REPLICA))
         self.metrics_sharding = (
             {"loss": per_replica, "grad_norm": per_replica, "lr": replicated(mesh)}
+            | skip_metrics({"total": per_replica, "run": per_replica})
             if self.diloco
             else replicated(mesh)
         )
@@ -257,12 +276,15 @@ class Program:
             transform_non_params=lambda _: replicated(self.mesh),  # step counts: shared
         )
         master = opt_param_sharding if self.dtype != jnp.float32 else None
+        counts = PartitionSpec(REPLICA) if self.diloco else PartitionSpec()  # the skip counters
+        counter = NamedSharding(self.mesh, counts)
         return TrainState(
             step=replicated(self.mesh),
             params=param_sharding,
             opt_state=opt_sharding,
             master=master,
             outer=outer,
+            skips={"total": counter, "run": counter},
         )
 
     def _abstract_state(self, abstract_params, sharding: TrainState) -> TrainState:
@@ -480,6 +502,7 @@ class Program:
             opt_state=self.tx.init(params),
             master=params if self.dtype != jnp.float32 else None,
             outer=outer,
+            skips=fresh_skips(self.replicas if self.diloco else 0),
         )
 
     def _params_from_logical(self, params):
@@ -505,6 +528,7 @@ class Program:
             opt_state=opt_state,
             master=master,
             outer=outer,
+            skips=state.skips,
         )
 
     def _state_to_logical(self, state: TrainState) -> TrainState:
@@ -519,18 +543,28 @@ class Program:
         return self.train_model.apply({"params": params}, inputs, targets, rngs=rngs)
 
     def _step(self, state: TrainState, batch):
+        params = state.params
+        injected = self.cfg.train.inject_nonfinite_steps
+        if injected:  # fault injection: compiled in only when set; the update uses state's
+            params = inject_nonfinite(params, state.step + 1, injected)
         if self.pipelined:
-            loss, grads, grad_norm = self.engine.loss_and_grads(state.params, batch, state.step)
+            loss, grads, grad_norm = self.engine.loss_and_grads(params, batch, state.step)
         else:
             rng = jax.random.fold_in(jax.random.key(self.cfg.train.seed + 1), state.step)
-            loss, grads = jax.value_and_grad(self._loss)(state.params, batch, rng)
+            loss, grads = jax.value_and_grad(self._loss)(params, batch, rng)
             grad_norm = optax.tree.norm(grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
-        return self._update(state, grads, grad_norm), metrics
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # [R] under DiLoCo
+        # The rate this step applies: the schedule at the optimizer's count, which skipped
+        # steps do not advance (DiLoCo's shared count: state.step).
+        lr = self.schedule(step_count(state.opt_state))
+        state = self._update(state, grads, grad_norm, ok)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **skip_metrics(state.skips)}
+        return state, metrics
 
-    def _update(self, state: TrainState, grads, grad_norm) -> TrainState:
+    def _update(self, state: TrainState, grads, grad_norm, ok) -> TrainState:
         """AdamW on (1/d shards of) the fp32 gradients and master parameters; GSPMD then
-        all-gathers the new parameters (in bf16 when the run computes in bf16)."""
+        all-gathers the new parameters (in bf16 when the run computes in bf16). Where ``ok``
+        (scalar, or ``[R]`` under DiLoCo) is false the old values are kept."""
         grads = _cast(grads, jnp.float32)
         clip = self.cfg.optimizer.grad_clip
         if self.diloco:  # grads [R, ...], norm [R]: each replica clips by its own norm
@@ -541,21 +575,29 @@ class Program:
         target = state.params if state.master is None else state.master
         updates, opt_state = self.tx.update(grads, state.opt_state, target)
         new = optax.apply_updates(target, updates)
+        # A non-finite step keeps every old value: a select, so its NaN cannot leak through.
+        new, opt_state = keep_finite(ok, (new, opt_state), (target, state.opt_state))
+        skips = count_skips(state.skips, ok)
         if state.master is None:
             return TrainState(
-                step=state.step + 1, params=new, opt_state=opt_state, outer=state.outer
+                step=state.step + 1,
+                params=new,
+                opt_state=opt_state,
+                outer=state.outer,
+                skips=skips,
             )
         return TrainState(
             step=state.step + 1,
-            params=_cast(new, self.dtype),
+            params=keep_finite(ok, _cast(new, self.dtype), state.params),
             opt_state=opt_state,
             master=new,
             outer=state.outer,
+            skips=skips,
         )
 
     def _apply_gradients(self, state: TrainState, grads) -> TrainState:
         norm = optax.tree.norm(self.layout.map_parts(self.layout.leaf_to_logical, grads))
-        return self._update(state, grads, norm)
+        return self._update(state, grads, norm, jnp.isfinite(norm))
 
     def _eval_loss(self, params, batch):
         params = _cast(params, self.dtype)  # DiLoCo's global model is fp32

@@ -6,9 +6,9 @@ import re
 import pytest
 
 from holmes_jax.cluster.detect import resolve
-from holmes_jax.cluster.watchdog import FAILED_EXIT, PEER_LOST_EXIT, Watchdog
+from holmes_jax.cluster.watchdog import FAILED_EXIT, NONFINITE_REASON, PEER_LOST_EXIT, Watchdog
 from holmes_jax.core.config import load_config
-from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.errors import NONFINITE_EXIT, ConfigError
 from holmes_jax.train import main
 
 SLURM = {
@@ -230,6 +230,20 @@ def test_the_judge_prints_one_line_and_exits(monkeypatch):
     d._judge_loop()
     assert exits == [PEER_LOST_EXIT]
     assert d._stream.getvalue().startswith("error: lost peer process 0 (host h0): no heartbeat")
+
+
+def test_a_peer_stopped_by_non_finite_steps_ends_the_others_with_its_exit_code():
+    """Every process stops after the same step; one that learns it from the store first
+    exits 4 too, so the supervisor sees 4 (not retried), not a lost peer's 3."""
+    _, clock, dogs, exits = job(2)
+    dogs[1].abort(f"{NONFINITE_REASON}step 5: 6 consecutive non-finite steps", exit_code=4)
+    beat(dogs, 1, clock)
+    dogs[0]._judge_loop()
+    assert exits == [NONFINITE_EXIT]
+    assert dogs[0]._stream.getvalue() == (
+        "error: peer process 1 (host h1) failed: NonFiniteError: step 5: 6 consecutive "
+        "non-finite steps\n"
+    )
 
 
 def test_fail_owns_up_when_every_peer_raised_too():
