@@ -90,9 +90,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "--fail-host",
         action="append",
         default=[],
-        metavar="HOST@STEP[:permanent|:+SECONDS]",
+        metavar="HOST@STEP[:permanent|:+SECONDS|:nan]",
         help="fault injection: SIGKILL HOST's worker when the job reaches STEP; permanent: "
-        "it never comes back; +SECONDS: it comes back after that long (repeatable)",
+        "it never comes back; +SECONDS: it comes back after that long; nan: no kill, step "
+        "STEP of the job holding HOST is non-finite instead (repeatable)",
     )
     parser.add_argument(
         "--rejoin-timeout",

@@ -5,8 +5,9 @@ work of ``python -m holmes_jax.launch``: one process per host of a topology, sup
 worker fails, runs it again, up to ``max_restarts`` times:
 
 - Any failure is restarted (a signal, a lost peer's exit 3, a step error's exit 1) except
-  exit code 2, a config or usage error, which a restart cannot fix. A job stopped by
-  Ctrl-C or SIGTERM is not restarted.
+  the two a restart cannot fix: exit code 2, a config or usage error, and exit code 4, a
+  run stopped by non-finite steps (it would replay the same batches from the same
+  checkpoint). A job stopped by Ctrl-C or SIGTERM is not restarted.
 - Every worker restarts, on a fresh coordinator port. The job resumes from the newest
   checkpoint of its run: a restart gets ``HOLMES_CONTINUE_RUN_DIR`` set to the run
   directory the first attempt printed (``run dir <path>: ...``), so it continues that
@@ -21,10 +22,14 @@ One line per event: the failure (host, process, exit code or signal, the last st
 job reached, what happens next), and after a restart, once its first step is done, the
 seconds since the failure, the checkpoint step it resumed from and the steps lost.
 
-Fault injection (:class:`Fault`, ``--fail-host HOST@STEP[:permanent|:+SECONDS]``): once
-the job reports step STEP or later, the host's worker gets SIGKILL, once per fault. The
-host then stays away for SECONDS (``permanent``: for good). ``on_step`` sees every step
-line too (``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
+Fault injection (:class:`Fault`, ``--fail-host HOST@STEP[:permanent|:+SECONDS|:nan]``):
+once the job reports step STEP or later, the host's worker gets SIGKILL, once per fault.
+The host then stays away for SECONDS (``permanent``: for good). ``:nan`` kills nothing: every
+worker of the job holding HOST gets ``--set train.inject_nonfinite_steps=[STEP, ...]``
+(:func:`fault_args`), so step STEP of that job computes a non-finite loss and gradients
+(all its processes run one program, so all of them must be told). It is in the workers'
+arguments, so it fires again in a restart that resumes from before STEP. ``on_step`` sees
+every step line too (``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
 
 Hosts that stay away (``rejoin_timeout_s``, ``--rejoin-timeout``): before a restart the
 supervisor waits up to that long for every away host to come back. Those still away are
@@ -61,13 +66,17 @@ from holmes_jax.cluster.launcher import (
     free_port,
     plan_workers,
 )
-from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.errors import NONFINITE_EXIT, USAGE_EXIT, ConfigError
 from holmes_jax.planner.topology import Topology, load_topology
 
 DEFAULT_MAX_RESTARTS = 3
 RESTART_GRACE_S = 1.0  # the others' time to exit when a restart follows a failure
 DEFAULT_REJOIN_S = 60.0  # how long a restart waits for an away host before leaving it out
-NOT_RETRIED_EXIT = 2  # a config or usage error: the same command fails the same way
+# Exit codes a restart cannot fix (the same command fails the same way), and why.
+NOT_RETRIED = {
+    USAGE_EXIT: "exit code 2 is a config or usage error",
+    NONFINITE_EXIT: "exit code 4 is a stop for non-finite steps, which a restart replays",
+}
 # holmes_jax.runtime.rundir.CONTINUE_VAR (not imported: the launcher's process runs no jax)
 CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
 
@@ -82,12 +91,14 @@ _FAULT = re.compile(r"([^@\s]+)@([^:\s]+)(?::(.*))?")
 @dataclass(frozen=True)
 class Fault:
     """One ``--fail-host``: SIGKILL ``host``'s worker at ``step``; it stays away ``away_s``
-    seconds after the kill (``inf``: for good)."""
+    seconds after the kill (``inf``: for good). ``nan``: no kill; step ``step`` of the job
+    holding ``host`` is non-finite instead (:func:`fault_args`)."""
 
     host: str
     step: int
     away_s: float = 0.0
     spec: str = ""
+    nan: bool = False
 
     @property
     def permanent(self) -> bool:
@@ -95,14 +106,15 @@ class Fault:
 
 
 def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
-    """``HOST@STEP``, ``HOST@STEP:permanent`` or ``HOST@STEP:+SECONDS`` -> :class:`Fault`.
+    """``HOST@STEP``, ``HOST@STEP:permanent``, ``HOST@STEP:+SECONDS`` or ``HOST@STEP:nan``
+    -> :class:`Fault`.
 
     Raises:
       ConfigError: a malformed spec, a host not in ``hosts``, a step < 1, or seconds that
         are not a number >= 0.
     """
     flag = f"--fail-host={spec}"
-    form = "must be HOST@STEP, HOST@STEP:permanent or HOST@STEP:+SECONDS"
+    form = "must be HOST@STEP, HOST@STEP:permanent, HOST@STEP:+SECONDS or HOST@STEP:nan"
     m = _FAULT.fullmatch(spec)
     if not m or not re.fullmatch(r"-?\d+", m[2]):
         raise ConfigError(f"{flag}: {form}")
@@ -112,6 +124,8 @@ def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
     if step < 1:
         raise ConfigError(f"{flag}: step {step} must be >= 1")
     away = 0.0
+    if tail == "nan":
+        return Fault(host, step, 0.0, spec, nan=True)
     if tail == "permanent":
         away = math.inf
     elif tail is not None:
@@ -124,6 +138,15 @@ def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
         if not away >= 0 or math.isinf(away):
             raise ConfigError(f"{flag}: '{tail[1:]}' must be a number of seconds >= 0")
     return Fault(host, step, away, spec)
+
+
+def fault_args(faults: Sequence[Fault]) -> list[str]:
+    """The train arguments that give one job its ``:nan`` faults (every worker of the job
+    gets the same): ``--set train.inject_nonfinite_steps=[...]``, or none."""
+    steps = sorted({f.step for f in faults if f.nan})
+    if not steps:
+        return []
+    return ["--set", f"train.inject_nonfinite_steps=[{','.join(map(str, steps))}]"]
 
 
 class Supervisor:
@@ -155,7 +178,7 @@ class Supervisor:
         self.make_workers = make_workers
         self.on_step = on_step
         self.max_restarts = max_restarts
-        self.faults = list(faults)
+        self.faults = [f for f in faults if not f.nan]  # the kills; fault_args passes :nan
         self.rejoin_timeout_s = rejoin_timeout_s
         self.excluded: tuple[str, ...] = ()  # hosts the running attempt is without
         self._reexpand = False  # the survivors were asked to stop: start every host again
@@ -245,7 +268,7 @@ class Supervisor:
     def _restarts_after(self, code: int) -> bool:
         """Whether a failure with exit ``code`` now is followed by a restart."""
         stopped = self.current is not None and self.current.stopped
-        retried = exit_code(code) != NOT_RETRIED_EXIT and not stopped
+        retried = exit_code(code) not in NOT_RETRIED and not stopped
         return retried and self.restarts < self.max_restarts
 
     def _grace_for(self, worker: Worker, code: int) -> float:
@@ -257,8 +280,8 @@ class Supervisor:
         at = f"at step {self.step}" if self.step else "before its first step"
         head = f"{worker.host} (process {worker.process_id}) exited with {describe(code)} {at}"
         stopping = f"stopping the others (in {self._grace_for(worker, code):g} s at most)"
-        if exit_code(code) == NOT_RETRIED_EXIT:
-            return f"{head}; {stopping}; not restarting: exit code 2 is a config or usage error"
+        if exit_code(code) in NOT_RETRIED:
+            return f"{head}; {stopping}; not restarting: {NOT_RETRIED[exit_code(code)]}"
         if self.current is not None and self.current.stopped:
             return f"{head}; {stopping}"
         if self._restarts_after(code):
@@ -445,7 +468,7 @@ def launch(
         job = job or island_jobs.Job(topology, (), faults)  # the whole topology: one job
 
         def make_workers(extra: dict[str, str], excluded: tuple[str, ...]) -> list[Worker]:
-            hosts, args = job.topology, list(train_args) + list(job.args)
+            hosts, args = job.topology, [*train_args, *job.args, *fault_args(job.faults)]
             if excluded:  # the survivors: the trainer re-plans for them
                 hosts = island_jobs.survivors(job, excluded)
                 args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
@@ -454,6 +477,13 @@ def launch(
                 program=program, prefix=prefix,
             )  # fmt: skip
 
+        if injected := fault_args(job.faults):
+            specs = " ".join(f.spec for f in job.faults if f.nan)
+            whose = f"island {job.name}'s job" if job.name else "the job"
+            print(
+                f"launch: --fail-host {specs}: every worker of {whose} gets {' '.join(injected)}",
+                file=out or sys.stdout, flush=True,
+            )  # fmt: skip
         supervisor = Supervisor(
             make_workers, max_restarts=max_restarts, faults=job.faults, grace_s=grace_s,
             on_step=cutter[0].on_step if cutter else None,

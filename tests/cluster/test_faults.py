@@ -275,3 +275,38 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     final = [r for r in recs if r["step"] == 6 and "eval_loss" in r][-1]
     straight_eval = [r for r in straight.records if "eval_loss" in r][-1]["eval_loss"]
     assert abs(final["eval_loss"] - straight_eval) < 0.02 * straight_eval
+
+
+def test_nan_faults_stop_every_worker_with_exit_4_and_no_restart(tmp_path, straight):
+    """``launch --fail-host HOST@STEP:nan`` on two hosts: steps 2 and 3 are non-finite in
+    both processes (one program), one skip in a row is allowed. Step 2 is skipped and
+    recorded; after step 3 every worker stops with one line and exit code 4, before the
+    step-3 checkpoint, and the supervisor does not restart the job."""
+    run_dir = tmp_path / "nan"
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(straight.mesh)]
+    cmd += ["--grace", "1", "--fail-host", "roce-0@3:nan", "--fail-host", "ib-0@2:nan", "--"]
+    cmd += as_flags([*JOB, f"train.run_dir={run_dir}", "train.max_skipped_steps=1"])
+    done = subprocess.run(cmd, cwd=ROOT, env=straight.env, capture_output=True, text=True,
+                          timeout=480)  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 4, out[-4000:] + done.stderr[-2000:]
+    lines = [line for line in out.splitlines() if line.startswith("launch: ")]
+    assert lines[0] == (
+        "launch: --fail-host roce-0@3:nan ib-0@2:nan: every worker of the job gets --set "
+        "train.inject_nonfinite_steps=[2,3]"
+    ), out[-4000:]
+    assert any(
+        line.endswith("not restarting: exit code 4 is a stop for non-finite steps, which a "
+                      "restart replays") for line in lines
+    ), out[-4000:]  # fmt: skip
+    assert "training resumed" not in out
+    # Each process's one line: its own stop, or a peer's (then from the store, exit 4 too).
+    stop = "step 3: 2 consecutive non-finite steps (loss nan, grad norm nan) > "
+    stop += "train.max_skipped_steps=1; the parameters are those after step 1; no checkpoint"
+    for host in ("ib-0", "roce-0"):
+        said = [x for x in out.splitlines() if x.startswith(f"[{host}") and "error: " in x]
+        assert len(said) == 1 and stop in said[0], out[-4000:]
+    recs = records(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2] and recs[1]["skipped_steps"] == 1
+    assert abs(recs[0]["loss"] - straight.losses[1]) < 1e-6 and recs[1]["loss"] != recs[1]["loss"]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]

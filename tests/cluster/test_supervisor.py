@@ -222,7 +222,14 @@ def test_a_host_back_after_the_rejoin_timeout_rejoins_at_a_checkpoint(tmp_path):
         (["--fail-host", "ib-0@-2"], "--fail-host=ib-0@-2: step -2 must be >= 1"),
         (["--fail-host", "ib-0@3:+-5"], "--fail-host=ib-0@3:+-5: '-5' must be a number of sec"),
         (["--fail-host", "ib-0@3:+x"], "--fail-host=ib-0@3:+x: 'x' must be a number of seconds"),
-        (["--fail-host", "ib-0"], "--fail-host=ib-0: must be HOST@STEP, HOST@STEP:permanent or"),
+        (
+            ["--fail-host", "ib-0"],
+            "--fail-host=ib-0: must be HOST@STEP, HOST@STEP:permanent, HOST@STEP:+SECONDS or "
+            "HOST@STEP:nan",
+        ),
+        (["--fail-host", "ib-0@3:NaN"], "--fail-host=ib-0@3:NaN: must be HOST@STEP"),
+        (["--fail-host", "ib-0@0:nan"], "--fail-host=ib-0@0:nan: step 0 must be >= 1"),
+        (["--fail-host", "ib-9@3:nan"], "--fail-host=ib-9@3:nan: 'ib-9' is not a host of the"),
         (["--fail-host", "ib-0@x"], "--fail-host=ib-0@x: must be HOST@STEP"),
         (["--fail-host", "ib-0@3:forever"], "--fail-host=ib-0@3:forever: must be HOST@STEP"),
         (["--max-restarts", "-1"], "--max-restarts=-1: must be >= 0 (0 = no restarts)"),
@@ -243,3 +250,56 @@ def test_fault_specs_parse():
     assert supervisor.parse_fault("a@3", hosts) == supervisor.Fault("a", 3, 0.0, "a@3")
     assert supervisor.parse_fault("b@1:+2.5", hosts).away_s == 2.5
     assert supervisor.parse_fault("b@7:permanent", hosts).permanent
+    nan = supervisor.parse_fault("b@7:nan", hosts)
+    assert nan == supervisor.Fault("b", 7, 0.0, "b@7:nan", nan=True) and not nan.permanent
+    faults = [nan, supervisor.parse_fault("a@3:nan", hosts), supervisor.parse_fault("a@5", hosts)]
+    assert supervisor.fault_args(faults) == ["--set", "train.inject_nonfinite_steps=[3,7]"]
+    assert supervisor.fault_args(faults[2:]) == []
+
+
+def test_exit_code_4_is_not_retried(tmp_path):
+    """A run stopped by non-finite steps: a restart would replay the same batches."""
+    code, out, attempts = supervise(tmp_path, exit_code=4, max_restarts=3)
+    assert code == 4 and len(attempts) == 1
+    assert launcher_lines(out) == [
+        "launch: a (process 0) exited with code 4 before its first step; stopping the others "
+        "(in 0.5 s at most); not restarting: exit code 4 is a stop for non-finite steps, "
+        "which a restart replays"
+    ]
+
+
+def test_a_nan_fault_kills_nothing(tmp_path):
+    code, out, attempts = supervise(tmp_path, ["b@3:nan"], max_restarts=1)
+    assert code == 0 and len(attempts) == 1 and launcher_lines(out) == [], out
+
+
+@pytest.mark.parametrize("independent", [False, True])
+def test_a_nan_fault_reaches_every_worker_of_the_job_holding_its_host(independent, monkeypatch):
+    """Every worker of the job holding the host gets the step (they run one program);
+    with independent islands only that island's job does."""
+    planned = {}
+    real = supervisor.plan_workers
+
+    def plan(topology, mesh, args, coordinator, **kwargs):
+        workers = real(topology, mesh, args, coordinator, **kwargs)
+        if coordinator != "127.0.0.1:1":  # not the launcher's check of the arguments
+            planned.update((w.host, w.command) for w in workers)
+        return [Worker(w.host, w.process_id, [sys.executable, "-c", ""], w.env) for w in workers]
+
+    monkeypatch.setattr(supervisor, "plan_workers", plan)
+    out = io.StringIO()
+    specs = ["roce-1@5:nan", "roce-0@3:nan", "ib-0@9"]
+    code = supervisor.launch(
+        os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml"), ["--set", "train.steps=1"],
+        fail_hosts=specs, independent=independent, out=out,
+    )  # fmt: skip
+    assert code == 0, out.getvalue()
+    injected = ["--set", "train.inject_nonfinite_steps=[3,5]"]
+    told = {h for h, cmd in planned.items() if cmd[-2:] == injected}
+    assert sorted(planned) == ["ib-0", "ib-1", "roce-0", "roce-1"]
+    assert told == ({"roce-0", "roce-1"} if independent else set(planned))
+    whose = "island roce's job" if independent else "the job"
+    assert (
+        f"launch: --fail-host roce-1@5:nan roce-0@3:nan: every worker of {whose} gets "
+        "--set train.inject_nonfinite_steps=[3,5]"
+    ) in launcher_lines(out.getvalue())
