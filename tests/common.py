@@ -73,8 +73,8 @@ PROCESSES = "processes"
 PROCESS_TESTS = (
     "tests/cluster/test_multiprocess.py::",
     "tests/cluster/test_faults.py::",
-    "tests/runtime/test_diloco.py::test_four_processes_through_the_launcher_match_one",
-    "tests/cluster/test_islands.py::test_killed_island_heals_from_its_peer",
+    "tests/diloco/test_outer_step.py::test_four_processes_through_the_launcher_match_one",
+    "tests/diloco/test_islands.py::test_killed_island_heals_from_its_peer",
 )
 # Tests (node ids, parameters left out) long enough to be a group of their own, when no
 # module fixture ties them to the rest of their module.
@@ -85,7 +85,7 @@ SLOW_GROUPS = (
     "tests/runtime/test_switches.py",
     PROCESSES,
     OWN_GROUPS[0],
-    "tests/runtime/test_diloco.py",
+    "tests/diloco/test_outer_step.py",
     "tests/runtime/test_compress.py",
     "tests/runtime/test_zero.py",
     "tests/runtime/test_pipeline.py",

@@ -52,8 +52,9 @@ def test_rows_launch_what_they_say_and_their_overrides_load(bench):
     assert cut[cut.index("--cut-islands") + 1] == "88:+30" and "--fail-host" not in cut
     spmd = bench.launch_cmd("spmd", _args(), "/r", None)
     assert "--independent-islands" not in spmd
-    for cmd, extra in [(spmd, []), (kill, ["diloco.mode=independent", "diloco.island=1",
-                                             "diloco.peers=[a:1,b:1]"])]:  # fmt: skip
+    island = ["diloco.mode=independent", "diloco.island=1", "diloco.peers=[a:1,b:1]"]
+    island.append("diloco.insecure=true")  # the launcher gives each job a key
+    for cmd, extra in [(spmd, []), (kill, island)]:
         sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
         cfg = load_config(bench.QUICKSTART, sets + extra)
         assert cfg.diloco.enabled and cfg.diloco.inner_steps == 10 and cfg.train.steps == 300
@@ -116,6 +117,7 @@ def test_overlap_and_unequal_rows_launch_what_they_say(bench):
         cmd = bench.launch_cmd(row, _args(overlap_steps=5), "/r", None)
         sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
         extra = ["diloco.mode=independent", "diloco.island=0", "diloco.peers=[a:1,b:1]"]
+        extra.append("diloco.insecure=true")  # the launcher gives each job a key
         cfg = load_config(bench.QUICKSTART, sets + extra)
         if row == "overlap":
             assert cfg.diloco.overlap_steps == 5 and cmd[cmd.index("--mesh") + 1] == bench.MESH

@@ -1,6 +1,6 @@
 """The package's layers and their one import direction (docs/design.md, "Layers").
 
-    core  <-  planner  <-  cluster  <-  runtime  <-  entry points (train, plan, probe, launch)
+    core <- planner <- cluster <- diloco <- runtime <- entry points (train, plan, probe, launch)
 
 Every ``import`` of every module under ``holmes_jax/`` is read from the source (top-level
 and function-level alike: a lazy import is still a dependency) and checked:
@@ -23,7 +23,7 @@ import pytest
 from tests.common import ROOT
 
 PACKAGE = "holmes_jax"
-LAYERS = ("core", "planner", "cluster", "runtime")  # left to right: who may import whom
+LAYERS = ("core", "planner", "cluster", "diloco", "runtime")  # left to right: who may import whom
 ENTRY_POINTS = ("train", "plan", "probe", "launch", "hf", "data", "sample")
 ACCELERATOR_LIBS = ("jax", "jaxlib", "flax", "optax", "orbax", "chex")
 
@@ -60,7 +60,7 @@ def imports_of(path: str, modules: set[str]) -> set[str]:
 
 
 def layer_of(module: str) -> str:
-    """``core`` / ``planner`` / ``cluster`` / ``runtime``, ``entry`` or ``package``."""
+    """``core`` / ``planner`` / ``cluster`` / ``diloco`` / ``runtime``, ``entry`` or ``package``."""
     parts = module.split(".")
     if len(parts) == 1:
         return "package"

@@ -6,7 +6,8 @@ coordinator, its own :class:`~holmes_jax.cluster.supervisor.Supervisor` (restart
 ``diloco.mode=independent``: ``diloco.enabled=true``, ``diloco.island=<index>`` and
 ``diloco.peers``, every island's outer-sync lane addresses (:func:`lane_count` lanes per
 island, split evenly over its hosts; from port :data:`OUTER_SYNC_PORT` on each host when
-emulated, free local ports otherwise). The jobs share
+emulated, free local ports otherwise), and ``diloco.sync_key_file``, a key made for the
+launch (:func:`run_key`) unless the train arguments name one. The jobs share
 nothing else: one island's failure, restart or loss stops no other.
 
 The launch's exit code: 0 when every job ended with 0 or lost every host for good (its
@@ -16,8 +17,12 @@ non-zero code of a job, in island order.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import secrets
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +43,21 @@ class Job:
     name: str = ""
 
 
+@contextlib.contextmanager
+def run_key(train_args: Sequence[str]):
+    """A fresh key for the launch's islands, in a private temporary directory removed at
+    the end (yields its path); None when ``train_args`` set ``diloco.sync_key_file``."""
+    if any("diloco.sync_key_file=" in a for a in train_args):
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="holmes_jax-sync-") as folder:
+        path = os.path.join(folder, "sync.key")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        yield path
+
+
 class IslandGone(Exception):
     """Every host of an island's job is away for good."""
 
@@ -49,11 +69,14 @@ def lane_count(topology: Topology) -> int:
 
 
 def plan_jobs(
-    topology: Topology, faults: Sequence, address: Callable[[str, int], str]
+    topology: Topology,
+    faults: Sequence,
+    address: Callable[[str, int], str],
+    key_file: str | None = None,
 ) -> list[Job]:
     """One :class:`Job` per island (pure: nothing starts). ``address(host, k)``: the
     ``host:port`` of the ``k``-th lane that ``host`` serves. Faults go to the job of their
-    host."""
+    host. ``key_file``: every job's ``diloco.sync_key_file``."""
     lanes = lane_count(topology)
     peers = [
         ",".join(
@@ -70,6 +93,8 @@ def plan_jobs(
             "--set", f"diloco.island={index}",
             "--set", f"diloco.peers=[{','.join(repr(p) for p in peers)}]",
         )  # fmt: skip
+        if key_file is not None:
+            args += ("--set", f"diloco.sync_key_file={key_file}")
         mine = [f for f in faults if f.host in island.hosts]
         jobs.append(Job(without_hosts(topology, others), args, mine, island.name))
     return jobs

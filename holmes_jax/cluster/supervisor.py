@@ -495,9 +495,10 @@ def launch(
     def run_jobs(coordinator: Callable[[Topology], str], peer_address, prefix=None) -> int:
         if not independent:
             return supervise(coordinator, prefix).run()
-        jobs = island_jobs.plan_jobs(topology, faults, peer_address)
-        runs = [(job.name, supervise(coordinator, prefix, job)) for job in jobs]
-        return island_jobs.run_all(runs, out)
+        with island_jobs.run_key(train_args) as key:  # every island authenticates with it
+            jobs = island_jobs.plan_jobs(topology, faults, peer_address, key)
+            runs = [(job.name, supervise(coordinator, prefix, job)) for job in jobs]
+            return island_jobs.run_all(runs, out)
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,11 +16,14 @@ bounds and the choices first.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.keyfile import read_key
 from holmes_jax.core.spec import (
     ARCHS,
     ATTENTION_KERNELS,
@@ -43,7 +46,7 @@ DATA_SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 PROGRESS_MODES = ("auto", "bar", "plain", "none")
 # diloco.mode: spmd = one jax job, islands are the replica axis; independent = one job per
-# island, outer sync between jobs over the host-level protocol (holmes_jax.cluster.outer_sync).
+# island, outer sync between jobs over the host-level protocol (holmes_jax.diloco.sync).
 DILOCO_MODES = ("spmd", "independent")
 
 # The config keys with a fixed set of values, and that set.
@@ -342,6 +345,16 @@ class OptimizerConfig:
                 raise ConfigError(f"optimizer.{name}={getattr(self, name)}: must be >= 0")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only: ``localhost``, ``127.0.0.0/8`` or ``::1``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class DilocoConfig:
     """DiLoCo across the ``replica`` axis (one replica per island or group of islands).
@@ -382,6 +395,19 @@ class DilocoConfig:
     # independent: after the warm-up, each outer sync runs in the background during the next
     # overlap_steps inner steps, then merges (global + the progress since); 0 = in step
     overlap_steps: int = 0
+    # independent: a file holding the key every island shares (>= 16 bytes); each request
+    # and reply between islands is then authenticated (HMAC-SHA256). Required when a peer
+    # is off loopback, unless diloco.insecure; launch --independent-islands makes one
+    sync_key_file: str | None = None
+    # independent: let peers off loopback talk without diloco.sync_key_file (anyone who
+    # reaches an island's port can then send it deltas)
+    insecure: bool = False
+    # independent: TLS for the outer sync: this island's certificate (PEM); unset = plain HTTP
+    tls_cert: str | None = None
+    tls_key: str | None = None  # independent, with tls_cert: the certificate's private key (PEM)
+    # independent, with tls_cert: the CA that signed the peers' certificates (then both sides
+    # present one: mutual TLS); unset = the system's CAs
+    tls_ca: str | None = None
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         _positive(self, "diloco", ("inner_steps", "fragments"))
@@ -449,12 +475,44 @@ class DilocoConfig:
                 f"diloco.peers={list(self.peers)}: diloco.mode=independent needs every "
                 f"island's outer-sync address host:port, at least 2 {where}"
             )
-        self.lane_addresses()
+        addresses = self.lane_addresses()
+        self._validate_security(addresses)
         if not 0 <= self.island < len(self.peers):
             raise ConfigError(
                 f"diloco.island={self.island}: must be this job's index into diloco.peers "
                 f"(0..{len(self.peers) - 1}) {where}"
             )
+
+    def _validate_security(self, addresses: list[list[tuple[str, int]]]) -> None:
+        if self.sync_key_file is not None:
+            try:
+                read_key(self.sync_key_file)
+            except (OSError, ValueError) as err:
+                why = err.strerror if isinstance(err, OSError) else str(err)
+                raise ConfigError(
+                    f"diloco.sync_key_file={self.sync_key_file}: {why} (a file holding the "
+                    "key every island shares; python -m holmes_jax.launch "
+                    "--independent-islands makes one)"
+                ) from None
+        hosts = {host for lanes in addresses for host, _ in lanes}
+        off = sorted(h for h in hosts if not is_loopback(h))
+        if off and self.sync_key_file is None and not self.insecure:
+            raise ConfigError(
+                f"diloco.sync_key_file=None: peers off loopback ({', '.join(off[:3])}) need a "
+                "shared key to authenticate the outer sync (or diloco.insecure=true to let "
+                "anyone who reaches the ports send deltas)"
+            )
+        tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+        if (self.tls_cert is None) != (self.tls_key is None) or (
+            self.tls_ca is not None and self.tls_cert is None
+        ):
+            raise ConfigError(
+                f"diloco.tls_cert={self.tls_cert}, diloco.tls_key={self.tls_key}: TLS needs "
+                "both (and diloco.tls_ca only with them)"
+            )
+        for key, path in tls.items():
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"diloco.{key}={path}: no such file")
 
     def lane_addresses(self) -> list[list[tuple[str, int]]]:
         """``peers`` as each island's lane addresses ``(host, port)``.

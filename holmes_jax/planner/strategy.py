@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("pipeline", "hierarchical", "diloco")
 FREE_GBPS = 1e12  # the inter-island link DiLoCo's inner plan is priced on (nothing crosses)
-OUTER_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}  # per element (runtime.diloco.encode)
+OUTER_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}  # per element (diloco.codec)
 
 
 @dataclasses.dataclass(frozen=True)

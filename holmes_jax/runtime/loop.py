@@ -59,6 +59,14 @@ from holmes_jax.cluster.distributed import (
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, flops_per_token
+from holmes_jax.diloco.islands import (
+    IslandSync,
+    eval_batch_count,
+    independent,
+    island_outputs,
+    island_scope,
+)
+from holmes_jax.diloco.outer_step import in_warmup
 from holmes_jax.planner.failures import replan
 from holmes_jax.planner.grid import job_topology, load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
@@ -75,15 +83,6 @@ from holmes_jax.runtime import compile_cache
 from holmes_jax.runtime.checkpoint import Checkpointer, init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
 from holmes_jax.runtime.devices import peak_memory_gb, peak_tflops
-from holmes_jax.runtime.diloco import in_warmup
-from holmes_jax.runtime.islands import (
-    IslandSync,
-    eval_batch_count,
-    independent,
-    island_outputs,
-    island_scope,
-    share_sampler,
-)
 from holmes_jax.runtime.mesh import build_mesh, collectives_block
 from holmes_jax.runtime.metrics import MetricsLogger
 from holmes_jax.runtime.model import attention_kernel
@@ -157,7 +156,7 @@ class Resolved:
       asked: the config as given, outputs resolved (before the planner's choices).
       diloco_choice: :func:`~holmes_jax.planner.strategy.resolve_diloco`'s choice, or None.
       share: an independent DiLoCo island's rows of the global batch
-        (:mod:`holmes_jax.runtime.islands`), else None.
+        (:mod:`holmes_jax.diloco.islands`), else None.
     """
 
     cfg: Config
@@ -258,7 +257,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     sampler = BatchSampler(corpus.train, seq, batch_size, cfg.train.seed)
     n_eval = cfg.train.eval_batches
     if r.share is not None:  # an island: its rows of each batch; the whole batch's eval windows
-        sampler = share_sampler(corpus.train, seq, r.share, cfg.train.seed)
+        window = (r.share.offset, r.share.rows)  # the same draws as a whole-batch run's
+        sampler = BatchSampler(corpus.train, seq, r.share.total, cfg.train.seed, window=window)
         n_eval = eval_batch_count(r.share, n_eval)
     eval_set = [
         _global_batch(rows, program.batch_sharding)

@@ -9,7 +9,7 @@ A :class:`Program` is built once per (config, mesh). It owns
 - ``train_step(state, batch)``: loss, gradients, AdamW update, in one jit with
   in/out shardings and the state donated;
 - ``eval_loss(params, batch)``;
-- with DiLoCo (``diloco.enabled`` true and ``replica`` > 1, :mod:`holmes_jax.runtime.diloco`):
+- with DiLoCo (``diloco.enabled`` true and ``replica`` > 1, :mod:`holmes_jax.diloco.outer_step`):
   a leading ``[R]`` axis sharded over ``replica`` on every parameter, optimizer-moment and
   master leaf (each island owns its own model and AdamW state; the step counts stay
   shared), the outer state ``outer = {'global', 'momentum'}`` (fp32, no ``[R]`` axis,
@@ -42,9 +42,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from holmes_jax.core.axes import DATA, REPLICA
 from holmes_jax.core.config import Config
 from holmes_jax.core.spec import resolve_grad_buckets
+from holmes_jax.diloco.outer_step import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.planner.grid import load_mesh_topology
 from holmes_jax.runtime.compress import crossing_pairs
-from holmes_jax.runtime.diloco import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.runtime.mesh import batch_sharding, collectives_block, replicated
 from holmes_jax.runtime.model import GPT, LOGICAL_RULES, init_model
 from holmes_jax.runtime.nonfinite import (
@@ -254,7 +254,7 @@ class Program:
     def _state_sharding(self, param_sharding, abstract_params, opt_param_sharding) -> TrainState:
         """Shardings of the train state; the optimizer's moments follow ``opt_param_sharding``.
         Under DiLoCo what each replica owns gets the leading [R] axis over ``replica``
-        (:func:`~holmes_jax.runtime.diloco.stack_spec`); the outer state, like the moments
+        (:func:`~holmes_jax.diloco.outer_step.stack_spec`); the outer state, like the moments
         of one replica, has none."""
         outer = None
         if self.diloco:
@@ -335,7 +335,7 @@ class Program:
 
     def outer_step(self, state: TrainState, fragment: int, steps_done: int) -> TrainState:
         """DiLoCo: the outer step of ``fragment`` due after ``steps_done`` inner steps
-        (:mod:`holmes_jax.runtime.diloco`; within ``diloco.warmup_steps``: averaging);
+        (:mod:`holmes_jax.diloco.outer_step`; within ``diloco.warmup_steps``: averaging);
         ``state`` is donated."""
         with self.context():
             return self.outer(state, fragment, in_warmup(steps_done, self.cfg.diloco.warmup_steps))

@@ -9,8 +9,8 @@ axis, sharded like one replica's ZeRO-1 moments.
 The outer step of fragment f (one jitted function per fragment), on each of its leaves:
 
 1. ``Δ_r = global − θ_r`` in fp32 per replica (θ_r: its master, else its parameters).
-2. Encode in ``diloco.outer_dtype`` (:func:`encode`): fp32; bf16; int8 with
-   ``s = max|Δ_r| / 127`` per replica and tensor, ``q = round(Δ_r / s)``, ``|Δ_r − q·s| ≤ s/2``.
+2. Encode in ``diloco.outer_dtype`` (:func:`encode`, the contract of
+   :mod:`holmes_jax.diloco.codec`): fp32; bf16; int8 with one scale per replica and tensor.
 3. All-gather the encoded ``[R, ...]`` shards over ``replica`` in the encoded dtype, the
    only cross-island traffic (an explicit ``all_gather`` in a ``shard_map``).
 4. Decode and average in fp32: ``Δ = mean_r decode(q_r, s_r)``.
@@ -36,12 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from holmes_jax.cluster.outer_sync import nesterov
 from holmes_jax.core.axes import REPLICA
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
-
-INT8_MAX = 127.0
+from holmes_jax.diloco.codec import int8_quantize, int8_scale, nesterov
 
 
 def stack_spec(spec: PartitionSpec) -> PartitionSpec:
@@ -92,8 +90,8 @@ def fragment_slots(slots: int, fragments: int) -> list[tuple[int, int]]:
 def encode(delta: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
     """``delta [R, ...]`` fp32 -> (payload [R, ...] in the wire dtype, scale [R] fp32).
 
-    int8: per replica and tensor ``s = max|Δ_r| / 127`` (1 where Δ_r is all zero) and
-    ``q = round(Δ_r / s)``; bf16 and fp32 carry scale 1.
+    int8: one scale per replica and tensor (:func:`~holmes_jax.diloco.codec.int8_scale`);
+    bf16 and fp32 carry scale 1.
     """
     R = delta.shape[0]
     ones = jnp.ones((R,), jnp.float32)
@@ -104,10 +102,8 @@ def encode(delta: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
     if dtype != "int8":
         raise ValueError(f"outer dtype {dtype!r}")
     # [R]: a max over the local shard, then over data (a reshape would gather the shards)
-    absmax = jnp.max(jnp.abs(delta), axis=tuple(range(1, delta.ndim)))
-    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
-    q = jnp.round(delta / _per_replica(scale, delta.ndim))
-    return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+    scale = int8_scale(jnp.max(jnp.abs(delta), axis=tuple(range(1, delta.ndim))), jnp)
+    return int8_quantize(delta, _per_replica(scale, delta.ndim), jnp), scale
 
 
 def decode(payload: jax.Array, scale: jax.Array) -> jax.Array:

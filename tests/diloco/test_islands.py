@@ -1,5 +1,5 @@
 """Independent DiLoCo islands (``diloco.mode: independent``) through the trainer: one job
-per island, the outer sync between them over HTTP (:mod:`holmes_jax.runtime.islands`).
+per island, the outer sync between them over HTTP (:mod:`holmes_jax.diloco.islands`).
 
 - Without faults the islands train what one ``spmd`` DiLoCo program trains: the mean of
   the islands' losses equals its loss at every step (fp32, equal shares, 1e-5).
@@ -24,19 +24,21 @@ import pytest
 
 from holmes_jax.cluster import island_jobs
 from holmes_jax.cluster.launcher import free_port
-from holmes_jax.cluster.outer_sync import split_state, unpack
 from holmes_jax.cluster.supervisor import parse_fault
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.grid import island_batch_rows
-from holmes_jax.planner.topology import load_topology, without_hosts
-from holmes_jax.runtime.islands import (
+from holmes_jax.diloco.islands import (
     IslandSync,
     island_outputs,
     island_scope,
     steps_after_round,
     steps_to_rounds,
 )
+from holmes_jax.diloco.messages import Expect
+from holmes_jax.diloco.sync import split_state
+from holmes_jax.diloco.wire import unpack
+from holmes_jax.planner.grid import island_batch_rows
+from holmes_jax.planner.topology import load_topology, without_hosts
 from holmes_jax.runtime.loop import run
 from tests.cluster.procs import two_host_mesh
 from tests.common import ROOT, TINY_RUN, as_flags
@@ -154,7 +156,7 @@ def test_the_launcher_plans_one_job_per_island_and_routes_faults():
     topology = load_topology(f"{ROOT}/meshes/cpu8-two-islands.yaml")
     hosts = [h for isl in topology.islands for h in isl.hosts]
     faults = [parse_fault("roce-1@3", hosts), parse_fault("ib-0@5:permanent", hosts)]
-    jobs = island_jobs.plan_jobs(topology, faults, lambda host, k: f"{host}:{7 + k}")
+    jobs = island_jobs.plan_jobs(topology, faults, lambda host, k: f"{host}:{7 + k}", "k.key")
     assert [j.name for j in jobs] == ["ib", "roce"]
     assert [[h for i in j.topology.islands for h in i.hosts] for j in jobs] == [
         ["ib-0", "ib-1"],
@@ -164,11 +166,13 @@ def test_the_launcher_plans_one_job_per_island_and_routes_faults():
     assert jobs[1].args == (
         "--set", "diloco.enabled=true", "--set", "diloco.mode=independent",
         "--set", "diloco.island=1", "--set", "diloco.peers=['ib-0:7,ib-1:7','roce-0:7,roce-1:7']",
+        "--set", "diloco.sync_key_file=k.key",
     )  # fmt: skip
     # ib on 2 hosts, roce on 1: 2 lanes, both served by roce-0 (two ports)
     uneven = without_hosts(topology, ["roce-1"])
     (job, _) = island_jobs.plan_jobs(uneven, [], lambda host, k: f"{host}:{7 + k}")
-    cfg = load_config(None, [*DILOCO, *(a for a in job.args if a != "--set")])
+    args = (a for a in job.args if a != "--set")
+    cfg = load_config(None, [*DILOCO, *args, "diloco.insecure=true"])
     assert cfg.diloco.lane_addresses() == [
         [("ib-0", 7), ("ib-1", 7)],
         [("roce-0", 7), ("roce-0", 8)],
@@ -219,10 +223,10 @@ def test_a_silent_peer_is_dropped_and_the_island_trains_on(alone):
     written = records(run_dir / "island0" / "metrics.jsonl")
     assert sorted(written) == list(range(1, 9))
     assert sorted(p.name for p in (run_dir / "island0" / "checkpoints" / "outer").iterdir()) == [
-        "4.lane0.npz",
-        "4.lane1.npz",
-        "8.lane0.npz",
-        "8.lane1.npz",
+        "4.lane0.outer",
+        "4.lane1.outer",
+        "8.lane0.outer",
+        "8.lane1.outer",
     ]
 
 
@@ -235,7 +239,7 @@ def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
     shutil.copytree(src / "4", dst / "4")  # the uninterrupted run's checkpoint at step 4
     (dst / "outer").mkdir()
     for lane in (0, 1):
-        shutil.copy(src / "outer" / f"4.lane{lane}.npz", dst / "outer" / f"4.lane{lane}.npz")
+        shutil.copy(src / "outer" / f"4.lane{lane}.outer", dst / "outer" / f"4.lane{lane}.outer")
     rest = run(alone_config(tmp_path / "run"))
     assert [r["step"] for r in rest] == [5, 6, 7, 8]
     for got, want in zip(rest, history[4:], strict=True):
@@ -274,7 +278,7 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
     assert (8, 4, "0, 1") in rounds, rounds  # the last round: both islands again
     for lane in (0, 1):  # the outer state saved at step 8: one global model, bit for bit
         ib_g, roce_g = (
-            split_state(unpack((run_dir / i / "checkpoints" / "outer" / f"8.lane{lane}.npz")
+            split_state(unpack((run_dir / i / "checkpoints" / "outer" / f"8.lane{lane}.outer")
                                .read_bytes())[1])[0]
             for i in ("ib", "roce")
         )  # fmt: skip
@@ -298,7 +302,15 @@ class _Sync:
         self.round += 1 + self.skip
         return dict(self.glob)
 
+    def abstain(self, average=False):  # sends nothing: the others' progress alone
+        self.sent.append(None)
+        self.glob = {k: v + 10 for k, v in self.glob.items()}
+        self.round += 1
+        return dict(self.glob)
+
     def sync(self, theta, tokens, average=False):  # in step; ``skip`` rounds closed without it
+        self.sent.append(float(theta["w"][0]))
+        self.glob = {k: v + 10 for k, v in self.glob.items()}
         self.round += 1 + self.skip
         return dict(self.glob)
 
@@ -306,10 +318,11 @@ class _Sync:
 def test_a_lane_address_of_another_host_is_refused_in_one_line():
     """An island restarted without the host of one of its lane addresses cannot serve that
     lane: a ConfigError names the address (TEST-NET-1: on no interface here)."""
-    job = ["diloco.mode=independent", "diloco.island=0"]
+    job = ["diloco.mode=independent", "diloco.island=0", "diloco.insecure=true"]
     job.append(f"diloco.peers=['192.0.2.1:{free_port()}','127.0.0.1:{free_port()}']")
     cfg, share = island_scope(load_config(None, [*DILOCO, *job]))
     island = IslandSync(cfg, None, share, say=lambda line: None)
+    island._expect = lambda lane: Expect({}, "fp32", frozenset({0, 1}), 1, 0.7, 0.9)  # no program
     with pytest.raises(ConfigError, match=r"diloco.peers\[0\]: lane 0's address 192.0.2.1:"):
         island._serve(0, None)
 
@@ -324,6 +337,7 @@ def test_a_late_round_moves_the_island_on_to_the_step_it_adopted():
     island = IslandSync(cfg, None, share, say=lambda line: None)
     island.syncs = {0: _Sync({"w": np.zeros(1, np.float32)})}
     island._theta = lambda state: {"w": np.asarray([state], np.float32)}
+    island._skipped = lambda state: 0
     counts = []
     island._with_global = lambda state, glob, step, add=False: counts.append(step) or state
     assert island.after_step(1.0, 2) == (1.0, 2)  # round 1, in step
@@ -360,6 +374,7 @@ def test_overlap_merges_each_round_after_its_overlap_steps():
     island.snap = {"w": np.zeros(1, np.float32)}
     island._theta = lambda state: {"w": np.asarray([state], np.float32)}
     island._with_global = lambda state, glob, step, add=False: add * state + float(glob["w"][0])
+    island._skipped = lambda state: 0
     got = [island.after_step(1.0, 2)]  # sends Δ = 0 − 1, in flight: θ unchanged
     got.append(island.after_step(1.5, 3))  # g1 = 11: θ = 11 + (1.5 − 1)
     got.append(island.after_step(12.5, 4))  # sends Δ = 11 − 12.5
@@ -370,3 +385,35 @@ def test_overlap_merges_each_round_after_its_overlap_steps():
     assert island.pending is None and island.merge_at is None
     with pytest.raises(ConfigError, match=r"diloco.overlap_steps=2: must be in \[0, diloco"):
         load_config(None, [*DILOCO, "diloco.mode=independent", "diloco.overlap_steps=2"])
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_round_with_a_skipped_step_abstains_and_takes_the_global_model(overlap):
+    """H = 2: the inner steps of the second round skip a non-finite step (the state's
+    counter grows), or leave θ non-finite: the island sends nothing, and its parameters
+    become the new global model (with overlap: the global model alone, not plus the
+    progress since the send)."""
+    job = ["diloco.mode=independent", "diloco.island=0", "diloco.peers=[127.0.0.1:1,127.0.0.1:2]"]
+    job += [f"diloco.overlap_steps={overlap}", "train.steps=20"]
+    cfg, share = island_scope(load_config(None, [*DILOCO, *job]))
+    said = []
+    island = IslandSync(cfg, None, share, say=said.append)
+    island.syncs = {0: _Sync({"w": np.zeros(1, np.float32)})}
+    island.snap = {"w": np.zeros(1, np.float32)}
+    island._theta = lambda state: {"w": np.asarray([state], np.float32)}
+    island._with_global = lambda state, glob, step, add=False: (
+        (state if add else 0.0) + float(glob["w"][0])
+    )
+    skipped = {2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1}
+    island._skipped = lambda state: skipped[step]
+    got = []
+    for step, theta in [(2, 1.0), (3, 1.5), (4, 12.0), (5, 13.0), (6, np.nan), (7, 1.0), (8, 2.0)]:
+        got.append(island.after_step(theta, step)[0])
+    sent = island.sync.sent
+    assert sent[1] is None and sent[2] is None and sent[0] is not None and sent[3] is not None
+    assert sum("non-finite step(s) skipped since step 2" in line for line in said) == 1
+    assert sum("non-finite parameters since step 4" in line for line in said) == 1
+    if not overlap:  # θ ← the global model after each round: 10, then 20, 30 (abstained)
+        assert got[2] == 20.0 and got[4] == 30.0
+    else:  # merged one step later: the abstained rounds take g alone (21, 31), no NaN
+        assert got[3] == 21.0 and got[5] == 31.0

@@ -1,4 +1,4 @@
-"""Lanes of the independent outer sync (:mod:`holmes_jax.runtime.lanes`): block ``ℓ`` of a
+"""Lanes of the independent outer sync (:mod:`holmes_jax.diloco.lanes`): block ``ℓ`` of a
 leaf is the same slice of its flattened, padded values whatever the plan, and the blocks
 convert back to the model bit for bit."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.runtime.lanes import QUANTUM, LaneLayout, block_size, lane_key, process_lanes
+from holmes_jax.diloco.lanes import QUANTUM, LaneLayout, block_size, lane_key, process_lanes
 
 
 def test_blocks_split_evenly_padded_to_the_quantum():
@@ -72,7 +72,12 @@ def test_blocks_are_the_flattened_leaf_and_convert_back_exactly(pipelined, lanes
 def test_peers_list_the_same_lane_count_for_every_island():
     from holmes_jax.core.config import load_config
 
-    job = ["diloco.enabled=true", "diloco.mode=independent", "diloco.island=0"]
+    job = [
+        "diloco.enabled=true",
+        "diloco.mode=independent",
+        "diloco.island=0",
+        "diloco.insecure=true",
+    ]
     cfg = load_config(None, [*job, "diloco.peers=['a:1,b:2','c:3,c:4']"])
     assert cfg.diloco.lane_addresses() == [[("a", 1), ("b", 2)], [("c", 3), ("c", 4)]]
     with pytest.raises(ConfigError, match=r"lane addresses \(island 0: 2, island 1: 1\)"):

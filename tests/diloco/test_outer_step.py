@@ -20,20 +20,20 @@ import pytest
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
-from holmes_jax.runtime.checkpoint import (
-    Checkpointer,
-    find_step,
-    init_state_from,
-    read_params,
-    save_params,
-)
-from holmes_jax.runtime.diloco import (
+from holmes_jax.diloco.outer_step import (
     OuterStep,
     decode,
     due_fragments,
     encode,
     fragment_slots,
     in_warmup,
+)
+from holmes_jax.runtime.checkpoint import (
+    Checkpointer,
+    find_step,
+    init_state_from,
+    read_params,
+    save_params,
 )
 from holmes_jax.runtime.loop import diloco_lines, run
 from holmes_jax.runtime.mesh import build_mesh

@@ -1,4 +1,4 @@
-"""The outer-sync protocol of independent DiLoCo islands (holmes_jax.cluster.outer_sync),
+"""The outer-sync protocol of independent DiLoCo islands (holmes_jax.diloco.sync),
 in one process: several islands on localhost ports, fake numpy shards, no jax."""
 
 import socket
@@ -10,21 +10,18 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from holmes_jax.cluster.outer_sync import (
-    OuterSync,
-    SyncConfig,
-    call,
-    decode,
-    encode,
-    pack,
-    unpack,
-)
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.diloco.codec import decode, encode
+from holmes_jax.diloco.rounds import SyncConfig
+from holmes_jax.diloco.sync import OuterSync
+from holmes_jax.diloco.transport import request
+from holmes_jax.diloco.wire import pack, unpack
 
 TIMEOUT = 1.0
 CFG = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=TIMEOUT, probe_s=0.3)
 KEYS = ("blocks/w#0", "blocks/w#1", "embed#0")
+SHAPES = dict.fromkeys(KEYS, (4, 3))
 
 
 def free_ports(n):
@@ -35,6 +32,12 @@ def free_ports(n):
     for s in socks:
         s.close()
     return {i: ("127.0.0.1", p) for i, p in enumerate(ports)}
+
+
+def call(address, method, path, body=b"", timeout=5.0, island=1):
+    """One request as island ``island``: the 200 reply's body, else None."""
+    resp = request(address, method, path, body, timeout, island)
+    return resp.body if resp is not None and resp.status == 200 else None
 
 
 def start_state(seed=0):
@@ -104,7 +107,7 @@ def test_round_agrees_and_is_token_weighted(islands):
     glob, mom = start_state()
     thetas = [inner(n, 10 + i) for i, n in enumerate(nodes)]
     tokens = [100, 300, 600]
-    start = urllib.parse.quote(nodes[1]._key())
+    start = urllib.parse.quote(nodes[1].r.key())
     out = sync_all(nodes, thetas, tokens)
     # a member that holds the round's start fetches the mean delta only: half the state
     step = call(peers[0], "GET", f"/result?round=1&have={start}", timeout=5)
@@ -139,18 +142,18 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
     assert time.monotonic() - t0 < TIMEOUT and nodes[1].round == 3
     # restart island 2 without state: registered for the round open at its join (no delta),
     # it adopts that round's global and momentum from the leader, in step with it
-    back = OuterSync(2, peers, CFG, None)
+    back = OuterSync(2, peers, CFG, None, shapes=SHAPES)
     made.append(back)
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(back.join)
-        while 2 not in nodes[0].awaiting:
+        while 2 not in nodes[0].r.awaiting:
             time.sleep(0.01)
         assert not back.ready  # no state before the round closes
         sync_all(nodes[:2], [inner(n, 25 + i) for i, n in enumerate(nodes[:2])], [1, 1])
         joining.result(timeout=10)
     assert same(back.glob, nodes[0].glob) and same(back.mom, nodes[0].mom)
     assert back.round == nodes[0].round == 4 and back.lineage == nodes[0].lineage
-    assert nodes[0].took[4] == {1, 2}  # the leader's round waited for the joiner's ack too
+    assert nodes[0].r.took[4] == {1, 2}  # the leader's round waited for the joiner's ack too
     everyone = [nodes[0], nodes[1], back]
     before = dict(nodes[0].glob), dict(nodes[0].mom)
     thetas = [inner(n, 30 + i) for i, n in enumerate(everyone)]
@@ -229,8 +232,8 @@ def stalled_participant(leader, island):
     meta = {"island": island, "round": leader.round + 1, "tokens": 1, "dead": []}
     meta.update(lineage=leader.lineage, scales=dict.fromkeys(leader.glob, 1.0))
     delta = {k: np.full_like(v, 0.01) for k, v in leader.glob.items()}
-    address, start = leader.peers[leader.island], urllib.parse.quote(leader._key())
-    assert call(address, "POST", "/delta", pack(meta, delta), 5, {"X-Island": str(island)})
+    address, start = leader.peers[leader.island], urllib.parse.quote(leader.r.key())
+    assert call(address, "POST", "/delta", pack(meta, delta), 5, island)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(address)
@@ -253,7 +256,7 @@ def test_a_reply_that_stalls_ends_after_the_timeout(islands):
     thread.join(timeout=10)
     stalled.close()
     assert not thread.is_alive() and time.monotonic() - began < 3 * 0.5 + 1.0
-    assert leader.took[1] == {1} and not leader.fetched.get(1)
+    assert leader.r.took[1] == {1} and not leader.r.fetched.get(1)
 
 
 def test_the_leader_waits_for_a_long_download_but_not_a_stalled_one(islands):
@@ -281,7 +284,7 @@ def test_the_leader_waits_for_a_long_download_but_not_a_stalled_one(islands):
         stalled = stalled_participant(nodes[0], 2)
         [f.result(timeout=30) for f in futures]
     stalled.close()
-    assert nodes[0].took[1] == {1, 2} and nodes[0].fetched[1] == {1}
+    assert nodes[0].r.took[1] == {1, 2} and nodes[0].r.fetched[1] == {1}
     assert done[1] - began > 1.2  # the download outlasted the timeout twice over
     assert done[0] >= done[1] - 0.1  # and was waited for
     assert done[0] - began < 1.5 + 2 * 0.6 + 1.0  # the stalled island was not
@@ -327,7 +330,7 @@ def test_a_late_member_skips_a_round_and_is_in_step_after(islands):
         [f.result(timeout=30) for f in [pool.submit(run, n, 0.8 * n.island) for n in nodes]]
     assert seen[1] == [(2, [0, 1]), (3, [0, 1])]  # skipped round 2's delta, took its result
     assert seen[0] == [(1, [0]), (2, [0, 1]), (3, [0, 1])]
-    assert nodes[0].took[2] == {1} and nodes[0].took[3] == {1}  # in step: the leader waited
+    assert nodes[0].r.took[2] == {1} and nodes[0].r.took[3] == {1}  # in step: the leader waited
     assert same(nodes[0].glob, nodes[1].glob) and nodes[0].tokens == nodes[1].tokens == 4
 
 
@@ -338,11 +341,11 @@ def test_a_member_restarted_between_rounds_is_not_waited_for(islands):
     (a, b), peers = islands[0](2, cfg)
     sync_all([a, b], [inner(a, 1), inner(b, 2)], [1, 1])
     b.close()
-    back = OuterSync(1, peers, cfg, None)
+    back = OuterSync(1, peers, cfg, None, shapes=SHAPES)
     islands[1].append(back)
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(back.join)
-        while 1 not in a.awaiting:
+        while 1 not in a.r.awaiting:
             time.sleep(0.01)
         began = time.monotonic()
         a.sync(inner(a, 3), 1)
@@ -391,7 +394,7 @@ def test_a_probe_behind_a_cut_link_costs_a_round_nothing(islands):
     """Island 1 leads a group of its own; island 0's address accepts connections and never
     answers (a cut link: the connection hangs until ``probe_s``). The round's probe returns
     after ``PROBE_WAIT_S``; the next round takes the finished probe's answer (nothing)."""
-    from holmes_jax.cluster import outer_sync
+    from holmes_jax.diloco import sync as outer_sync
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -401,7 +404,7 @@ def test_a_probe_behind_a_cut_link_costs_a_round_nothing(islands):
     cfg = SyncConfig(quorum_timeout_s=TIMEOUT, probe_s=2.0)
     b = OuterSync(1, peers, cfg, start_state())
     try:
-        b.leader, b.members = 1, {1}
+        b.r.leader, b.r.members = 1, {1}
         began = time.monotonic()
         b._heal_if_split()
         took = time.monotonic() - began
@@ -446,5 +449,6 @@ def test_config_keys():
         DilocoConfig(mode="independent").validate(None, None)
     with pytest.raises(ConfigError, match="diloco.quorum_timeout_s=0"):
         DilocoConfig(quorum_timeout_s=0).validate(None, None)
-    cfg = SyncConfig.from_diloco(DilocoConfig(outer_dtype="int8", quorum_timeout_s=0.5))
+    cfg = SyncConfig.from_diloco(DilocoConfig(outer_dtype="int8", quorum_timeout_s=0.5), 640)
     assert (cfg.outer_dtype, cfg.quorum_timeout_s, cfg.probe_s) == ("int8", 0.5, 0.5)
+    assert cfg.round_tokens == 640

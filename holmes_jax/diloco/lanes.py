@@ -2,7 +2,7 @@
 
 Each island's entry of ``diloco.peers`` lists ``L`` addresses, the same ``L`` for every
 island (:meth:`~holmes_jax.core.sections.DilocoConfig.lane_addresses`). Lane ``ℓ`` is one
-:class:`~holmes_jax.cluster.outer_sync.OuterSync` per island, at the island's ``ℓ``-th
+:class:`~holmes_jax.diloco.sync.OuterSync` per island, at the island's ``ℓ``-th
 address, and carries block ``ℓ`` of every parameter: the leaf flattened (row-major, the
 logical layout), zero-padded to ``L · B`` elements and cut into ``L`` blocks of ``B``
 (:func:`block_size`). The blocks depend on the leaf's size and ``L`` alone, not on the
@@ -127,6 +127,14 @@ class LaneLayout:
                 for b, s in zip(self.blocks, self.block_sharding, strict=True)
             ]
         )
+
+    def block_shapes(self) -> dict[str, tuple[int]]:
+        """This process's blocks: each key (:func:`lane_key`) and its shape ``(B,)``."""
+        return {
+            lane_key(path, lane): (b,)
+            for path, b in zip(self.paths, self.blocks, strict=True)
+            for lane in self.mine
+        }
 
     def compile(self) -> None:
         """Compile both reshards and :meth:`add` now (a multi-process island, ahead of

@@ -3,7 +3,7 @@
 Each island of ``parallel.mesh`` (or each entry of ``diloco.peers`` without a mesh) runs
 as its own job: its own ``jax.distributed`` coordinator, its own plan on its own hardware
 (:func:`holmes_jax.planner.grid.job_topology`), ``replica`` 1. Between jobs only the outer
-sync runs (:mod:`holmes_jax.cluster.outer_sync`, HTTP), served by the job's processes at
+sync runs (:mod:`holmes_jax.diloco.sync`, HTTP), served by the job's processes at
 the addresses of ``diloco.peers[diloco.island]`` (lanes, below).
 ``python -m holmes_jax.launch --independent-islands`` starts one such job per island and
 sets ``diloco.island`` and ``diloco.peers``.
@@ -18,7 +18,7 @@ sets ``diloco.island`` and ``diloco.peers``.
   replica i trains on under ``spmd``. Evaluation covers the same windows as a whole-batch run.
 - Outer step: after the steps where ``spmd`` takes one (each warm-up step, then every H),
   the job's fp32 parameters (the master under bf16), in the logical layout, go to the
-  lanes (below), each of which calls :meth:`~holmes_jax.cluster.outer_sync.OuterSync.sync`
+  lanes (below), each of which calls :meth:`~holmes_jax.diloco.sync.OuterSync.sync`
   with the tokens trained since its last round. The new global model comes back to every
   device as parameters and master; the AdamW moments and step count are kept, as
   under ``spmd``. So with nothing failing, fp32 and equal shares, the islands train what
@@ -42,7 +42,7 @@ sets ``diloco.island`` and ``diloco.peers``.
   moves the island on to the step that round ended (with overlap, plus the steps since
   the send), as a heal does.
 
-Lanes (:mod:`holmes_jax.runtime.lanes`): the outer sync runs in ``L`` lanes, one per
+Lanes (:mod:`holmes_jax.diloco.lanes`): the outer sync runs in ``L`` lanes, one per
 address of an island's ``diloco.peers`` entry; lane ``ℓ`` carries block ``ℓ`` of every
 parameter. Each process serves its own lanes and exchanges only their blocks, which one
 jitted reshard inside the island moves between the model's layout and the processes; no
@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -65,21 +66,18 @@ import numpy as np
 from etils import epath
 
 from holmes_jax.cluster.distributed import barrier
-from holmes_jax.cluster.outer_sync import (
-    OuterSync,
-    Shards,
-    SyncConfig,
-    live_round,
-    split_state,
-    unpack,
-)
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.keyfile import read_key
+from holmes_jax.diloco.lanes import LaneLayout, process_lanes
+from holmes_jax.diloco.messages import Expect, Refused, finite, parse_state
+from holmes_jax.diloco.outer_step import due_fragments, in_warmup
+from holmes_jax.diloco.rounds import SyncConfig
+from holmes_jax.diloco.sync import OuterSync, Security, Shards, live_round
+from holmes_jax.diloco.transport import client_context, server_context
+from holmes_jax.diloco.wire import WireError, unpack
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
-from holmes_jax.runtime.data import BatchSampler
-from holmes_jax.runtime.diloco import due_fragments, in_warmup
-from holmes_jax.runtime.lanes import LaneLayout, process_lanes
 
 PROBE_S = 1.0  # seconds to wait for a peer's /status at start
 COMPILE_WAIT_S = 3600  # several processes: how long they wait for the slowest to compile
@@ -143,12 +141,6 @@ def island_scope(cfg: Config) -> tuple[Config, Share]:
     return cfg, share
 
 
-def share_sampler(tokens: np.ndarray, seq_len: int, share: Share, seed: int) -> BatchSampler:
-    """The sampler of ``share``'s rows of the global batches (the same draws as a
-    whole-batch run's)."""
-    return BatchSampler(tokens, seq_len, share.total, seed, window=(share.offset, share.rows))
-
-
 def eval_batch_count(share: Share, eval_batches: int) -> int:
     """How many eval batches of ``share.rows`` rows cover the windows of ``eval_batches``
     batches of the whole global batch (exact when the rows divide them)."""
@@ -165,7 +157,7 @@ def steps_after_round(rounds: int, inner_steps: int, warmup_steps: int) -> int:
 
 class IslandSync:
     """This job's end of the outer sync (module doc): one
-    :class:`~holmes_jax.cluster.outer_sync.OuterSync` per lane this process serves.
+    :class:`~holmes_jax.diloco.sync.OuterSync` per lane this process serves.
 
     Args:
       cfg: the island job's config (:func:`island_scope`'s).
@@ -196,6 +188,8 @@ class IslandSync:
         self.send_s = 0.0  # overlap: the training loop's seconds for the round in flight's send
         self.healing: threading.Thread | None = None  # a restart: the heal, from peer_ahead on
         self.healed: float | BaseException = 0.0  # its seconds (or its error)
+        self.security = security(self.d)
+        self.skipped = 0  # the state's skipped steps at the last round (abstain when it grows)
 
     @property
     def name(self) -> str:
@@ -243,7 +237,9 @@ class IslandSync:
         several = jax.process_count() > 1
         if several:  # in step for the first collective, the broadcast below
             barrier("holmes_jax/island_sync_started", COMPILE_WAIT_S)
-        live = live_round(self.peers[0], self.share.island, PROBE_S) if self.main else 0
+        live = 0
+        if self.main:  # lane 0's peers: process 0 serves it
+            live = live_round(self.peers[0], self.share.island, PROBE_S, self.security)
         heal = bool(self._broadcast(np.bool_(live > 0)))
         if heal:  # the transfer needs no device: it runs while the programs compile
             self.syncs = {lane: self._serve(lane, None) for lane in self.peers}
@@ -255,6 +251,23 @@ class IslandSync:
             barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
         return heal
 
+    @property
+    def _round_tokens(self) -> int:
+        """The most tokens one round counts: the global batch's over ``inner_steps``."""
+        return self.d.inner_steps * self.share.total * self.cfg.model.seq_len
+
+    def _expect(self, lane: int) -> Expect:
+        """What this island takes from its peers (and its own saved files) on ``lane``."""
+        shapes = {k: v for k, v in self.layout.block_shapes().items() if _lane(k) == lane}
+        return Expect(
+            shapes=shapes,
+            outer_dtype=self.d.outer_dtype,
+            islands=frozenset(range(len(self.d.peers))),
+            round_tokens=self._round_tokens,
+            lr=self.d.outer_lr,
+            mu=self.d.outer_momentum,
+        )
+
     def _serve(self, lane: int, state) -> OuterSync:
         """Lane ``lane``'s protocol, served at this island's address of it.
 
@@ -263,9 +276,19 @@ class IslandSync:
             addresses are fixed for the run, so an island that lost that host for good
             cannot serve the lane).
         """
-        config = SyncConfig.from_diloco(self.d)
+        config = SyncConfig.from_diloco(self.d, self._round_tokens)
+        shapes = self._expect(lane).shapes
+        say = self.say if self.main else _stderr(f"process {jax.process_index()}: ")
         try:
-            return OuterSync(self.share.island, self.peers[lane], config, state)
+            return OuterSync(
+                self.share.island,
+                self.peers[lane],
+                config,
+                state,
+                shapes=shapes,
+                security=self.security,
+                say=say,
+            )
         except OSError as err:
             host, port = self.peers[lane][self.share.island]
             raise ConfigError(
@@ -308,6 +331,7 @@ class IslandSync:
         step = steps_after_round(rounds, self.d.inner_steps, self.d.warmup_steps)
         state = self._with_global(state, self.snap, step)
         self.last_step = step
+        self.skipped = self._skipped(state)
         self.say(
             f"diloco: healed from a live peer in {took:.1f} s (train step compiled meanwhile in "
             f"{compiled:.1f} s): round {rounds} taken in step with it, the global model and "
@@ -321,7 +345,9 @@ class IslandSync:
         ``step`` when every lane of the island has it, else ``state`` as the global model
         with outer momentum zero."""
         theta = self._theta(state)  # a reshard: every process takes part
-        saved = {lane: load_outer(resumed_from, step, lane) for lane in self.peers}
+        saved = {
+            lane: load_outer(resumed_from, step, lane, self._expect(lane)) for lane in self.peers
+        }
         found = self._everywhere(None not in saved.values()) if resumed_from else False
         if resumed_from and not found:
             self.say(
@@ -333,11 +359,10 @@ class IslandSync:
             own = self._part(theta, lane)
             outer, meta = saved[lane] if found else ((own, _zeros(own)), {})
             sync = self.syncs[lane] = self._serve(lane, outer)
-            sync.round = rounds
-            for key, value in meta.items():  # round, tokens, lineage, parent, fork_tokens
-                setattr(sync, key, value)
+            sync.r.restore({"round": rounds, **meta})  # round, tokens, lineage, parent, fork
         self.snap = theta
         self.last_step = step
+        self.skipped = self._skipped(state)
 
     # ---- the outer step ---------------------------------------------------------------
 
@@ -356,12 +381,16 @@ class IslandSync:
         average = in_warmup(step, self.d.warmup_steps)
         theta = self._theta(state)
         tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
+        abstain = self._diverged(state, theta, step)
         self.last_step = step
         if self.d.overlap_steps and not average:  # warm-up averaging stays in step
-            return self._send_overlapped(state, step, theta, tokens, began)
-        parts = self._each(
-            lambda lane, sync: sync.sync(self._part(theta, lane), tokens, average=average)
-        )
+            return self._send_overlapped(state, step, theta, tokens, began, abstain)
+        if abstain:  # it sends nothing; the new global model replaces its parameters
+            parts = self._each(lambda lane, sync: sync.abstain(average))
+        else:
+            parts = self._each(
+                lambda lane, sync: sync.sync(self._part(theta, lane), tokens, average=average)
+            )
         glob = _union(parts)
         self.snap = glob  # the next inner steps start from it
         ended, line = step, ""
@@ -372,6 +401,28 @@ class IslandSync:
         if self.main:
             self.say(f"{line} ({time.perf_counter() - began:.2f} s{_late(step, ended)})")
         return moved
+
+    def _diverged(self, state, theta: Shards, step: int) -> bool:
+        """Whether the inner steps since the last round skipped a non-finite step or left
+        non-finite parameters, on any process of the island (then it abstains: module
+        doc); says so in one line."""
+        skipped = self._skipped(state)
+        since, self.skipped = skipped - self.skipped, skipped
+        bad_theta = not all(finite(v) for v in theta.values())
+        if self._everywhere(not (since or bad_theta)):
+            return False
+        if self.main:
+            why = f"{since} non-finite step(s) skipped" if since else "non-finite parameters"
+            self.say(
+                f"diloco: island {self.name}: {why} since step {self.last_step}: it sends "
+                "nothing this round and takes the global model from its peers"
+            )
+        return True
+
+    @staticmethod
+    def _skipped(state) -> int:
+        """The non-finite steps ``state`` has skipped so far (a replicated scalar)."""
+        return int(np.asarray(state.skips["total"].addressable_shards[0].data))
 
     def _round_end(self) -> int:
         """The step at which this island's current round (lane 0's) ended."""
@@ -387,13 +438,16 @@ class IslandSync:
         self.last_step += ended - step
         return self._with_global(state, glob, ended if ended > step else None, add), ended
 
-    def _send_overlapped(self, state, step: int, theta: Shards, tokens: int, began: float):
+    def _send_overlapped(
+        self, state, step: int, theta: Shards, tokens: int, began: float, abstain: bool
+    ):
         """Send ``Δ = θ_base − θ`` (the progress since the last merge) in the background;
         the merge follows ``overlap_steps`` steps later, or now after the last step.
         ``began``: when the training loop stopped for this send (its time is reported
-        with the merge)."""
-        self.sent = theta
-        delta = {k: self.snap[k] - theta[k] for k in theta}
+        with the merge). ``abstain``: send nothing; the merge then takes the global model
+        alone (the progress since the send started from a non-finite state)."""
+        self.sent = None if abstain else theta
+        delta = None if abstain else {k: self.snap[k] - theta[k] for k in theta}
         self.pending = threading.Thread(target=self._send, args=(delta, tokens), daemon=True)
         self.pending.start()
         self.send_s = time.perf_counter() - began
@@ -411,22 +465,27 @@ class IslandSync:
         waited = time.perf_counter()
         glob = self._await_pending()
         waited = time.perf_counter() - waited
-        shift = {k: glob[k] - self.sent[k] for k in glob}
+        abstained = self.sent is None
+        shift = glob if abstained else {k: glob[k] - self.sent[k] for k in glob}
         self.snap = glob
         if self.main:
             ended = self._round_end() + step - sent
             line = f"{self._round_line(step, False)} (sent after step {sent}, merged now"
             line += f"{_late(step, ended)}; send {self.send_s:.2f} s, merge "
         self.merge_at = None
-        moved = self._moved_on(state, shift, step, ended, add=True)
+        moved = self._moved_on(state, shift, step, ended, add=not abstained)
         if self.main:
             took = time.perf_counter() - began
             self.say(f"{line}{took:.2f} s of which {waited:.2f} s waiting for the round)")
         return moved
 
-    def _send(self, delta: Shards, tokens: int) -> None:
+    def _send(self, delta: Shards | None, tokens: int) -> None:
         try:
-            parts = self._each(lambda lane, sync: sync.sync_delta(self._part(delta, lane), tokens))
+            if delta is None:
+                parts = self._each(lambda lane, sync: sync.abstain())
+            else:
+                send = lambda lane, sync: sync.sync_delta(self._part(delta, lane), tokens)  # noqa: E731
+                parts = self._each(send)
             self.result = _union(parts)
         except BaseException as err:  # noqa: BLE001 (raised in the training thread)
             self.result = err
@@ -447,8 +506,9 @@ class IslandSync:
     def save_outer(self, directory: str, step: int) -> None:
         """Every process: the outer state of each of its lanes (:meth:`OuterSync.snapshot`:
         global model, momentum, round, tokens, lineage) beside checkpoint ``step``, as
-        ``<directory>/outer/<step>.lane<l>.npz`` (written whole, then renamed), so a resume
-        without a live peer continues the global model exactly."""
+        ``<directory>/outer/<step>.lane<l>.outer`` (:mod:`~holmes_jax.diloco.wire`'s
+        format; written whole, then renamed), so a resume without a live peer continues
+        the global model exactly."""
         folder = epath.Path(directory) / OUTER_DIR
         folder.mkdir(parents=True, exist_ok=True)
         for lane, sync in self.syncs.items():
@@ -497,10 +557,10 @@ class IslandSync:
         return results
 
     def _part(self, tree: Shards, lane: int) -> Shards:
-        """``tree``'s blocks of ``lane`` (keyed :func:`~holmes_jax.runtime.lanes.lane_key`)."""
+        """``tree``'s blocks of ``lane`` (keyed :func:`~holmes_jax.diloco.lanes.lane_key`)."""
         if len(self.peers) == 1:
             return tree
-        return {k: v for k, v in tree.items() if k.rpartition("#")[2] == str(lane)}
+        return {k: v for k, v in tree.items() if _lane(k) == lane}
 
     def _glob(self) -> Shards:
         """The global model's blocks of this process's lanes."""
@@ -562,20 +622,53 @@ def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
     return warmup_steps + (step - warmup_steps) // inner_steps
 
 
-def load_outer(directory: str, step: int, lane: int):
+def load_outer(directory: str, step: int, lane: int, expect: Expect):
     """:meth:`IslandSync.save_outer`'s ``((global, momentum), meta)`` of ``lane`` for
-    ``step``, or None (none saved, or no ``directory``)."""
+    ``step``, or None (none saved, or no ``directory``).
+
+    Raises:
+      ConfigError: the file is not a saved outer state of this lane's keys and shapes, or
+        holds non-finite values.
+    """
     if not directory:
         return None
     path = epath.Path(directory) / OUTER_DIR / _outer_name(step, lane)
     if not path.exists():
         return None
-    meta, arrays = unpack(path.read_bytes())
-    return split_state(arrays), {k: meta[k] for k in OUTER_META}
+    try:
+        meta, arrays = unpack(path.read_bytes())
+        state = parse_state(meta, arrays, expect)
+    except (WireError, Refused) as err:
+        raise ConfigError(
+            f"{path}: not this island's outer state ({err}); remove it to resume without it"
+        ) from None
+    meta = {k: getattr(state, k) for k in OUTER_META}
+    return (state.glob, state.mom), meta
 
 
 def _outer_name(step: int, lane: int) -> str:
-    return f"{step}.lane{lane}.npz"
+    return f"{step}.lane{lane}.outer"
+
+
+def security(d) -> Security:
+    """The shared key and TLS contexts of a ``diloco`` section (checked when it loaded)."""
+    key = read_key(d.sync_key_file) if d.sync_key_file else None
+    if d.tls_cert is None:
+        return Security(key)
+    return Security(
+        key,
+        server_context(d.tls_cert, d.tls_key, d.tls_ca),
+        client_context(d.tls_cert, d.tls_key, d.tls_ca),
+    )
+
+
+def _lane(key: str) -> int:
+    """The lane of a block's key (:func:`~holmes_jax.diloco.lanes.lane_key`)."""
+    return int(key.rpartition("#")[2])
+
+
+def _stderr(prefix: str):
+    return lambda line: print(prefix + line, file=sys.stderr, flush=True)
 
 
 def _zeros(tree: Shards) -> Shards:

@@ -1,0 +1,657 @@
+"""The outer sync of independent DiLoCo islands over HTTP: rounds, quorum, heal, merge.
+
+With ``diloco.mode: independent`` each island is its own job; between jobs only this
+protocol runs (plain Python and numpy, no jax: the runtime moves shards device<->host).
+An island's state is ``global`` and ``momentum`` (fp32 shards, keyed ``"<leaf path>#<shard>"``,
+the logical layout, so islands may use different plans), the number ``round`` of outer
+steps it has applied, ``tokens`` (the tokens its model has seen) and ``lineage`` (the id
+of its history; ``"root"`` until a split).
+
+Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client):
+
+* **Leader.** Each round has one leader, which collects the deltas and computes the result;
+  every island applies the leader's result, so the members agree by construction. The
+  result of round r names the members (its participants plus islands that joined during
+  it) and the leader of round r+1: the lowest member index. Start: every island, leader 0.
+* **Round r.** An island sends ``Δ = global − θ`` (encoded in ``diloco.outer_dtype``) and
+  its tokens since the last round to its leader, then long-polls the leader for the
+  result. The leader waits for every member of round r−1, but at most ``quorum_timeout_s``
+  after the first delta arrived; whoever delivered by then participates. Result:
+  ``Δ̄ = Σ tokens_i·decode(Δ_i) / Σ tokens_i`` in fp32, encoded in ``outer_dtype`` too;
+  every member, the leader included, takes the step with its decoded value ``D``:
+  Nesterov ``m ← μm + D``, ``global ← global − lr(D + μm)`` (:func:`nesterov`); a warm-up
+  round (``sync(..., average=True)``) takes ``global ← global − D`` and keeps ``m``. A
+  member that still holds the state the round started from (its lineage, round and tokens
+  match) fetches only the step (``D`` and the round's meta), half the whole state's
+  bytes; the same arithmetic on the same state keeps the members equal bit for bit.
+  Anyone else gets the whole state. A delta that arrives late, or for a round already
+  closed, is dropped: its island adopts the latest state.
+* **Lockstep.** A member acknowledges the result once it has it (``GET /ack``); the
+  leader's own call returns when every other participant has, or when none has been sent
+  anything for ``quorum_timeout_s``: the wait lasts while a result is on its way to one
+  of them (until its TCP has it) and at most the timeout after the last arrived. So the
+  members start their next inner steps together and a delta reaches the leader within its
+  upload time of the leader's own. Without it the leader, which transfers nothing, would
+  run ahead by its members' download time, and a member whose download plus upload
+  exceeds the quorum timeout would miss every round. Replies go out in 64-KiB writes,
+  each within ``quorum_timeout_s`` or the request ends, so a peer that dies or is cut off
+  in the middle of a download is silent, and not waited for, after that long.
+* **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
+  takes the lowest reachable member as leader, itself last, and tells it which members it
+  found dead so that the new leader does not wait for them.
+* **Split.** A cut link makes each side see the other as dead: both sides go on, each a
+  group with its own leader. An island that takes over the lead from another forks: new
+  ``lineage`` ``"<island>@<round>"`` whose ``parent`` is the old one, remembering
+  ``fork_tokens`` (its tokens then, which the other side had too).
+* **Heal / merge.** Before each round a group leader probes the configured islands with a
+  lower index outside its group (so of two groups only the one with the higher leader
+  looks); one that answers with another lineage is the primary. The probe runs in the
+  background and the round waits for it at most ``PROBE_WAIT_S``: a peer on a live link
+  answers within that, while a peer behind a cut link (whose connection hangs until
+  ``probe_s``) costs the round nothing, its probe's answer being taken at a later round.
+  The leader joins the primary (``POST /join`` with its global, tokens and fork point);
+  the primary's leader merges token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p +
+  w_j)`` with ``w = tokens − common`` per side, ``common`` the fork point of whichever
+  lineage is the other's child (exact for one split; for deeper histories the joiner's
+  fork point), keeps its own momentum and round, and merges each lineage once (later
+  joiners of it adopt). The joiner adopts the merged state and sends its pending delta
+  to the primary's open round; the rest of its group, refused by their old leader
+  (another lineage now), join too and adopt. Nothing trained on either side is lost.
+* **Late.** A delta refused because its round closed (dropped): the island re-joins its
+  leader, which registers it for the round open at the join and answers without state
+  (``POST /join`` with ``next``). The island then fetches that round's result, the whole
+  state (its own is not the round's start), and acknowledges it; the leader's close waits
+  for that acknowledgement as for a participant's (Lockstep). So it starts its next inner
+  steps with the others and is a member from the round after. Without the wait it would
+  start its inner steps a download behind the leader and be late again every round.
+* **Restart.** An island restarted without state (:meth:`OuterSync.join`) asks any live
+  peer for its leader and joins it as a late island does: registered for the round open
+  at its join, to which it contributes nothing (a zero pseudo-gradient with no tokens), it
+  fetches that round's result as the whole state and adopts ``global``, ``momentum``,
+  ``round`` bit for bit (no checkpoint read), in step with the leader; it is a member
+  from the next round on. The state is sent once, after the round closes: one sent at
+  the join would be a round old on arrival, and the island would need the round's step
+  as well.
+
+* **Abstain.** An island whose inner steps of the round were not finite (a skipped step,
+  or non-finite parameters) sends no values: :meth:`OuterSync.abstain` tells its leader it
+  takes part with nothing (it counts for nothing in the mean, and is not waited for), then
+  takes the round's result like every member and restarts its inner steps from the new
+  global model. Its peers never see its values.
+* **Trust.** Every message is checked before it changes any state
+  (:mod:`holmes_jax.diloco.messages`), every request and reply is authenticated with the
+  shared key when there is one (:mod:`holmes_jax.diloco.auth`), and the server reads no
+  body before both and no larger than the lane's expected size
+  (:mod:`holmes_jax.diloco.transport`). A refused delta is a delta not sent: its island
+  is absent from the round and takes the result as a late island does; each side prints
+  the reason once.
+
+HTTP (bodies in :mod:`holmes_jax.diloco.wire`'s format): ``GET /status``, ``POST /delta``,
+``GET /result?round=r[&have=<lineage;round;tokens>]``, ``GET /ack?round=r``, ``POST /join``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from holmes_jax.diloco.auth import Signer, Verifier
+from holmes_jax.diloco.codec import encode
+from holmes_jax.diloco.messages import (
+    Delta,
+    Refused,
+    finite,
+    parse_delta,
+    parse_join,
+    parse_round,
+    parse_state,
+    parse_status,
+    parse_step,
+)
+from holmes_jax.diloco.rounds import Rounds, Shards, SyncConfig
+from holmes_jax.diloco.transport import Reply, Request, Server, refusal, request
+from holmes_jax.diloco.wire import WireError, pack, packed_size, unpack
+
+PROBE_WAIT_S = 0.25  # how long a round waits for the split probe (Heal / merge)
+META_BYTES = 1 << 16  # JSON meta besides the per-key scales a body may carry
+HAVE_MAX = 200  # characters of a /result query's have=
+
+
+@dataclass(frozen=True)
+class Security:
+    """How this island talks to its peers: the shared ``key`` (None: unauthenticated)
+    and TLS contexts (None: plain HTTP)."""
+
+    key: bytes | None = None
+    tls_server: object | None = None
+    tls_client: object | None = None
+
+
+class Unreachable(Exception):
+    """A peer did not answer (refused, timed out, its link is cut, or its answer failed
+    its checks)."""
+
+
+class PeerRefused(Exception):
+    """A peer refused this island's message; ``str`` is its one-line reason."""
+
+
+def split_state(arrays: Shards) -> tuple[Shards, Shards]:
+    """A packed state's arrays (:meth:`OuterSync.snapshot`) -> (global, momentum)."""
+    glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
+    mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+    return glob, mom
+
+
+def live_round(
+    peers: dict[int, tuple[str, int]], me: int, timeout: float, security: Security | None = None
+) -> int:
+    """The highest round a live, ready peer other than island ``me`` reports (0: none)."""
+    security = security or Security()
+    signer = Signer(security.key, me) if security.key else None
+    best = 0
+    for j, address in peers.items():
+        if j == me:
+            continue
+        resp = request(address, "GET", "/status", b"", timeout, me, signer, security.tls_client)
+        if resp is None or resp.status != 200:
+            continue
+        try:
+            status = json.loads(resp.body)
+            ready, rnd = status.get("ready"), status.get("round")
+        except (ValueError, AttributeError):
+            continue
+        if ready is True and type(rnd) is int and rnd >= 0:
+            best = max(best, rnd)
+    return best
+
+
+class OuterSync:
+    """One island's end of the protocol (module doc) on one lane: a :class:`Rounds`
+    served at ``peers[island]`` and the client calls of :meth:`sync` and :meth:`join`.
+
+    Args:
+      island: this island's index.
+      peers: every island's ``(host, port)``, by index (this one's included).
+      cfg: the outer step and timing.
+      state: ``(global, momentum)`` fp32 shards to start from; None for a restarted island,
+        which must :meth:`join` before :meth:`sync`.
+      shapes: the lane's keys and shapes (required when ``state`` is None).
+      security: the shared key and TLS (default: neither).
+      say: prints one line (refusals, once per peer and reason); default stderr.
+    """
+
+    def __init__(
+        self,
+        island: int,
+        peers: dict[int, tuple[str, int]],
+        cfg: SyncConfig,
+        state,
+        *,
+        shapes=None,
+        security: Security | None = None,
+        say: Callable[[str], None] | None = None,
+    ):
+        self.island, self.peers, self.cfg = island, dict(peers), cfg
+        self.security = security or Security()
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.cut: set[int] = set()  # islands whose link to this one is cut (tests)
+        self.cond = threading.Condition()
+        self.r = Rounds(island, self.peers, cfg, state, shapes)
+        self.prober: threading.Thread | None = None  # the split probe in flight (Heal / merge)
+        self.primary: int | None = None  # what it found: an island of another lineage
+        self.sending: dict[int, int] = {}  # island -> results being written to it
+        self.sent_at: dict[int, float] = {}  # island -> when the last one was received
+        self.told: set[tuple[int, str]] = set()  # (peer, kind) of refusals printed here
+        key = self.security.key
+        self.signer = Signer(key, island) if key else None
+        self.server = Server(
+            self.peers[island],
+            self._handle,
+            self._limit,
+            cfg.quorum_timeout_s,
+            self.say,
+            Verifier(key) if key else None,
+            self.security.tls_server,
+            self._on_send,
+        )
+
+    # the protocol state, read by the island's runtime and tests
+    glob = property(lambda self: self.r.glob)
+    mom = property(lambda self: self.r.mom)
+    round = property(lambda self: self.r.round)
+    tokens = property(lambda self: self.r.tokens)
+    lineage = property(lambda self: self.r.lineage)
+    leader = property(lambda self: self.r.leader)
+    members = property(lambda self: self.r.members)
+    ready = property(lambda self: self.r.ready)
+
+    @property
+    def refused(self) -> int:
+        """Requests this island's server refused so far."""
+        return sum(self.server.refused.values())
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop serving (the island is gone to its peers), after up to ``grace_s`` seconds
+        for the requests being served to finish (peers fetching the last result)."""
+        self.server.close(grace_s)
+
+    def snapshot(self) -> bytes:
+        """This island's whole state, packed (:func:`split_state` reads its arrays)."""
+        with self.cond:
+            return self.r.state_body()
+
+    # ---- the caller's side -------------------------------------------------------------
+
+    def sync(self, theta: Shards, tokens: int, average: bool = False) -> Shards:
+        """The outer step after the inner steps that took ``global`` to ``theta`` on
+        ``tokens`` tokens: returns the new global (the caller sets θ ← global). Never waits
+        for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s`` per probe).
+        ``average``: a warm-up round, ``global ← global − Δ̄`` with the momentum kept (every
+        island passes the same value for a round: it follows from the step)."""
+        assert self.r.ready, "a restarted island joins before it syncs"
+        with self.cond:
+            delta = {k: self.r.glob[k] - np.asarray(theta[k], np.float32) for k in self.r.glob}
+        if not all(finite(d) for d in delta.values()):  # never sent: the peers see nothing
+            self.say(f"diloco: island {self.island}: non-finite parameters; it abstains")
+            return self.abstain(average)
+        return self.sync_delta(delta, tokens, average)
+
+    def abstain(self, average: bool = False) -> Shards:
+        """Take part in the next round with nothing (module doc, Abstain); returns the new
+        global model."""
+        return self.sync_delta(None, 0, average)
+
+    def sync_delta(self, delta: Shards | None, tokens: int, average: bool = False) -> Shards:
+        """:meth:`sync` with the outer gradient ``Δ`` given (fp32 shards), not derived from
+        ``global``: a delayed merge sends the local progress of the last inner steps.
+        ``delta`` None: abstain (:meth:`abstain`)."""
+        assert self.r.ready, "a restarted island joins before it syncs"
+        self._heal_if_split()  # the delta is inner progress: it goes to the merged lineage
+        with self.cond:
+            want, lineage = self.r.round + 1, self.r.lineage
+        dead: set[int] = set()
+        while True:
+            with self.cond:
+                if self.r.round >= want or self.r.lineage != lineage:
+                    if self.r.lineage == lineage:  # closed without us (late): dropped
+                        return dict(self.r.glob)
+                    want, lineage = self.r.round + 1, self.r.lineage  # joined another lineage
+                leader = self.r.leader
+            if leader == self.island:
+                mine = Delta(self.island, want, lineage, tokens, frozenset(dead), average, delta)
+                with self.cond:
+                    accepted = self.r.accept(mine, time.monotonic())
+                    self.cond.notify_all()
+                if accepted and self._await_result(want):
+                    self._await_fetched(want)
+                continue
+            try:
+                meta = self._post_delta(leader, want, delta, tokens, dead, lineage, average)
+            except Unreachable:
+                dead.add(leader)
+                self._fail_over(dead)
+                continue
+            except PeerRefused:  # absent from the round: the round's result, as the others'
+                meta = {}
+            try:
+                if meta.get("refused"):  # another lineage or a closed round: join it
+                    self._join_via(leader, then_next=bool(meta.get("late")))
+                    continue
+                self._fetch_result(leader, want)
+                self._acknowledge(leader, want)
+            except Unreachable:
+                dead.add(leader)
+                self._fail_over(dead)
+
+    def join(self) -> None:
+        """A restarted island (no state) adopts a live peer's state (module doc, Restart)."""
+        while not self.r.ready:
+            for j in sorted(self.peers):
+                if j == self.island:
+                    continue
+                try:
+                    self._join_via(j, weight=False, then_next=True)
+                    return
+                except Unreachable:
+                    continue
+            time.sleep(self.cfg.probe_s)
+
+    # ---- client helpers ----------------------------------------------------------------
+
+    def _request(self, j: int, method: str, path: str, body: bytes = b"", long=False) -> bytes:
+        """Peer ``j``'s 200 reply to one request.
+
+        Raises:
+          Unreachable: no answer, or an answer that failed authentication.
+          PeerRefused: ``j`` refused the request (4xx): the reason is printed once.
+        """
+        if j in self.cut:
+            raise Unreachable(j)
+        wait = self.cfg.quorum_timeout_s + 2 * self.cfg.probe_s if long else self.cfg.probe_s
+        resp = request(
+            self.peers[j], method, path, body, wait, self.island, self.signer,
+            self.security.tls_client,
+        )  # fmt: skip
+        if resp is None or resp.status in (404, 500, 503, 504):
+            raise Unreachable(j)
+        if resp.status != 200:
+            self._tell(j, f"island {j} refused {method} {path.split('?')[0]}: {resp.reason}")
+            raise PeerRefused(resp.reason)
+        return resp.body
+
+    def _tell(self, j: int, line: str) -> None:
+        """Print ``line`` about peer ``j`` once per kind."""
+        kind = (j, line.split(":")[0] + line.split(":")[1][:30] if ":" in line else line)
+        if kind not in self.told:
+            self.told.add(kind)
+            self.say(f"diloco: {line}")
+
+    def _checked(self, j: int, parse, *args):
+        """``parse(*args)``, a peer's answer checked; a bad one is an unreachable peer."""
+        try:
+            return parse(*args)
+        except (Refused, WireError) as err:
+            self._tell(j, f"island {j} answered what this island refuses: {err}")
+            raise Unreachable(j) from None
+
+    def _status(self, j: int) -> dict:
+        body = self._request(j, "GET", "/status")
+        try:
+            status = json.loads(body)
+        except ValueError:
+            status = None
+        return self._checked(j, parse_status, status, self.r.expect)
+
+    def _fetch_result(self, j: int, want: int) -> None:
+        """Round ``want``'s result from leader ``j``: only the step when this island still
+        holds the state the round started from, else the whole state."""
+        with self.cond:
+            have = self.r.key() if self.r.ready else ""
+        query = f"round={want}&have={urllib.parse.quote(have)}"
+        meta, arrays = self._checked(j, unpack, self._get_result(j, query))
+        if meta.get("kind") != "step":
+            self._adopt(j, meta, arrays)
+            return
+        step = self._checked(j, parse_step, meta, arrays, self.r.expect)
+        with self.cond:
+            if self.r.key() == have:  # unchanged while it travelled
+                self.r.apply(step)
+                self.r.clear()
+                self.cond.notify_all()
+                return
+        self._adopt(j, *self._checked(j, unpack, self._get_result(j, f"round={want}")))
+
+    def _get_result(self, j: int, query: str) -> bytes:
+        try:
+            return self._request(j, "GET", f"/result?{query}", long=True)
+        except PeerRefused:
+            raise Unreachable(j) from None
+
+    def _adopt(self, j: int, meta: dict, arrays: Shards) -> None:
+        state = self._checked(j, parse_state, meta, arrays, self.r.expect)
+        with self.cond:
+            self.r.adopt(state)
+            self.cond.notify_all()
+
+    def _acknowledge(self, j: int, want: int) -> None:
+        """Tell leader ``j`` this island has round ``want``'s result (lost: it waits less)."""
+        try:
+            self._request(j, "GET", f"/ack?round={want}")
+        except (Unreachable, PeerRefused):
+            pass
+
+    def _post_delta(self, j, want, delta, tokens, dead, lineage, average=False) -> dict:
+        meta = {"island": self.island, "round": want, "tokens": tokens, "dead": sorted(dead)}
+        meta.update(lineage=lineage, average=average)
+        arrays, scales = {}, {}
+        if delta is None:
+            meta["abstain"] = True
+        else:
+            for k, d in delta.items():
+                arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
+            meta["scales"] = scales
+        body = self._request(j, "POST", "/delta", pack(meta, arrays), long=True)
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise Unreachable(j)
+        return reply
+
+    def _join_via(self, j: int, weight: bool = True, then_next: bool = False) -> None:
+        """Join the leader that island ``j`` follows (or ``j``); with ``weight`` this
+        island's progress since its fork is merged (another lineage's), else it only
+        adopts. ``then_next``: then wait, without a delta, for the round open at the join
+        to close and take its result in step with the others (:meth:`_await_next`)."""
+        status = self._status(j)
+        with self.cond:
+            r = self.r
+            meta = {"island": self.island, "lineage": r.lineage, "next": then_next}
+            meta.update(parent=r.parent, fork_tokens=r.fork_tokens, tokens=r.tokens)
+            # 1: merge my progress since the fork (nothing to merge within one lineage)
+            meta["weight"] = int(weight and r.ready and status["lineage"] != r.lineage)
+            arrays = dict(r.glob) if meta["weight"] else {}
+        for target in (status["leader"], j):
+            try:
+                body = self._request(target, "POST", "/join", pack(meta, arrays), True)
+            except (Unreachable, PeerRefused):
+                continue
+            reply, got = self._checked(target, unpack, body)
+            if reply.get("kind") == "awaiting":  # registered: the state comes with the round
+                rnd = reply.get("round")
+                if type(rnd) is not int:
+                    raise Unreachable(target)
+                self._await_next(target, rnd)
+            else:
+                self._adopt(target, reply, got)
+            return
+        raise Unreachable(j)
+
+    def _await_next(self, j: int, want: int) -> None:
+        """After a join registered at island ``j`` for round ``want`` (the round open at the
+        join): that round's result, acknowledged, so this island's next inner steps start
+        with its leader's (module doc, Restart). Waits as long as ``j`` answers; returns if
+        it does not (a later call fails over)."""
+        while True:
+            try:
+                self._fetch_result(j, want)
+                self._acknowledge(j, want)
+                return
+            except Unreachable:  # the round is still open (a long phase), or the leader died
+                try:
+                    self._status(j)
+                except (Unreachable, PeerRefused):
+                    return
+
+    def _heal_if_split(self) -> None:
+        """A group leader joins the primary when its probe has found one (module doc, Heal /
+        merge); waits for the probe in flight at most :data:`PROBE_WAIT_S`."""
+        with self.cond:
+            if self.r.leader != self.island:
+                return
+            outside = [j for j in sorted(self.peers) if j < self.island and j not in self.r.members]
+        if not outside:
+            return
+        if self.prober is None:
+            self.prober = threading.Thread(target=self._probe, args=(outside,), daemon=True)
+            self.prober.start()
+        self.prober.join(PROBE_WAIT_S)
+        if self.prober.is_alive():  # a cut link: its answer is taken at a later round
+            return
+        found, self.prober, self.primary = self.primary, None, None
+        if found is not None:
+            try:
+                self._join_via(found)
+            except PeerRefused:
+                pass
+
+    def _probe(self, outside: list[int]) -> None:
+        """Sets :attr:`primary` to the first of ``outside`` that answers ready with another
+        lineage."""
+        for j in outside:
+            try:
+                status = self._status(j)
+            except (Unreachable, PeerRefused):
+                continue
+            if status["lineage"] != self.r.lineage and status["ready"]:
+                self.primary = j
+                return
+
+    def _fail_over(self, dead: set[int]) -> None:
+        """The lowest reachable member becomes the leader (this island if none answers);
+        taking over from lower islands forks the lineage."""
+        with self.cond:
+            candidates = sorted(self.r.members - dead - {self.island})
+        for j in candidates:
+            if j > self.island:
+                break
+            try:
+                self._status(j)
+            except (Unreachable, PeerRefused):
+                dead.add(j)
+                continue
+            with self.cond:  # a refused delta (it forked first) makes this island join it
+                self.r.leader = j
+            return
+        with self.cond:
+            self.r.take_lead(dead)
+
+    # ---- the leader's side -------------------------------------------------------------
+
+    def _await_result(self, want: int) -> bool:
+        """Wait until round ``want`` is closed, closing it here if this island leads
+        (all members in, or the quorum timeout passed). False: not closed in time."""
+        end = time.monotonic() + self.cfg.quorum_timeout_s + self.cfg.probe_s
+        with self.cond:
+            while self.r.round < want:
+                now = time.monotonic()
+                if self.r.leader == self.island and self.r.open:
+                    if self.r.due(now):
+                        self.r.close()
+                        self.cond.notify_all()
+                        break
+                    wait = self.r.first_arrival + self.cfg.quorum_timeout_s - now
+                else:
+                    wait = end - now
+                if now >= end:
+                    return False
+                self.cond.wait(min(wait, end - now))
+            return True
+
+    def _await_fetched(self, want: int) -> None:
+        """Wait until the other participants of round ``want`` have acknowledged its result
+        (module doc, Lockstep): while a result is on its way to one of them, and then at
+        most ``quorum_timeout_s`` after the last one arrived (or after the wait began)."""
+        began = time.monotonic()
+        with self.cond:
+            while waiting := self.r.unacknowledged(want):
+                if any(self.sending.get(i) for i in waiting):
+                    self.cond.wait(self.cfg.quorum_timeout_s)
+                    continue
+                last = max([began] + [self.sent_at.get(i, 0.0) for i in waiting])
+                now = time.monotonic()
+                if now >= last + self.cfg.quorum_timeout_s:
+                    return
+                self.cond.wait(last + self.cfg.quorum_timeout_s - now)
+
+    def _on_send(self, peer: int, change: int, done: bool = False) -> None:
+        """A result's reply to ``peer`` starts (+1) or ends (-1; ``done``: received)."""
+        with self.cond:
+            self.sending[peer] = self.sending.get(peer, 0) + change
+            if change < 0 and done:  # a reply cut short is silence: the wait does not restart
+                self.sent_at[peer] = time.monotonic()
+            self.cond.notify_all()
+
+    def _limit(self, path: str) -> int:
+        """The most body bytes a POST to ``path`` may carry: the lane's arrays in the wire
+        dtype (a delta) or fp32 (a join's global model), with their meta."""
+        ex = self.r.expect
+        dtype = {"/delta": ex.wire_dtype.name, "/join": "float32"}.get(path)
+        if dtype is None:
+            return 0
+        entries = [(k, dtype, shape) for k, shape in ex.shapes.items()]
+        return packed_size(META_BYTES + 64 * len(entries), entries)
+
+    def _handle(self, req: Request) -> Reply:
+        """Answer one authenticated request; every message is checked before any state
+        changes, and a refusal names its reason."""
+        peer = f"{req.peer} (island {req.sender})"
+        if req.sender in self.cut:
+            return refusal(503, "link cut (test)")
+        if req.sender not in self.peers or req.sender == self.island:
+            return self.server.refuse(peer, 403, f"island {req.sender}: not a peer of this run")
+        try:
+            if req.method == "GET" and req.path == "/status":
+                return self._serve_status()
+            if req.method == "POST" and req.path == "/delta":
+                return self._serve_delta(req)
+            if req.method == "GET" and req.path == "/result":
+                return self._serve_result(req)
+            if req.method == "GET" and req.path == "/ack":
+                rnd = parse_round(urllib.parse.parse_qs(req.query))
+                with self.cond:
+                    self.r.acknowledged(req.sender, rnd)
+                    self.cond.notify_all()
+                return Reply(b"{}")
+            if req.method == "POST" and req.path == "/join":
+                return self._serve_join(req)
+        except (Refused, WireError) as err:
+            return self.server.refuse(peer, 400, f"{req.path}: {err}")
+        return refusal(404, f"{req.method} {req.path}: no such endpoint")
+
+    def _serve_status(self) -> Reply:
+        with self.cond:
+            r = self.r
+            out = {"island": self.island, "round": r.round, "leader": r.leader}
+            out.update(lineage=r.lineage, ready=r.ready, tokens=r.tokens)
+        return Reply(json.dumps(out).encode())
+
+    def _serve_delta(self, req: Request) -> Reply:
+        try:
+            delta = parse_delta(*unpack(req.body), req.sender, self.r.expect)
+        except (Refused, WireError):
+            with self.cond:  # an authenticated member: absent from the round, not waited for
+                self.r.absent(req.sender)
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            ok = self.r.accept(delta, time.monotonic())
+            late = not ok and self.r.is_late(delta)  # for a round of this lineage closed
+            self.cond.notify_all()
+        return Reply(json.dumps({"refused": not ok, "late": late}).encode())
+
+    def _serve_result(self, req: Request) -> Reply:
+        args = urllib.parse.parse_qs(req.query)
+        want, have = parse_round(args), args.get("have", [""])[0][:HAVE_MAX]
+        closed = self._await_result(want)
+        with self.cond:
+            body = None
+            step = self.r.step
+            if closed and self.r.round == want and step and step[0] == have:
+                body = step[1]  # the asker holds the round's start: the step only
+            elif closed:  # else the whole state, of the latest round
+                body = self.r.state_body()
+        if body is None:
+            return refusal(504, f"round {want} not closed in time")
+        return Reply(body, track=req.sender)
+
+    def _serve_join(self, req: Request) -> Reply:
+        join = parse_join(*unpack(req.body), req.sender, self.r.expect)
+        with self.cond:
+            if not self.r.ready:
+                return refusal(503, "not ready (restarting)")
+            self.r.merge(join)
+            rnd = self.r.register(join)
+            self.cond.notify_all()
+            if rnd is not None:  # registered: it fetches that round's result next
+                return Reply(pack({"kind": "awaiting", "round": rnd}))
+            return Reply(self.r.state_body())

@@ -1,0 +1,363 @@
+"""HTTP between islands: a server that checks before it reads, and a client that checks
+what it gets back.
+
+Server (:class:`Server`), for each request, in this order, each failure answered with a
+status and a one-line reason (``text/plain``) and nothing else done:
+
+1. authentication from the headers alone (:class:`~holmes_jax.diloco.auth.Verifier`;
+   401), or without a key a well-formed ``X-Island`` (400);
+2. the body's declared length: none for ``GET``; for ``POST`` at most what the handler's
+   ``limit(path)`` allows (413);
+3. the body, read in pieces within the socket's timeout; with a key it must have the
+   signed digest (401);
+4. the handler's answer (:class:`Reply`). An exception in the handler is a 500 with its
+   one-line message: no request can end a serving thread with a traceback.
+
+Replies go out in :data:`CHUNK`-byte writes, each within the socket's timeout, so a peer
+that stalls is dropped after that long; with a key each reply is signed for its request.
+Every refusal is counted by reason and reported once per peer address and reason through
+``say``.
+
+Client (:func:`request`): one request, signed with a key; the reply's status and body, or
+None when the peer is unreachable (refused, timed out, cut short). A reply that fails its
+signature counts as unreachable. TLS (``diloco.tls_*``): :func:`server_context` and
+:func:`client_context`; with ``tls_ca`` both sides present certificates (mutual TLS).
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import http.client
+import ssl
+import termios
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from holmes_jax.diloco.auth import AuthError, Signer, Verifier, digest
+
+CHUNK = 1 << 16  # bytes per write of a reply: each must pass within the socket timeout
+DRAIN_POLL_S = 0.02  # how often a reply's unsent bytes are read while it drains
+
+
+@dataclass(frozen=True)
+class Request:
+    """An authenticated (or, without a key, self-named) request and its whole body."""
+
+    method: str
+    path: str  # without the query
+    query: str
+    sender: int
+    body: bytes
+    peer: str  # the address it came from
+
+
+@dataclass
+class Reply:
+    """A handler's answer: ``status`` and ``body``; ``track``: the island whose delivery
+    of this reply is followed (a result's; ``on_send`` of :class:`Server`), or None."""
+
+    body: bytes
+    status: int = 200
+    track: int | None = None
+
+
+def refusal(status: int, reason: str) -> Reply:
+    """A refusal's reply: the one-line reason as the body."""
+    return Reply(reason.encode(), status)
+
+
+class Server:
+    """Serves ``handle`` at ``address`` (module doc).
+
+    Args:
+      address: ``(host, port)`` to listen on.
+      handle: ``Request -> Reply``.
+      limit: the most body bytes a ``POST`` to a path may carry.
+      timeout_s: a socket silent this long ends the request.
+      say: reports a refusal (one line, once per peer address and reason).
+      verifier: checks requests (with a key), or None.
+      tls: a server SSL context, or None.
+      on_send: ``(sender, +1)`` when a tracked reply starts, ``(sender, -1, done)`` when it
+        ends (``done``: the peer received all of it).
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handle: Callable[[Request], Reply],
+        limit: Callable[[str], int],
+        timeout_s: float,
+        say: Callable[[str], None],
+        verifier: Verifier | None = None,
+        tls: ssl.SSLContext | None = None,
+        on_send: Callable | None = None,
+    ):
+        self.handle, self.limit, self.say = handle, limit, say
+        self.verifier, self.on_send, self.timeout_s = verifier, on_send, timeout_s
+        self.refused: Counter[str] = Counter()  # reason's first words -> count
+        self.reported: set[tuple[str, str]] = set()
+        self.lock = threading.Condition()
+        self.active = 0  # requests being served
+        self.digests: list[tuple[bytes, str]] = []  # replies' bodies and their digests
+        self.signer = verifier.signer if verifier is not None else None
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = timeout_s  # a socket silent this long ends the request
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                server._serve(self, "GET")
+
+            def do_POST(self):
+                server._serve(self, "POST")
+
+        class Quiet(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):  # e.g. a failed TLS handshake
+                server.refuse(client_address[0], 0, "connection failed before a request")
+
+        self.http = Quiet(address, Handler)
+        if tls is not None:  # the handshake happens in the request's thread, not accept()
+            self.http.socket = tls.wrap_socket(
+                self.http.socket, server_side=True, do_handshake_on_connect=False
+            )
+        serve = lambda: self.http.serve_forever(poll_interval=0.05)  # noqa: E731
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop serving, after up to ``grace_s`` seconds for the requests being served to
+        finish."""
+        end = time.monotonic() + grace_s
+        with self.lock:
+            while self.active and time.monotonic() < end:
+                self.lock.wait(min(0.1, end - time.monotonic()))
+        self.http.shutdown()
+        self.http.server_close()
+
+    def refuse(self, peer: str, status: int, reason: str) -> Reply:
+        """Count ``reason`` and report it once per ``peer`` address and kind."""
+        kind = reason.split(":")[0][:60]
+        with self.lock:
+            self.refused[kind] += 1
+            first = (peer, kind) not in self.reported
+            self.reported.add((peer, kind))
+        if first:
+            self.say(
+                f"diloco: refused a request from {peer} ({status}): {reason}; further "
+                "ones like it from there are counted, not printed"
+            )
+        return refusal(status, reason)
+
+    def _serve(self, req: BaseHTTPRequestHandler, method: str) -> None:
+        peer = req.client_address[0]
+        nonce = req.headers.get("X-Nonce", "")
+        with self.lock:
+            self.active += 1
+        try:
+            try:
+                reply = self._answer(req, method, peer)
+            except Exception as err:  # noqa: BLE001 (no request may end the serving thread)
+                reason = f"internal error: {type(err).__name__}: {err}"[:200]
+                reply = self.refuse(peer, 500, reason)
+            self._reply(req, reply, nonce)
+        finally:
+            with self.lock:
+                self.active -= 1
+                self.lock.notify_all()
+
+    def _answer(self, req: BaseHTTPRequestHandler, method: str, peer: str) -> Reply:
+        path, _, query = req.path.partition("?")
+        if self.verifier is not None:
+            try:
+                sender = self.verifier.check(method, req.path, req.headers)
+            except AuthError as err:
+                return self.refuse(peer, 401, f"authentication: {err}")
+        else:
+            island = req.headers.get("X-Island", "")
+            if not island.isdigit() or len(island) > 9:
+                return self.refuse(peer, 400, f"X-Island={island[:20]!r}: must be an island index")
+            sender = int(island)
+        length = req.headers.get("Content-Length", "0")
+        if not length.isdigit() or len(length) > 15:
+            return self.refuse(peer, 400, f"Content-Length={length[:20]!r}: must be a byte count")
+        size, most = int(length), (self.limit(path) if method == "POST" else 0)
+        if size > most:
+            return self.refuse(
+                peer, 413, f"body too large: {size} bytes declared, {path} takes {most} at most"
+            )
+        body = self._read(req, size)
+        if body is None:
+            req.close_connection = True
+            return self.refuse(peer, 400, f"truncated body: fewer than the {size} bytes declared")
+        body, dig = body
+        if self.verifier is not None and dig != req.headers.get("X-Digest"):
+            return self.refuse(
+                peer,
+                401,
+                f"authentication: body does not match its digest ({size} bytes, {method} "
+                f"{path}, digest {dig[:12]} against {req.headers.get('X-Digest', '')[:12]})",
+            )
+        return self.handle(Request(method, path, query, sender, body, peer))
+
+    def _read(self, req: BaseHTTPRequestHandler, size: int) -> tuple[bytes, str | None] | None:
+        """``size`` bytes of body and, with a key, their digest; None if the peer sent
+        fewer (closed, or silent past the socket's timeout)."""
+        buf, got = bytearray(size), 0
+        view = memoryview(buf)
+        try:
+            while got < size:
+                n = req.rfile.readinto(view[got : got + CHUNK * 16])
+                if not n:
+                    return None
+                got += n
+        except OSError:
+            return None
+        return buf, (digest(buf) if self.verifier is not None else None)  # no copy
+
+    def _reply(self, req: BaseHTTPRequestHandler, reply: Reply, nonce: str) -> None:
+        """Send ``reply`` (signed for ``nonce`` with a key) in chunks, each within the
+        socket's timeout; a tracked one is followed until the peer has it (or not). A
+        refusal ends the connection: its body may be unread in the socket."""
+        if reply.status != 200:
+            req.close_connection = True
+        try:
+            req.send_response(reply.status)
+            req.send_header("Content-Length", str(len(reply.body)))
+            if reply.status != 200:
+                req.send_header("Content-Type", "text/plain; charset=utf-8")
+            if self.signer is not None:
+                dig = self._digest(reply.body)
+                for k, v in self.signer.reply(nonce, reply.status, dig).items():
+                    req.send_header(k, v)
+            req.end_headers()
+        except OSError:
+            req.close_connection = True
+            return
+        if reply.track is None or self.on_send is None:
+            self._write(req, reply.body)
+            return
+        self.on_send(reply.track, +1)
+        done = False
+        try:
+            done = self._write(req, reply.body) and drain(req.connection, self.timeout_s)
+        finally:
+            self.on_send(reply.track, -1, done)
+
+    def _digest(self, body: bytes) -> str:
+        """:func:`~holmes_jax.diloco.auth.digest` of a reply's body, once per body: every
+        member fetches the same step."""
+        with self.lock:
+            for cached, dig in self.digests:
+                if cached is body:
+                    return dig
+        dig = digest(body)
+        with self.lock:
+            self.digests = [(body, dig), *self.digests[:1]]  # the last two bodies
+        return dig
+
+    @staticmethod
+    def _write(req: BaseHTTPRequestHandler, body: bytes) -> bool:
+        """Write ``body`` in :data:`CHUNK`-byte pieces; False if the peer stalled past the
+        socket's timeout or closed (then the connection ends)."""
+        view = memoryview(body)
+        try:
+            for at in range(0, len(body), CHUNK):
+                req.wfile.write(view[at : at + CHUNK])
+        except OSError:
+            req.close_connection = True
+            return False
+        return True
+
+
+def drain(sock, timeout: float) -> bool:
+    """Wait until the peer has received what was written to ``sock`` (Linux: the socket's
+    send queue is empty; elsewhere at once): the kernel's buffer holds megabytes, seconds
+    of a slow link. False if the queue made no progress for ``timeout`` seconds."""
+    if not hasattr(termios, "TIOCOUTQ"):
+        return True
+    left, last, since = array.array("i", [0]), -1, time.monotonic()
+    while True:
+        try:
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, left)
+        except OSError:
+            return False
+        now = time.monotonic()
+        if left[0] == 0:
+            return True
+        if left[0] != last:
+            last, since = left[0], now
+        elif now - since >= timeout:
+            return False
+        time.sleep(DRAIN_POLL_S)
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+
+    @property
+    def reason(self) -> str:
+        """A refusal's one-line reason."""
+        return self.body[:300].decode("utf-8", "replace").strip()
+
+
+def request(
+    address: tuple[str, int],
+    method: str,
+    path: str,
+    body: bytes = b"",
+    timeout: float = 1.0,
+    island: int = -1,
+    signer: Signer | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> Response | None:
+    """One request to a peer's server; its status and body, or None when the peer refused
+    the connection, timed out, cut the reply short, or answered unsigned (with a key)."""
+    if tls is not None:
+        conn = http.client.HTTPSConnection(*address, timeout=timeout, context=tls)
+    else:
+        conn = http.client.HTTPConnection(*address, timeout=timeout)
+    headers = signer.request(method, path, body) if signer else {"X-Island": str(island)}
+    try:
+        conn.request(method, path, body, headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        if signer is not None:
+            signer.check_reply(headers["X-Nonce"], resp.status, resp.headers, data)
+    except (OSError, http.client.HTTPException, AuthError):
+        return None
+    finally:
+        conn.close()
+    return Response(resp.status, data)
+
+
+def server_context(cert: str, key: str, ca: str | None) -> ssl.SSLContext:
+    """TLS for a server: its certificate and key; with ``ca``, clients must present a
+    certificate it signed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    if ca:
+        ctx.load_verify_locations(ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(cert: str, key: str, ca: str | None) -> ssl.SSLContext:
+    """TLS for a client: peers' certificates checked against ``ca`` (else the system's
+    CAs), this island's certificate presented."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx
