@@ -38,7 +38,8 @@ from holmes_jax.diloco.auth import digest  # noqa: E402
 from holmes_jax.diloco.codec import decode, encode  # noqa: E402
 from holmes_jax.diloco.messages import Expect, parse_delta, parse_step  # noqa: E402
 from holmes_jax.diloco.rounds import SyncConfig  # noqa: E402
-from holmes_jax.diloco.sync import OuterSync, Security  # noqa: E402
+from holmes_jax.diloco.sync import OuterSync  # noqa: E402
+from holmes_jax.diloco.transport import Security  # noqa: E402
 from holmes_jax.diloco.wire import pack, unpack  # noqa: E402
 
 KEY = b"bench-trust-key-0123456789abcdef"

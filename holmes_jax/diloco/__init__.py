@@ -6,9 +6,10 @@ Layer: ``core`` <- ``planner`` <- ``cluster`` <- ``diloco`` <- ``runtime``. The 
   fp32 / bf16 / int8 encodings of a delta and the Nesterov step.
 - ``outer_step``: ``diloco.mode: spmd``, the outer step inside one program (jax): the
   replicas' deltas all-gathered over ``replica``.
-- ``islands``, ``lanes``: ``diloco.mode: independent``, one job per island: the job's
-  side (device <-> host, overlap, heal at start, the outer state beside checkpoints) and
-  the lanes that split the host-side traffic over the island's processes.
+- ``islands``, ``scope``, ``lanes``: ``diloco.mode: independent``, one job per island:
+  the job's side (device <-> host, overlap, heal at start, abstain, the outer state beside
+  checkpoints), which island it is with its outputs and rows, and the lanes that split
+  the host-side traffic over the island's processes.
 - ``wire``, ``messages``: what crosses between independent islands: the framed body
   format and the typed, checked messages it carries (checked before any state changes).
 - ``auth``: the shared-key HMAC on every request and reply between islands.

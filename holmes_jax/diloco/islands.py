@@ -8,14 +8,8 @@ the addresses of ``diloco.peers[diloco.island]`` (lanes, below).
 ``python -m holmes_jax.launch --independent-islands`` starts one such job per island and
 sets ``diloco.island`` and ``diloco.peers``.
 
-- Outputs (:func:`island_outputs`): the island's own run directory
-  ``<train.run_dir>/<island>``; an explicit ``train.metrics_path`` ``M.jsonl`` becomes
-  ``M.<island>.jsonl``, an explicit ``checkpoint.dir`` ``D`` becomes ``D/<island>``.
+- Which island, its outputs and its rows of each batch: :mod:`holmes_jax.diloco.scope`.
   Every metrics record names its island (``"island"``).
-- Batch (:class:`Share`): island i trains on rows ``[offset_i, offset_i + rows_i)`` of
-  each global batch, shares in proportion to the islands' compute
-  (:func:`holmes_jax.planner.grid.island_batch_rows`); with equal shares those are the rows
-  replica i trains on under ``spmd``. Evaluation covers the same windows as a whole-batch run.
 - Outer step: after the steps where ``spmd`` takes one (each warm-up step, then every H),
   the job's fp32 parameters (the master under bf16), in the logical layout, go to the
   lanes (below), each of which calls :meth:`~holmes_jax.diloco.sync.OuterSync.sync`
@@ -41,6 +35,10 @@ sets ``diloco.island`` and ``diloco.peers``.
 - Late: a round that came back as a later round (this island's delta missed its round)
   moves the island on to the step that round ended (with overlap, plus the steps since
   the send), as a heal does.
+- Abstain: when the inner steps since the last round skipped a non-finite step or left
+  non-finite parameters (on any process), the island sends nothing that round
+  (:meth:`~holmes_jax.diloco.sync.OuterSync.abstain`) and its parameters become the new
+  global model; one line says so.
 
 Lanes (:mod:`holmes_jax.diloco.lanes`): the outer sync runs in ``L`` lanes, one per
 address of an island's ``diloco.peers`` entry; lane ``ℓ`` carries block ``ℓ`` of every
@@ -53,9 +51,7 @@ rounds at once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 import sys
 import threading
 import time
@@ -73,86 +69,15 @@ from holmes_jax.diloco.lanes import LaneLayout, process_lanes
 from holmes_jax.diloco.messages import Expect, Refused, finite, parse_state
 from holmes_jax.diloco.outer_step import due_fragments, in_warmup
 from holmes_jax.diloco.rounds import SyncConfig
-from holmes_jax.diloco.sync import OuterSync, Security, Shards, live_round
-from holmes_jax.diloco.transport import client_context, server_context
+from holmes_jax.diloco.scope import Share, steps_after_round, steps_to_rounds
+from holmes_jax.diloco.sync import OuterSync, Shards
+from holmes_jax.diloco.transport import Security, client_context, live_round, server_context
 from holmes_jax.diloco.wire import WireError, unpack
-from holmes_jax.planner.grid import island_batch_rows
-from holmes_jax.planner.topology import load_topology
 
 PROBE_S = 1.0  # seconds to wait for a peer's /status at start
 COMPILE_WAIT_S = 3600  # several processes: how long they wait for the slowest to compile
 OUTER_DIR = "outer"  # beside the step directories of checkpoint.dir
 OUTER_META = ("round", "tokens", "lineage", "parent", "fork_tokens")
-
-
-def independent(cfg: Config) -> bool:
-    """Whether ``cfg`` is one island's job of independent DiLoCo."""
-    return cfg.diloco.mode == "independent"
-
-
-def island_name(cfg: Config) -> str:
-    """This job's island: its name in ``parallel.mesh``, else ``island<index>``."""
-    if cfg.parallel.mesh:
-        return load_topology(cfg.parallel.mesh).islands[cfg.diloco.island].name
-    return f"island{cfg.diloco.island}"
-
-
-def island_outputs(cfg: Config) -> Config:
-    """``cfg`` with this island's own outputs (module doc); unchanged outside independent
-    mode. Call before the run directory is chosen."""
-    if not independent(cfg):
-        return cfg
-    name, train, ckpt = island_name(cfg), cfg.train, cfg.checkpoint
-    run_dir = os.path.join(train.run_dir, name) if train.run_dir else train.run_dir
-    metrics = train.metrics_path
-    if metrics and metrics != "auto":
-        metrics = f"{os.path.splitext(metrics)[0]}.{name}.jsonl"
-    ckpt_dir = ckpt.dir
-    if ckpt_dir and ckpt_dir != "auto":
-        ckpt_dir = os.path.join(ckpt_dir, name)
-    return cfg.replace(
-        train=dataclasses.replace(train, run_dir=run_dir, metrics_path=metrics),
-        checkpoint=dataclasses.replace(ckpt, dir=ckpt_dir),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Share:
-    """This island's part of each global batch: rows ``[offset, offset + rows)`` of
-    ``total``."""
-
-    island: int
-    name: str
-    offset: int
-    rows: int
-    total: int
-
-
-def island_scope(cfg: Config) -> tuple[Config, Share]:
-    """The island job's config (``replica`` 1, ``train.global_batch_size`` its rows) and
-    its :class:`Share`."""
-    rows = island_batch_rows(cfg)
-    i = cfg.diloco.island
-    share = Share(i, island_name(cfg), sum(rows[:i]), rows[i], cfg.train.global_batch_size)
-    cfg = cfg.replace(
-        parallel=dataclasses.replace(cfg.parallel, replica=1),
-        train=dataclasses.replace(cfg.train, global_batch_size=share.rows),
-    )
-    return cfg, share
-
-
-def eval_batch_count(share: Share, eval_batches: int) -> int:
-    """How many eval batches of ``share.rows`` rows cover the windows of ``eval_batches``
-    batches of the whole global batch (exact when the rows divide them)."""
-    return max(1, share.total * eval_batches // share.rows)
-
-
-def steps_after_round(rounds: int, inner_steps: int, warmup_steps: int) -> int:
-    """The step count at which ``rounds`` outer steps are done (one per warm-up step, then
-    one every ``inner_steps``)."""
-    if rounds <= warmup_steps:
-        return rounds
-    return warmup_steps + (rounds - warmup_steps) * inner_steps
 
 
 class IslandSync:
@@ -612,14 +537,6 @@ def _settled(state) -> float:
 
 def _late(step: int, ended: int) -> str:
     return f"; late: a later round adopted, on from step {ended}" if ended > step else ""
-
-
-def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
-    """The outer steps done by step ``step`` (inverse of :func:`steps_after_round` at round
-    boundaries)."""
-    if step <= warmup_steps:
-        return step
-    return warmup_steps + (step - warmup_steps) // inner_steps
 
 
 def load_outer(directory: str, step: int, lane: int, expect: Expect):

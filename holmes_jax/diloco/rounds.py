@@ -37,10 +37,11 @@ from holmes_jax.diloco.messages import (
     Step,
     fork_round,
 )
-from holmes_jax.diloco.wire import pack
+from holmes_jax.diloco.wire import pack, packed_size
 
 Shards = dict[str, np.ndarray]
 ROUNDS_KEPT = 4  # rounds whose participants and acknowledgements are remembered
+META_BYTES = 1 << 16  # JSON meta besides the per-key scales a body may carry
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,16 @@ class Rounds:
             lr=cfg.outer_lr,
             mu=cfg.outer_momentum,
         )
+
+    def max_body(self, path: str) -> int:
+        """The most body bytes a POST to ``path`` may carry: the lane's arrays in the wire
+        dtype (a delta) or fp32 (a join's global model), with their meta."""
+        ex = self.expect
+        dtype = {"/delta": ex.wire_dtype.name, "/join": "float32"}.get(path)
+        if dtype is None:
+            return 0
+        entries = [(k, dtype, shape) for k, shape in ex.shapes.items()]
+        return packed_size(META_BYTES + 64 * len(entries), entries)
 
     def key(self) -> str:
         """What names this island's global model: lineage, round and tokens (a merge
@@ -306,3 +317,10 @@ class Rounds:
         arrays = {f"g/{k}": v for k, v in self.glob.items()}
         arrays.update({f"m/{k}": v for k, v in self.mom.items()})
         return pack(self.state_meta(), arrays)
+
+
+def split_state(arrays: Shards) -> tuple[Shards, Shards]:
+    """A packed state's arrays (:meth:`OuterSync.snapshot`) -> (global, momentum)."""
+    glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
+    mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+    return glob, mom

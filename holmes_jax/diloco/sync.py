@@ -1,11 +1,8 @@
 """The outer sync of independent DiLoCo islands over HTTP: rounds, quorum, heal, merge.
 
 With ``diloco.mode: independent`` each island is its own job; between jobs only this
-protocol runs (plain Python and numpy, no jax: the runtime moves shards device<->host).
-An island's state is ``global`` and ``momentum`` (fp32 shards, keyed ``"<leaf path>#<shard>"``,
-the logical layout, so islands may use different plans), the number ``round`` of outer
-steps it has applied, ``tokens`` (the tokens its model has seen) and ``lineage`` (the id
-of its history; ``"root"`` until a split).
+protocol runs (plain Python and numpy, no jax). An island's state and history are
+:class:`~holmes_jax.diloco.rounds.Rounds`'s (the logical layout, so plans may differ).
 
 Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client):
 
@@ -78,13 +75,9 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   takes part with nothing (it counts for nothing in the mean, and is not waited for), then
   takes the round's result like every member and restarts its inner steps from the new
   global model. Its peers never see its values.
-* **Trust.** Every message is checked before it changes any state
-  (:mod:`holmes_jax.diloco.messages`), every request and reply is authenticated with the
-  shared key when there is one (:mod:`holmes_jax.diloco.auth`), and the server reads no
-  body before both and no larger than the lane's expected size
-  (:mod:`holmes_jax.diloco.transport`). A refused delta is a delta not sent: its island
-  is absent from the round and takes the result as a late island does; each side prints
-  the reason once.
+* **Trust.** Nothing a peer sends changes state unchecked (:mod:`~holmes_jax.diloco.messages`,
+  :mod:`~holmes_jax.diloco.auth`, :mod:`~holmes_jax.diloco.transport`). A refused delta
+  leaves its island absent from the round; it takes the result as the others do.
 
 HTTP (bodies in :mod:`holmes_jax.diloco.wire`'s format): ``GET /status``, ``POST /delta``,
 ``GET /result?round=r[&have=<lineage;round;tokens>]``, ``GET /ack?round=r``, ``POST /join``.
@@ -98,7 +91,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -116,61 +108,20 @@ from holmes_jax.diloco.messages import (
     parse_step,
 )
 from holmes_jax.diloco.rounds import Rounds, Shards, SyncConfig
-from holmes_jax.diloco.transport import Reply, Request, Server, refusal, request
-from holmes_jax.diloco.wire import WireError, pack, packed_size, unpack
+from holmes_jax.diloco.transport import (
+    PeerRefused,
+    Reply,
+    Request,
+    Security,
+    Server,
+    Unreachable,
+    refusal,
+    request,
+)
+from holmes_jax.diloco.wire import WireError, pack, unpack
 
 PROBE_WAIT_S = 0.25  # how long a round waits for the split probe (Heal / merge)
-META_BYTES = 1 << 16  # JSON meta besides the per-key scales a body may carry
 HAVE_MAX = 200  # characters of a /result query's have=
-
-
-@dataclass(frozen=True)
-class Security:
-    """How this island talks to its peers: the shared ``key`` (None: unauthenticated)
-    and TLS contexts (None: plain HTTP)."""
-
-    key: bytes | None = None
-    tls_server: object | None = None
-    tls_client: object | None = None
-
-
-class Unreachable(Exception):
-    """A peer did not answer (refused, timed out, its link is cut, or its answer failed
-    its checks)."""
-
-
-class PeerRefused(Exception):
-    """A peer refused this island's message; ``str`` is its one-line reason."""
-
-
-def split_state(arrays: Shards) -> tuple[Shards, Shards]:
-    """A packed state's arrays (:meth:`OuterSync.snapshot`) -> (global, momentum)."""
-    glob = {k[2:]: v for k, v in arrays.items() if k.startswith("g/")}
-    mom = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
-    return glob, mom
-
-
-def live_round(
-    peers: dict[int, tuple[str, int]], me: int, timeout: float, security: Security | None = None
-) -> int:
-    """The highest round a live, ready peer other than island ``me`` reports (0: none)."""
-    security = security or Security()
-    signer = Signer(security.key, me) if security.key else None
-    best = 0
-    for j, address in peers.items():
-        if j == me:
-            continue
-        resp = request(address, "GET", "/status", b"", timeout, me, signer, security.tls_client)
-        if resp is None or resp.status != 200:
-            continue
-        try:
-            status = json.loads(resp.body)
-            ready, rnd = status.get("ready"), status.get("round")
-        except (ValueError, AttributeError):
-            continue
-        if ready is True and type(rnd) is int and rnd >= 0:
-            best = max(best, rnd)
-    return best
 
 
 class OuterSync:
@@ -215,7 +166,7 @@ class OuterSync:
         self.server = Server(
             self.peers[island],
             self._handle,
-            self._limit,
+            self.r.max_body,
             cfg.quorum_timeout_s,
             self.say,
             Verifier(key) if key else None,
@@ -244,7 +195,8 @@ class OuterSync:
         self.server.close(grace_s)
 
     def snapshot(self) -> bytes:
-        """This island's whole state, packed (:func:`split_state` reads its arrays)."""
+        """This island's whole state, packed (:func:`~holmes_jax.diloco.rounds.split_state`
+        reads its arrays)."""
         with self.cond:
             return self.r.state_body()
 
@@ -570,16 +522,6 @@ class OuterSync:
             if change < 0 and done:  # a reply cut short is silence: the wait does not restart
                 self.sent_at[peer] = time.monotonic()
             self.cond.notify_all()
-
-    def _limit(self, path: str) -> int:
-        """The most body bytes a POST to ``path`` may carry: the lane's arrays in the wire
-        dtype (a delta) or fp32 (a join's global model), with their meta."""
-        ex = self.r.expect
-        dtype = {"/delta": ex.wire_dtype.name, "/join": "float32"}.get(path)
-        if dtype is None:
-            return 0
-        entries = [(k, dtype, shape) for k, shape in ex.shapes.items()]
-        return packed_size(META_BYTES + 64 * len(entries), entries)
 
     def _handle(self, req: Request) -> Reply:
         """Answer one authenticated request; every message is checked before any state

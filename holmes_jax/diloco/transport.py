@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import fcntl
 import http.client
+import json
 import ssl
 import termios
 import threading
@@ -42,6 +43,15 @@ from holmes_jax.diloco.auth import AuthError, Signer, Verifier, digest
 
 CHUNK = 1 << 16  # bytes per write of a reply: each must pass within the socket timeout
 DRAIN_POLL_S = 0.02  # how often a reply's unsent bytes are read while it drains
+
+
+class Unreachable(Exception):
+    """A peer did not answer (refused, timed out, its link is cut, or its answer failed
+    its checks)."""
+
+
+class PeerRefused(Exception):
+    """A peer refused this island's message; ``str`` is its one-line reason."""
 
 
 @dataclass(frozen=True)
@@ -361,3 +371,36 @@ def client_context(cert: str, key: str, ca: str | None) -> ssl.SSLContext:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert, key)
     return ctx
+
+
+@dataclass(frozen=True)
+class Security:
+    """How this island talks to its peers: the shared ``key`` (None: unauthenticated)
+    and TLS contexts (None: plain HTTP)."""
+
+    key: bytes | None = None
+    tls_server: object | None = None
+    tls_client: object | None = None
+
+
+def live_round(
+    peers: dict[int, tuple[str, int]], me: int, timeout: float, security: Security | None = None
+) -> int:
+    """The highest round a live, ready peer other than island ``me`` reports (0: none)."""
+    security = security or Security()
+    signer = Signer(security.key, me) if security.key else None
+    best = 0
+    for j, address in peers.items():
+        if j == me:
+            continue
+        resp = request(address, "GET", "/status", b"", timeout, me, signer, security.tls_client)
+        if resp is None or resp.status != 200:
+            continue
+        try:
+            status = json.loads(resp.body)
+            ready, rnd = status.get("ready"), status.get("round")
+        except (ValueError, AttributeError):
+            continue
+        if ready is True and type(rnd) is int and rnd >= 0:
+            best = max(best, rnd)
+    return best

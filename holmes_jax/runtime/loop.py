@@ -59,14 +59,9 @@ from holmes_jax.cluster.distributed import (
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, flops_per_token
-from holmes_jax.diloco.islands import (
-    IslandSync,
-    eval_batch_count,
-    independent,
-    island_outputs,
-    island_scope,
-)
+from holmes_jax.diloco.islands import IslandSync
 from holmes_jax.diloco.outer_step import in_warmup
+from holmes_jax.diloco.scope import eval_batch_count, independent, island_outputs, island_scope
 from holmes_jax.planner.failures import replan
 from holmes_jax.planner.grid import job_topology, load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
@@ -156,7 +151,7 @@ class Resolved:
       asked: the config as given, outputs resolved (before the planner's choices).
       diloco_choice: :func:`~holmes_jax.planner.strategy.resolve_diloco`'s choice, or None.
       share: an independent DiLoCo island's rows of the global batch
-        (:mod:`holmes_jax.diloco.islands`), else None.
+        (:mod:`holmes_jax.diloco.scope`), else None.
     """
 
     cfg: Config

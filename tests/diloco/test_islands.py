@@ -27,15 +27,10 @@ from holmes_jax.cluster.launcher import free_port
 from holmes_jax.cluster.supervisor import parse_fault
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.diloco.islands import (
-    IslandSync,
-    island_outputs,
-    island_scope,
-    steps_after_round,
-    steps_to_rounds,
-)
+from holmes_jax.diloco.islands import IslandSync
 from holmes_jax.diloco.messages import Expect
-from holmes_jax.diloco.sync import split_state
+from holmes_jax.diloco.rounds import split_state
+from holmes_jax.diloco.scope import island_outputs, island_scope, steps_after_round, steps_to_rounds
 from holmes_jax.diloco.wire import unpack
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology, without_hosts

@@ -23,8 +23,8 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.diloco.auth import Signer
 from holmes_jax.diloco.messages import Expect, Refused, parse_delta
 from holmes_jax.diloco.rounds import Rounds, SyncConfig
-from holmes_jax.diloco.sync import OuterSync, Security
-from holmes_jax.diloco.transport import client_context, server_context
+from holmes_jax.diloco.sync import OuterSync
+from holmes_jax.diloco.transport import Security, client_context, server_context
 from holmes_jax.diloco.wire import WireError, pack, unpack
 from tests.diloco.test_sync import KEYS, expected, free_ports, inner, same, start_state
 
@@ -406,7 +406,7 @@ def test_replies_are_authenticated_too(trio):
     try:
         client = OuterSync(1, {0: impostor.peers[0], 1: free_ports(1)[0]}, CFG, start_state(),
                            security=Security(KEY), say=lambda line: None)  # fmt: skip
-        from holmes_jax.diloco.sync import Unreachable
+        from holmes_jax.diloco.transport import Unreachable
 
         with pytest.raises(Unreachable):
             client._status(0)  # the impostor refuses it (401), and its reply fails the tag
