@@ -8,6 +8,8 @@ per island, the outer sync between them over HTTP (:mod:`holmes_jax.diloco.islan
 - ``launch --independent-islands`` with an island killed and restarted: the returning
   island heals from its live peer (no checkpoint read), takes part in the next outer step,
   and both end with the same global model.
+- ``launch --independent-islands`` with one island's step made non-finite: it skips the
+  step, abstains from the next round, takes its peer's model, and both end on one model.
 """
 
 import dataclasses
@@ -412,3 +414,34 @@ def test_a_round_with_a_skipped_step_abstains_and_takes_the_global_model(overlap
         assert got[2] == 20.0 and got[4] == 30.0
     else:  # merged one step later: the abstained rounds take g alone (21, 31), no NaN
         assert got[3] == 21.0 and got[5] == 31.0
+
+
+def test_a_nan_island_abstains_and_both_end_on_one_model(tmp_path, proc_env):
+    """``launch --independent-islands --fail-host roce-0@3:nan``: roce's step 3 is not
+    finite, so it is skipped and roce sends nothing in the round after step 4 (it abstains:
+    the round is ib's delta alone) and takes ib's global model; both islands train on, take
+    part in every later round, and end with one global model, bit for bit."""
+    mesh = two_host_mesh(tmp_path)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
+    cmd += ["--independent-islands", "--fail-host", "roce-0@3:nan"]
+    job = [*DILOCO, f"train.run_dir={run_dir}", "checkpoint.every=4"]
+    cmd += ["--", *as_flags(job)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+    assert "[roce-0] diloco: island roce: 1 non-finite step(s) skipped since step 2" in out, out
+    ib, roce = (records(run_dir / island / "metrics.jsonl") for island in ("ib", "roce"))
+    assert sorted(ib) == sorted(roce) == list(range(1, 9))
+    assert roce[3]["skipped_steps"] == 1 and roce[8]["skipped_steps"] == 1
+    assert ib[8]["skipped_steps"] == 0 and np.isfinite(roce[8]["loss"])
+    rounds = {(int(s), m) for s, r, m in ROUND.findall(out)}
+    assert (4, "0, 1") in rounds and (8, "0, 1") in rounds, rounds  # abstained, still a member
+    saved = [run_dir / i / "checkpoints" / "outer" / "8.lane0.outer" for i in ("ib", "roce")]
+    glob = [split_state(unpack(path.read_bytes())[1])[0] for path in saved]
+    assert glob[0].keys() == glob[1].keys()
+    for key in glob[0]:
+        np.testing.assert_array_equal(glob[0][key], glob[1][key])
+    assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
