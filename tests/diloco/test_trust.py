@@ -9,7 +9,7 @@ by hand from the state before the attack, so the attack changed nothing.
 """
 
 import http.client
-import json
+import os
 import socket
 import subprocess
 import time
@@ -18,13 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from holmes_jax.cluster import island_jobs
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.keyfile import read_key
 from holmes_jax.diloco.auth import Signer
-from holmes_jax.diloco.messages import Expect, Refused, parse_delta
+from holmes_jax.diloco.messages import Delta, Expect, Refused, parse_delta
 from holmes_jax.diloco.rounds import Rounds, SyncConfig
 from holmes_jax.diloco.sync import OuterSync
-from holmes_jax.diloco.transport import Security, client_context, server_context
+from holmes_jax.diloco.transport import Security, Unreachable, client_context, server_context
 from holmes_jax.diloco.wire import WireError, pack, unpack
 from tests.diloco.test_sync import KEYS, expected, free_ports, inner, same, start_state
 
@@ -366,10 +368,7 @@ def test_an_abstaining_island_equals_an_absent_one(trio):
 def test_the_leader_abstaining_alone_keeps_the_model():
     """No island sent anything: a zero averaging step, model and momentum unchanged."""
     rounds = Rounds(0, [0], CFG, start_state())
-    rounds.r = rounds
     before = dict(rounds.glob), dict(rounds.mom)
-    from holmes_jax.diloco.messages import Delta
-
     assert rounds.accept(Delta(0, 1, "root", 0, frozenset(), False, None), 0.0)
     rounds.close()
     assert rounds.round == 1 and same(rounds.glob, before[0]) and same(rounds.mom, before[1])
@@ -406,8 +405,6 @@ def test_replies_are_authenticated_too(trio):
     try:
         client = OuterSync(1, {0: impostor.peers[0], 1: free_ports(1)[0]}, CFG, start_state(),
                            security=Security(KEY), say=lambda line: None)  # fmt: skip
-        from holmes_jax.diloco.transport import Unreachable
-
         with pytest.raises(Unreachable):
             client._status(0)  # the impostor refuses it (401), and its reply fails the tag
         client.close()
@@ -482,15 +479,8 @@ def test_the_new_keys_are_checked_in_one_line(tmp_path):
 
 
 def test_the_launcher_makes_a_key_for_the_run():
-    from holmes_jax.cluster import island_jobs
-    from holmes_jax.core.keyfile import read_key
-
     with island_jobs.run_key(["--set", "train.steps=2"]) as path:
-        import os
-
         assert len(read_key(path)) == 64 and os.stat(path).st_mode & 0o777 == 0o600
     assert not os.path.exists(path)  # removed with the launch
     with island_jobs.run_key(["--set", "diloco.sync_key_file=/mine"]) as path:
         assert path is None  # the user's own key is kept
-    status = json.dumps({"ok": True})
-    assert status
