@@ -33,8 +33,6 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
-from holmes_jax.core.keyfile import read_key  # noqa: F401 (the key's one rule; used here)
-
 WINDOW_S = 300.0  # a request's clock may differ this much from the server's
 NONCES_MAX = 1 << 20
 DIGEST_CHUNK = 8 << 20  # bytes of body per hashed piece (:func:`digest`)
@@ -63,6 +61,17 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0))), "holmes_jax-digest")
 
 
+def tag(key: bytes, *fields: str) -> str:
+    """HMAC-SHA256 with ``key`` over ``fields`` joined by newlines (hex)."""
+    return hmac.new(key, "\n".join(fields).encode(), hashlib.sha256).hexdigest()
+
+
+def _same(got: str, want: str) -> bool:
+    """Whether a tag or digest from a header equals ``want``, in constant time (a header
+    with other than ASCII in it equals nothing we make)."""
+    return got.isascii() and hmac.compare_digest(got, want)
+
+
 class Signer:
     """Signs requests and checks replies with ``key`` (module doc)."""
 
@@ -70,7 +79,7 @@ class Signer:
         self.key, self.island = key, str(island)
 
     def _tag(self, *fields: str) -> str:
-        return hmac.new(self.key, "\n".join(fields).encode(), hashlib.sha256).hexdigest()
+        return tag(self.key, *fields)
 
     def request(self, method: str, path: str, body: bytes) -> dict[str, str]:
         """The headers of a request (``path`` with its query)."""
@@ -93,9 +102,9 @@ class Signer:
         """Raises AuthError unless the reply was made for ``nonce`` with this key."""
         dig = headers.get("X-Digest", "")
         want = self._tag("rep", nonce, str(status), dig)
-        if not hmac.compare_digest(headers.get("X-Tag", ""), want):
+        if not _same(headers.get("X-Tag", ""), want):
             raise AuthError("reply without a valid tag")
-        if not hmac.compare_digest(digest(body), dig):
+        if not _same(dig, digest(body)):
             raise AuthError("reply body does not match its digest")
 
 
@@ -103,7 +112,8 @@ class Verifier:
     """Checks requests' headers (before the body is read) and then their body's digest."""
 
     def __init__(self, key: bytes, window_s: float = WINDOW_S):
-        self.signer = Signer(key, -1)
+        self.key = key
+        self.signer = Signer(key, -1)  # signs the server's replies
         self.window_s = window_s
         self.nonces: OrderedDict[str, float] = OrderedDict()  # nonce -> its X-Time
         self.lock = threading.Lock()
@@ -118,9 +128,9 @@ class Verifier:
         fields = [headers.get(h) for h in ("X-Island", "X-Time", "X-Nonce", "X-Digest", "X-Tag")]
         if any(f is None for f in fields):
             raise AuthError("no authentication headers (is diloco.sync_key_file set on both?)")
-        island, stamp, nonce, dig, tag = fields
-        want = self.signer._tag("req", method, path, island, stamp, nonce, dig)
-        if not hmac.compare_digest(tag, want):
+        island, stamp, nonce, dig, sent_tag = fields
+        want = tag(self.key, "req", method, path, island, stamp, nonce, dig)
+        if not _same(sent_tag, want):
             raise AuthError("wrong tag (another key, or the request was altered)")
         try:
             sent, sender = float(stamp), int(island)

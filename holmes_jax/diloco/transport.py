@@ -207,7 +207,6 @@ class Server:
             )
         body = self._read(req, size)
         if body is None:
-            req.close_connection = True
             return self.refuse(peer, 400, f"truncated body: fewer than the {size} bytes declared")
         body, dig = body
         if self.verifier is not None and dig != req.headers.get("X-Digest"):

@@ -22,7 +22,7 @@ from holmes_jax.cluster import island_jobs
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.keyfile import read_key
-from holmes_jax.diloco.auth import Signer
+from holmes_jax.diloco.auth import Signer, tag
 from holmes_jax.diloco.messages import Delta, Expect, Refused, parse_delta
 from holmes_jax.diloco.rounds import Rounds, SyncConfig
 from holmes_jax.diloco.sync import OuterSync
@@ -275,11 +275,15 @@ def test_authentication_refuses_before_the_body_and_once_per_peer(trio):
     old = Signer(KEY, 1)
     stale = old.request("GET", "/status", b"")
     stale["X-Time"] = f"{time.time() - 3600:.3f}"
-    stale["X-Tag"] = old._tag(
-        "req", "GET", "/status", "1", stale["X-Time"], stale["X-Nonce"], stale["X-Digest"]
+    stale["X-Tag"] = tag(
+        KEY, "req", "GET", "/status", "1", stale["X-Time"], stale["X-Nonce"], stale["X-Digest"]
     )
     status, reason = send(peers[0], "GET", "/status", b"", stale)
     assert status == 401 and b"stale" in reason
+    # a tag of other than ASCII is a wrong tag, not an error inside the server
+    bad = {**Signer(KEY, 1).request("GET", "/status", b""), "X-Tag": "\xe9" * 64}
+    status, reason = send(peers[0], "GET", "/status", b"", bad)
+    assert status == 401 and b"wrong tag" in reason
     # an oversized body is refused from its declared length: the server reads none of it
     sock = socket.create_connection(peers[0])
     head = Signer(KEY, 1).request("POST", "/delta", b"")
@@ -299,7 +303,7 @@ def test_authentication_refuses_before_the_body_and_once_per_peer(trio):
     # one line per peer address and kind, however many requests
     kinds = [line for line in said[0] if "refused a request from 127.0.0.1" in line]
     assert len(kinds) == len({line.split("): ")[1].split(":")[0] for line in kinds}) == 3
-    assert nodes[0].refused == 8
+    assert nodes[0].refused == 9
     honest_round(nodes)
 
 
