@@ -176,22 +176,17 @@ class IslandSync:
             barrier("holmes_jax/island_sync_compiled", COMPILE_WAIT_S)
         return heal
 
-    @property
-    def _round_tokens(self) -> int:
-        """The most tokens one round counts: the global batch's over ``inner_steps``."""
-        return self.d.inner_steps * self.share.total * self.cfg.model.seq_len
+    @functools.cached_property
+    def _sync_config(self) -> SyncConfig:
+        """The protocol's settings; a round counts at most the global batch's tokens over
+        ``inner_steps``."""
+        round_tokens = self.d.inner_steps * self.share.total * self.cfg.model.seq_len
+        return SyncConfig.from_diloco(self.d, round_tokens)
 
     def _expect(self, lane: int) -> Expect:
         """What this island takes from its peers (and its own saved files) on ``lane``."""
         shapes = {k: v for k, v in self.layout.block_shapes().items() if _lane(k) == lane}
-        return Expect(
-            shapes=shapes,
-            outer_dtype=self.d.outer_dtype,
-            islands=frozenset(range(len(self.d.peers))),
-            round_tokens=self._round_tokens,
-            lr=self.d.outer_lr,
-            mu=self.d.outer_momentum,
-        )
+        return self._sync_config.expect(shapes, range(len(self.d.peers)))
 
     def _serve(self, lane: int, state) -> OuterSync:
         """Lane ``lane``'s protocol, served at this island's address of it.
@@ -201,14 +196,13 @@ class IslandSync:
             addresses are fixed for the run, so an island that lost that host for good
             cannot serve the lane).
         """
-        config = SyncConfig.from_diloco(self.d, self._round_tokens)
         shapes = self._expect(lane).shapes
         say = self.say if self.main else _stderr(f"process {jax.process_index()}: ")
         try:
             return OuterSync(
                 self.share.island,
                 self.peers[lane],
-                config,
+                self._sync_config,
                 state,
                 shapes=shapes,
                 security=self.security,

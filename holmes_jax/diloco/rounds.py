@@ -59,6 +59,18 @@ class SyncConfig:
     probe_s: float = 1.0  # seconds to wait for a peer's /status or a connection
     round_tokens: int = 1 << 40
 
+    def expect(self, shapes: dict[str, tuple[int, ...]], islands) -> Expect:
+        """What an island with these settings takes from its peers on a lane of
+        ``shapes``, among ``islands``."""
+        return Expect(
+            shapes=dict(shapes),
+            outer_dtype=self.outer_dtype,
+            islands=frozenset(islands),
+            round_tokens=self.round_tokens,
+            lr=self.outer_lr,
+            mu=self.outer_momentum,
+        )
+
     @classmethod
     def from_diloco(cls, diloco, round_tokens: int, probe_s: float = 1.0) -> SyncConfig:
         """The protocol's settings from a run's ``diloco`` section."""
@@ -109,16 +121,8 @@ class Rounds:
         self.ready = state is not None
         if state is None and shapes is None:
             raise ValueError("a restarted island (no state) needs its lane's shapes")
-        self.expect = Expect(
-            shapes=dict(shapes)
-            if shapes is not None
-            else {k: v.shape for k, v in self.glob.items()},
-            outer_dtype=cfg.outer_dtype,
-            islands=frozenset(islands),
-            round_tokens=cfg.round_tokens,
-            lr=cfg.outer_lr,
-            mu=cfg.outer_momentum,
-        )
+        own = {k: v.shape for k, v in self.glob.items()}
+        self.expect = cfg.expect(shapes if shapes is not None else own, islands)
 
     def max_body(self, path: str) -> int:
         """The most body bytes a POST to ``path`` may carry: the lane's arrays in the wire

@@ -69,7 +69,6 @@ Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client
   from the next round on. The state is sent once, after the round closes: one sent at
   the join would be a round old on arrival, and the island would need the round's step
   as well.
-
 * **Abstain.** An island whose inner steps of the round were not finite (a skipped step,
   or non-finite parameters) sends no values: :meth:`OuterSync.abstain` tells its leader it
   takes part with nothing (it counts for nothing in the mean, and is not waited for), then
@@ -160,7 +159,7 @@ class OuterSync:
         self.primary: int | None = None  # what it found: an island of another lineage
         self.sending: dict[int, int] = {}  # island -> results being written to it
         self.sent_at: dict[int, float] = {}  # island -> when the last one was received
-        self.told: set[tuple[int, str]] = set()  # (peer, kind) of refusals printed here
+        self.told: set[tuple] = set()  # kinds of refusal printed here (:meth:`_tell`)
         key = self.security.key
         self.signer = Signer(key, island) if key else None
         self.server = Server(
@@ -295,23 +294,24 @@ class OuterSync:
         if resp is None or resp.status in (404, 500, 503, 504):
             raise Unreachable(j)
         if resp.status != 200:
-            self._tell(j, f"island {j} refused {method} {path.split('?')[0]}: {resp.reason}")
+            self._tell(j, f"refused {method} {path.split('?')[0]}", resp.reason)
             raise PeerRefused(resp.reason)
         return resp.body
 
-    def _tell(self, j: int, line: str) -> None:
-        """Print ``line`` about peer ``j`` once per kind."""
-        kind = (j, line.split(":")[0] + line.split(":")[1][:30] if ":" in line else line)
+    def _tell(self, j: int, what: str, reason: str) -> None:
+        """Print that peer ``j`` did ``what`` for ``reason``, once per peer, ``what`` and
+        the reason's first field."""
+        kind = (j, what, reason.split(":")[0])
         if kind not in self.told:
             self.told.add(kind)
-            self.say(f"diloco: {line}")
+            self.say(f"diloco: island {j} {what}: {reason}")
 
     def _checked(self, j: int, parse, *args):
         """``parse(*args)``, a peer's answer checked; a bad one is an unreachable peer."""
         try:
             return parse(*args)
         except (Refused, WireError) as err:
-            self._tell(j, f"island {j} answered what this island refuses: {err}")
+            self._tell(j, "answered what this island refuses", str(err))
             raise Unreachable(j) from None
 
     def _status(self, j: int) -> dict:
