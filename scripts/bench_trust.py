@@ -11,12 +11,16 @@ Two parts, one JSON line each:
   median round (localhost: no transfer time to speak of) and the difference, set against
   the round of ``bench_independent`` at 10 Mbit/s (the round the key protects on a WAN).
 - ``big``: a model of ``--big-params`` parameters as one body, per outer dtype: the
-  seconds of each host-side step the key and the checks add to one round, measured on
-  real bodies of that size: the digest of a body (the sender signs its delta, the
-  receiver checks it; the same on the way back for the step), and the checks of
-  :mod:`holmes_jax.diloco.messages` beyond the decode the protocol does anyway. A
-  member's round: digest of its delta + digest of the step + the step's checks; a leader's
-  with one member: digest and checks of the member's delta + digest of its step.
+  seconds the key and the checks add to one round, measured on real bodies of that size.
+  The key: each body is hashed as it is sent and as it arrives
+  (:func:`~holmes_jax.diloco.transport.send_body`, :func:`~holmes_jax.diloco.transport.
+  read_body`), so what it adds to a transfer is the wait from the last byte to the
+  digest on each side, measured over a local socket pair (with the whole transfer's
+  time hashed and not, for scale: on two shared cores the hashing also slows the copy,
+  which a host with its own cores does not see). The checks: those of
+  :mod:`holmes_jax.diloco.messages` beyond the decode the protocol does anyway. A round
+  moves the delta to the leader (checked there) and the step back (checked by the
+  member) one after the other: ``round_s`` = 2 × (send wait + read wait) + both checks.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -39,7 +44,7 @@ from holmes_jax.diloco.codec import decode, encode  # noqa: E402
 from holmes_jax.diloco.messages import Expect, parse_delta, parse_step  # noqa: E402
 from holmes_jax.diloco.rounds import SyncConfig  # noqa: E402
 from holmes_jax.diloco.sync import OuterSync  # noqa: E402
-from holmes_jax.diloco.transport import Security  # noqa: E402
+from holmes_jax.diloco.transport import Security, read_body, send_body  # noqa: E402
 from holmes_jax.diloco.wire import pack, unpack  # noqa: E402
 
 KEY = b"bench-trust-key-0123456789abcdef"
@@ -115,6 +120,56 @@ def timed(fn, repeat: int = 3) -> float:
     return statistics.median(out)
 
 
+def moved(body: bytes, hashed: bool) -> dict[str, float]:
+    """One transfer of ``body`` over a local socket pair, through the transport's
+    :func:`send_body` and :func:`read_body`, hashed on both sides or on neither: seconds
+    in all, and from each side's last byte to its digest (the wait hashing adds)."""
+    a, b = socket.socketpair()
+    last: dict[str, float] = {}
+
+    def write(piece) -> None:
+        a.sendall(piece)
+        last["sent"] = time.perf_counter()
+
+    def readinto(view) -> int:
+        n = b.recv_into(view)
+        last["read"] = time.perf_counter()
+        return n
+
+    def sender():
+        dig = send_body(write, body, hashed)
+        return dig, time.perf_counter()
+
+    with ThreadPoolExecutor(1) as pool:
+        began = time.perf_counter()
+        sending = pool.submit(sender)
+        got, read_dig = read_body(readinto, len(body), hashed)
+        read_done = time.perf_counter()
+        sent_dig, sent_done = sending.result()
+    a.close()
+    b.close()
+    assert sent_dig == read_dig and len(got) == len(body)
+    return {
+        "total": read_done - began,
+        "send_tail": sent_done - last["sent"],
+        "read_tail": read_done - last["read"],
+    }
+
+
+def transfers(body: bytes, repeat: int = 3) -> dict[str, list[float]]:
+    """:func:`moved` ``repeat`` times hashed and as many not, alternating: each try's
+    figures by name (``total_key``, ``total_none``, ``send_tail``, ``read_tail``)."""
+    out: dict[str, list[float]] = {}
+    for r in range(repeat):
+        for hashed in (True, False) if r % 2 == 0 else (False, True):
+            m = moved(body, hashed)
+            out.setdefault("total_key" if hashed else "total_none", []).append(m["total"])
+            if hashed:
+                out.setdefault("send_tail", []).append(m["send_tail"])
+                out.setdefault("read_tail", []).append(m["read_tail"])
+    return out
+
+
 def big(params: float, dtype: str) -> dict:
     n = int(params)
     shapes = {"model#0": (n,)}
@@ -136,6 +191,9 @@ def big(params: float, dtype: str) -> dict:
     step_s = timed(lambda: parse_step(step_meta, arrays, ex))
     checks_delta = max(delta_s - decode_s, 0.0)
     checks_step = max(step_s - decode_s, 0.0)
+    tries = transfers(body)
+    t = {k: statistics.median(v) for k, v in tries.items()}
+    transfer_tail = t["send_tail"] + t["read_tail"]
     return {
         "bench": "trust",
         "part": "big",
@@ -144,11 +202,13 @@ def big(params: float, dtype: str) -> dict:
         "body_gb": round(len(body) / 1e9, 3),
         "digest_s": round(digest_s, 3),
         "digest_gb_per_s": round(len(body) / digest_s / 1e9, 2),
+        "transfer_s": {k: [round(x, 3) for x in tries[f"total_{k}"]] for k in ("key", "none")},
+        "send_tail_s": round(t["send_tail"], 4),
+        "read_tail_s": round(t["read_tail"], 4),
         "decode_s": round(decode_s, 3),
         "checks_delta_s": round(checks_delta, 3),
         "checks_step_s": round(checks_step, 3),
-        "member_round_s": round(2 * digest_s + checks_step, 3),
-        "leader_round_s": round(2 * digest_s + checks_delta, 3),
+        "round_s": round(2 * transfer_tail + checks_delta + checks_step, 3),
         "cores": len(os.sched_getaffinity(0)),
     }
 

@@ -134,6 +134,13 @@ class Rounds:
         entries = [(k, dtype, shape) for k, shape in ex.shapes.items()]
         return packed_size(META_BYTES + 64 * len(entries), entries)
 
+    def max_reply(self) -> int:
+        """The most body bytes a peer's reply may carry: a lane's whole state in fp32 (the
+        answer to a join, the largest there is), with its meta."""
+        shapes = self.expect.shapes.items()
+        entries = [(f"{p}/{k}", "float32", shape) for p in "gm" for k, shape in shapes]
+        return packed_size(META_BYTES + 64 * len(entries), entries)
+
     def key(self) -> str:
         """What names this island's global model: lineage, round and tokens (a merge
         changes the tokens), as sent with ``/result?have=``."""

@@ -281,7 +281,8 @@ class OuterSync:
         """Peer ``j``'s 200 reply to one request.
 
         Raises:
-          Unreachable: no answer, or an answer that failed authentication.
+          Unreachable: no answer, or an answer that failed authentication or was longer
+            than any reply can be (:meth:`~holmes_jax.diloco.rounds.Rounds.max_reply`).
           PeerRefused: ``j`` refused the request (4xx): the reason is printed once.
         """
         if j in self.cut:
@@ -289,7 +290,7 @@ class OuterSync:
         wait = self.cfg.quorum_timeout_s + 2 * self.cfg.probe_s if long else self.cfg.probe_s
         resp = request(
             self.peers[j], method, path, body, wait, self.island, self.signer,
-            self.security.tls_client,
+            self.security.tls_client, self.r.max_reply(),
         )  # fmt: skip
         if resp is None or resp.status in (404, 500, 503, 504):
             raise Unreachable(j)

@@ -8,13 +8,14 @@ status and a one-line reason (``text/plain``) and nothing else done:
    401), or without a key a well-formed ``X-Island`` (400);
 2. the body's declared length: none for ``GET``; for ``POST`` at most what the handler's
    ``limit(path)`` allows (413);
-3. the body, read in pieces within the socket's timeout; with a key it must have the
-   signed digest (401);
+3. the body, read in pieces within the socket's timeout and hashed as it arrives; with a
+   key its trailer must be its tag (401; :mod:`~holmes_jax.diloco.auth`);
 4. the handler's answer (:class:`Reply`). An exception in the handler is a 500 with its
    one-line message: no request can end a serving thread with a traceback.
 
 Replies go out in :data:`CHUNK`-byte writes, each within the socket's timeout, so a peer
-that stalls is dropped after that long; with a key each reply is signed for its request.
+that stalls is dropped after that long; with a key each reply is signed for its request,
+its body hashed as it is sent.
 Every refusal is counted by reason and reported once per peer address and reason through
 ``say``.
 
@@ -39,9 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from holmes_jax.diloco.auth import AuthError, Signer, Verifier, digest
+from holmes_jax.diloco.auth import TRAILER, AuthError, Digest, Signer, Verifier
 
 CHUNK = 1 << 16  # bytes per write of a reply: each must pass within the socket timeout
+READ = 1 << 20  # bytes per read of a body
 DRAIN_POLL_S = 0.02  # how often a reply's unsent bytes are read while it drains
 
 
@@ -187,51 +189,46 @@ class Server:
 
     def _answer(self, req: BaseHTTPRequestHandler, method: str, peer: str) -> Reply:
         path, _, query = req.path.partition("?")
+        length = req.headers.get("Content-Length", "0")
+        if not length.isdigit() or len(length) > 15:
+            return self.refuse(peer, 400, f"Content-Length={length[:20]!r}: must be a byte count")
+        size = int(length)
         if self.verifier is not None:
             try:
-                sender = self.verifier.check(method, req.path, req.headers)
+                sender = self.verifier.check(method, req.path, req.headers, size)
             except AuthError as err:
                 return self.refuse(peer, 401, f"authentication: {err}")
+            size -= TRAILER
         else:
             island = req.headers.get("X-Island", "")
             if not island.isdigit() or len(island) > 9:
                 return self.refuse(peer, 400, f"X-Island={island[:20]!r}: must be an island index")
             sender = int(island)
-        length = req.headers.get("Content-Length", "0")
-        if not length.isdigit() or len(length) > 15:
-            return self.refuse(peer, 400, f"Content-Length={length[:20]!r}: must be a byte count")
-        size, most = int(length), (self.limit(path) if method == "POST" else 0)
+        most = self.limit(path) if method == "POST" else 0
         if size > most:
             return self.refuse(
                 peer, 413, f"body too large: {size} bytes declared, {path} takes {most} at most"
             )
-        body = self._read(req, size)
-        if body is None:
-            return self.refuse(peer, 400, f"truncated body: fewer than the {size} bytes declared")
-        body, dig = body
-        if self.verifier is not None and dig != req.headers.get("X-Digest"):
-            return self.refuse(
-                peer,
-                401,
-                f"authentication: body does not match its digest ({size} bytes, {method} "
-                f"{path}, digest {dig[:12]} against {req.headers.get('X-Digest', '')[:12]})",
-            )
+        keyed = self.verifier is not None
+        got = self._read(req, size, keyed)
+        trailer = self._read(req, TRAILER, False) if keyed and got is not None else None
+        if got is None or (keyed and trailer is None):
+            return self.refuse(peer, 400, f"truncated body: fewer than the {length} bytes declared")
+        body, dig = got
+        if keyed:
+            try:
+                self.signer.check_trailer("req", req.headers["X-Nonce"], dig, trailer[0])
+            except AuthError as err:
+                return self.refuse(peer, 401, f"authentication: {err} ({size} bytes, {path})")
         return self.handle(Request(method, path, query, sender, body, peer))
 
-    def _read(self, req: BaseHTTPRequestHandler, size: int) -> tuple[bytes, str | None] | None:
-        """``size`` bytes of body and, with a key, their digest; None if the peer sent
-        fewer (closed, or silent past the socket's timeout)."""
-        buf, got = bytearray(size), 0
-        view = memoryview(buf)
+    @staticmethod
+    def _read(req: BaseHTTPRequestHandler, size: int, hashed: bool):
+        """:func:`read_body` from the request, None if cut short."""
         try:
-            while got < size:
-                n = req.rfile.readinto(view[got : got + CHUNK * 16])
-                if not n:
-                    return None
-                got += n
+            return read_body(req.rfile.readinto, size, hashed)
         except OSError:
             return None
-        return buf, (digest(buf) if self.verifier is not None else None)  # no copy
 
     def _reply(self, req: BaseHTTPRequestHandler, reply: Reply, nonce: str) -> None:
         """Send ``reply`` (signed for ``nonce`` with a key) in chunks, each within the
@@ -241,47 +238,42 @@ class Server:
             req.close_connection = True
         try:
             req.send_response(reply.status)
-            req.send_header("Content-Length", str(len(reply.body)))
+            if self.signer is not None:
+                for k, v in self.signer.reply(nonce, reply.status, len(reply.body)).items():
+                    req.send_header(k, v)
+            else:
+                req.send_header("Content-Length", str(len(reply.body)))
             if reply.status != 200:
                 req.send_header("Content-Type", "text/plain; charset=utf-8")
-            if self.signer is not None:
-                dig = self._digest(reply.body)
-                for k, v in self.signer.reply(nonce, reply.status, dig).items():
-                    req.send_header(k, v)
             req.end_headers()
         except OSError:
             req.close_connection = True
             return
-        if reply.track is None or self.on_send is None:
-            self._write(req, reply.body)
-            return
-        self.on_send(reply.track, +1)
+        if reply.track is not None and self.on_send is not None:
+            self.on_send(reply.track, +1)
         done = False
         try:
-            done = self._write(req, reply.body) and drain(req.connection, self.timeout_s)
+            done = self._send(req, reply.body, nonce)
+            if reply.track is not None and self.on_send is not None:
+                done = done and drain(req.connection, self.timeout_s)
         finally:
-            self.on_send(reply.track, -1, done)
+            if reply.track is not None and self.on_send is not None:
+                self.on_send(reply.track, -1, done)
 
-    def _digest(self, body: bytes) -> str:
-        """:func:`~holmes_jax.diloco.auth.digest` of a reply's body, once per body: every
-        member fetches the same step."""
+    def _send(self, req: BaseHTTPRequestHandler, body: bytes, nonce: str) -> bool:
+        """Write ``body`` and, with a key, its trailer; False if the peer stalled past the
+        socket's timeout or closed (then the connection ends). Every member fetches the
+        same step: a body's digest is taken once, while it is first sent."""
         with self.lock:
-            for cached, dig in self.digests:
-                if cached is body:
-                    return dig
-        dig = digest(body)
-        with self.lock:
-            self.digests = [(body, dig), *self.digests[:1]]  # the last two bodies
-        return dig
-
-    @staticmethod
-    def _write(req: BaseHTTPRequestHandler, body: bytes) -> bool:
-        """Write ``body`` in :data:`CHUNK`-byte pieces; False if the peer stalled past the
-        socket's timeout or closed (then the connection ends)."""
-        view = memoryview(body)
+            known = next((dig for cached, dig in self.digests if cached is body), None)
         try:
-            for at in range(0, len(body), CHUNK):
-                req.wfile.write(view[at : at + CHUNK])
+            dig = send_body(req.wfile.write, body, self.signer is not None and known is None)
+            if self.signer is None:
+                return True
+            if dig is not None:
+                with self.lock:
+                    self.digests = [(body, dig), *self.digests[:1]]  # the last two bodies
+            req.wfile.write(self.signer.trailer("rep", nonce, known or dig))
         except OSError:
             req.close_connection = True
             return False
@@ -310,6 +302,35 @@ def drain(sock, timeout: float) -> bool:
         time.sleep(DRAIN_POLL_S)
 
 
+def send_body(write, body, hashed: bool) -> str | None:
+    """Write ``body`` in :data:`CHUNK`-byte pieces (each must pass within the socket's
+    timeout) and, if ``hashed``, return its digest, hashed while it is sent."""
+    view = memoryview(body).cast("B")
+    dig = Digest(view) if hashed else None
+    for at in range(0, len(view), CHUNK):
+        write(view[at : at + CHUNK])
+        if dig is not None:
+            dig.upto(min(at + CHUNK, len(view)))
+    return dig.hexdigest() if dig is not None else None
+
+
+def read_body(readinto, size: int, hashed: bool) -> tuple[bytearray, str | None] | None:
+    """``size`` bytes from ``readinto`` and, if ``hashed``, their digest, hashed while
+    the rest arrives (:class:`~holmes_jax.diloco.auth.Digest`); None if the peer sent
+    fewer (closed, or silent past the socket's timeout)."""
+    buf, got = bytearray(size), 0
+    view = memoryview(buf)
+    dig = Digest(view) if hashed else None
+    while got < size:
+        n = readinto(view[got : got + READ])
+        if not n:
+            return None
+        got += n
+        if dig is not None:
+            dig.upto(got)
+    return buf, (dig.hexdigest() if dig is not None else None)
+
+
 @dataclass(frozen=True)
 class Response:
     status: int
@@ -330,20 +351,40 @@ def request(
     island: int = -1,
     signer: Signer | None = None,
     tls: ssl.SSLContext | None = None,
+    limit: int | None = None,
 ) -> Response | None:
     """One request to a peer's server; its status and body, or None when the peer refused
-    the connection, timed out, cut the reply short, or answered unsigned (with a key)."""
+    the connection, timed out, cut the reply short, declared a reply longer than ``limit``
+    bytes, or answered unsigned (with a key)."""
     if tls is not None:
         conn = http.client.HTTPSConnection(*address, timeout=timeout, context=tls)
     else:
         conn = http.client.HTTPConnection(*address, timeout=timeout)
-    headers = signer.request(method, path, body) if signer else {"X-Island": str(island)}
     try:
-        conn.request(method, path, body, headers)
-        resp = conn.getresponse()
-        data = resp.read()
+        conn.putrequest(method, path, skip_accept_encoding=True)
         if signer is not None:
-            signer.check_reply(headers["X-Nonce"], resp.status, resp.headers, data)
+            headers = signer.request(method, path, len(body))
+        else:
+            headers = {"X-Island": str(island), "Content-Length": str(len(body))}
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        dig = send_body(conn.send, body, signer is not None)
+        if signer is not None:
+            conn.send(signer.trailer("req", headers["X-Nonce"], dig))
+        resp = conn.getresponse()
+        length = resp.length
+        if signer is not None:
+            length = signer.check_reply(headers["X-Nonce"], resp.status, resp.headers)
+        if length is None or (limit is not None and length > limit):
+            return None
+        got = read_body(resp.readinto, length, signer is not None)
+        trailer = read_body(resp.readinto, TRAILER, False) if signer is not None else (b"", None)
+        if got is None or trailer is None:
+            return None
+        data, dig = got
+        if signer is not None:
+            signer.check_trailer("rep", headers["X-Nonce"], dig, trailer[0])
     except (OSError, http.client.HTTPException, AuthError):
         return None
     finally:

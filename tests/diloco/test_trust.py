@@ -22,11 +22,18 @@ from holmes_jax.cluster import island_jobs
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.keyfile import read_key
+from holmes_jax.diloco import auth
 from holmes_jax.diloco.auth import Signer, tag
 from holmes_jax.diloco.messages import Delta, Expect, Refused, parse_delta
 from holmes_jax.diloco.rounds import Rounds, SyncConfig
 from holmes_jax.diloco.sync import OuterSync
-from holmes_jax.diloco.transport import Security, Unreachable, client_context, server_context
+from holmes_jax.diloco.transport import (
+    Security,
+    Unreachable,
+    client_context,
+    read_body,
+    server_context,
+)
 from holmes_jax.diloco.wire import WireError, pack, unpack
 from tests.diloco.test_sync import KEYS, expected, free_ports, inner, same, start_state
 
@@ -70,9 +77,13 @@ def read_all(sock) -> bytes:
     return out
 
 
-def signed(address, method, path, body=b"", island=1, key=KEY, tamper=None):
-    headers = Signer(key, island).request(method, path, body)
-    return send(address, method, path, tamper if tamper is not None else body, headers)
+def signed(address, method, path, body=b"", island=1, key=KEY, tamper=None, headers=None):
+    """One request signed with ``key`` (or sent with ``headers``), its body followed by
+    its trailer; ``tamper``: a body of the same length sent in place of the signed one."""
+    signer = Signer(key, island)
+    headers = headers or signer.request(method, path, len(body))
+    trailer = signer.trailer("req", headers["X-Nonce"], auth.digest(body))
+    return send(address, method, path, (body if tamper is None else tamper) + trailer, headers)
 
 
 def honest_round(nodes, seed=40):
@@ -260,41 +271,42 @@ def test_authentication_refuses_before_the_body_and_once_per_peer(trio):
             "wrong tag",
         ),
         (
-            signed(peers[0], "POST", "/delta", body, tamper=delta_body(nodes[0], tokens=999)),
-            "digest",
+            signed(peers[0], "POST", "/delta", body, tamper=delta_body(nodes[0], tokens=99)),
+            "request body does not match its tag",
         ),
         (send(peers[0], "GET", "/status", b"", {"X-Island": "1"}), "no authentication headers"),
+        (
+            send(peers[0], "GET", "/status", b"", Signer(KEY, 1).request("GET", "/status", -64)),
+            "no room for the body's 64-byte tag",
+        ),
     ]
     for (status, reason), words in cases:
         assert status == 401 and words in reason.decode(), reason
     # replayed: the same signed headers twice; stale: a time outside the window
-    headers = Signer(KEY, 1).request("GET", "/status", b"")
-    assert send(peers[0], "GET", "/status", b"", headers)[0] == 200
-    status, reason = send(peers[0], "GET", "/status", b"", headers)
+    headers = Signer(KEY, 1).request("GET", "/status", 0)
+    assert signed(peers[0], "GET", "/status", headers=headers)[0] == 200
+    status, reason = signed(peers[0], "GET", "/status", headers=headers)
     assert status == 401 and b"replayed" in reason
-    old = Signer(KEY, 1)
-    stale = old.request("GET", "/status", b"")
+    stale = Signer(KEY, 1).request("GET", "/status", 0)
     stale["X-Time"] = f"{time.time() - 3600:.3f}"
-    stale["X-Tag"] = tag(
-        KEY, "req", "GET", "/status", "1", stale["X-Time"], stale["X-Nonce"], stale["X-Digest"]
-    )
-    status, reason = send(peers[0], "GET", "/status", b"", stale)
+    stale["X-Tag"] = tag(KEY, "req", "GET", "/status", "1", stale["X-Time"], stale["X-Nonce"], "64")
+    status, reason = signed(peers[0], "GET", "/status", headers=stale)
     assert status == 401 and b"stale" in reason
     # a tag of other than ASCII is a wrong tag, not an error inside the server
-    bad = {**Signer(KEY, 1).request("GET", "/status", b""), "X-Tag": "\xe9" * 64}
-    status, reason = send(peers[0], "GET", "/status", b"", bad)
+    bad = {**Signer(KEY, 1).request("GET", "/status", 0), "X-Tag": "\xe9" * 64}
+    status, reason = signed(peers[0], "GET", "/status", headers=bad)
     assert status == 401 and b"wrong tag" in reason
     # an oversized body is refused from its declared length: the server reads none of it
     sock = socket.create_connection(peers[0])
-    head = Signer(KEY, 1).request("POST", "/delta", b"")
-    lines = [f"{k}: {v}" for k, v in head.items()] + ["Content-Length: 10000000000"]
+    head = Signer(KEY, 1).request("POST", "/delta", 10_000_000_000)
+    lines = [f"{k}: {v}" for k, v in head.items()]
     sock.sendall(("POST /delta HTTP/1.1\r\n" + "\r\n".join(lines) + "\r\n\r\n").encode())
     reply = read_all(sock)
     assert b" 413 " in reply.split(b"\r\n")[0] and b"body too large" in reply
     # a body cut short: fewer bytes than declared, then the sender closes
     sock = socket.create_connection(peers[0])
-    head = Signer(KEY, 1).request("POST", "/delta", body)
-    lines = [f"{k}: {v}" for k, v in head.items()] + [f"Content-Length: {len(body)}"]
+    head = Signer(KEY, 1).request("POST", "/delta", len(body))
+    lines = [f"{k}: {v}" for k, v in head.items()]
     sock.sendall(("POST /delta HTTP/1.1\r\n" + "\r\n".join(lines) + "\r\n\r\n").encode())
     sock.sendall(body[: len(body) // 2])
     sock.shutdown(socket.SHUT_WR)
@@ -303,7 +315,7 @@ def test_authentication_refuses_before_the_body_and_once_per_peer(trio):
     # one line per peer address and kind, however many requests
     kinds = [line for line in said[0] if "refused a request from 127.0.0.1" in line]
     assert len(kinds) == len({line.split("): ")[1].split(":")[0] for line in kinds}) == 3
-    assert nodes[0].refused == 9
+    assert nodes[0].refused == 10
     honest_round(nodes)
 
 
@@ -414,6 +426,58 @@ def test_replies_are_authenticated_too(trio):
         client.close()
     finally:
         impostor.close()
+
+
+def test_a_reply_longer_than_any_reply_is_not_read():
+    """A peer declaring a reply larger than a lane's whole state gets no buffer for it: the
+    client gives up on the headers (a lying server cannot make an island allocate)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+
+    def answer():
+        conn, _ = listener.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n{}" % (1 << 40))
+
+    with ThreadPoolExecutor(1) as pool:
+        served = pool.submit(answer)
+        client = OuterSync(1, {0: address, 1: free_ports(1)[0]}, CFG, start_state())
+        try:
+            assert client.r.max_reply() < 1 << 20
+            with pytest.raises(Unreachable):
+                client._status(0)
+        finally:
+            client.close()
+        served.result(timeout=30)
+    listener.close()
+
+
+def test_a_body_hashed_as_it_arrives_has_the_digest_of_the_whole(monkeypatch):
+    """:func:`read_body` hashes pieces while reading: whatever sizes the reads return,
+    the digest is that of the whole body, and a short body is None."""
+    monkeypatch.setattr(auth, "PIECE", 1000)
+    body = np.random.default_rng(0).integers(0, 256, 10_007, np.uint8).tobytes()
+    sizes = iter([1, 999, 1, 3000, 17, 4096] * 10)
+
+    def reader(data):
+        at = 0
+
+        def readinto(view):
+            nonlocal at
+            n = min(len(view), next(sizes), len(data) - at)
+            view[:n] = data[at : at + n]
+            at += n
+            return n
+
+        return readinto
+
+    got, dig = read_body(reader(body), len(body), hashed=True)
+    assert bytes(got) == body and dig == auth.digest(body)
+    assert read_body(reader(body[:-1]), len(body), hashed=True) is None
+    assert read_body(reader(body), len(body), hashed=False)[1] is None
 
 
 @pytest.fixture(scope="module")
