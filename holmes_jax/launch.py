@@ -90,10 +90,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "--fail-host",
         action="append",
         default=[],
-        metavar="HOST@STEP[:permanent|:+SECONDS|:nan]",
+        metavar="HOST@STEP[:permanent|:+SECONDS|:nan|:abstain]",
         help="fault injection: SIGKILL HOST's worker when the job reaches STEP; permanent: "
         "it never comes back; +SECONDS: it comes back after that long; nan: no kill, step "
-        "STEP of the job holding HOST is non-finite instead (repeatable)",
+        "STEP of the job holding HOST is non-finite instead; abstain: no kill, the island "
+        "holding HOST sends nothing in the round after STEP (repeatable)",
     )
     parser.add_argument(
         "--rejoin-timeout",

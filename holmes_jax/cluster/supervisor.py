@@ -22,12 +22,15 @@ One line per event: the failure (host, process, exit code or signal, the last st
 job reached, what happens next), and after a restart, once its first step is done, the
 seconds since the failure, the checkpoint step it resumed from and the steps lost.
 
-Fault injection (:class:`Fault`, ``--fail-host HOST@STEP[:permanent|:+SECONDS|:nan]``):
-once the job reports step STEP or later, the host's worker gets SIGKILL, once per fault.
-The host then stays away for SECONDS (``permanent``: for good). ``:nan`` kills nothing: every
-worker of the job holding HOST gets ``--set train.inject_nonfinite_steps=[STEP, ...]``
-(:func:`fault_args`), so step STEP of that job computes a non-finite loss and gradients
-(all its processes run one program, so all of them must be told). It is in the workers'
+Fault injection (:class:`Fault`,
+``--fail-host HOST@STEP[:permanent|:+SECONDS|:nan|:abstain]``): once the job reports step
+STEP or later, the host's worker gets SIGKILL, once per fault. The host then stays away for
+SECONDS (``permanent``: for good). ``:nan`` and ``:abstain`` kill nothing: every worker of
+the job holding HOST gets ``--set train.inject_nonfinite_steps=[STEP, ...]`` (``:nan``: step
+STEP of that job computes a non-finite loss and gradients) or ``--set
+diloco.inject_abstain_steps=[STEP, ...]`` (``:abstain``, independent islands: that island
+sends nothing in the round after STEP) (:func:`fault_args`; all of a job's processes run
+one program, so all of them must be told). It is in the workers'
 arguments, so it fires again in a restart that resumes from before STEP. ``on_step`` sees
 every step line too (``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
 
@@ -85,20 +88,22 @@ _STEP = re.compile(r"step (\d+)(?: \||$)")
 _RESUMED = re.compile(r"resumed from .* at step (\d+)$")
 _RUN_DIR = re.compile(r"run dir (.+?): ")
 _COMPILED = re.compile(r"compiled in ([0-9.]+) s(?: \((.*)\))?$")
+# the faults told to a job rather than done to it: kind -> the key that tells it
+INJECTED = {"nan": "train.inject_nonfinite_steps", "abstain": "diloco.inject_abstain_steps"}
 _FAULT = re.compile(r"([^@\s]+)@([^:\s]+)(?::(.*))?")
 
 
 @dataclass(frozen=True)
 class Fault:
     """One ``--fail-host``: SIGKILL ``host``'s worker at ``step``; it stays away ``away_s``
-    seconds after the kill (``inf``: for good). ``nan``: no kill; step ``step`` of the job
-    holding ``host`` is non-finite instead (:func:`fault_args`)."""
+    seconds after the kill (``inf``: for good). ``inject`` ``"nan"`` or ``"abstain"``: no
+    kill; the job holding ``host`` is told to fail that way at ``step`` (:func:`fault_args`)."""
 
     host: str
     step: int
     away_s: float = 0.0
     spec: str = ""
-    nan: bool = False
+    inject: str = ""
 
     @property
     def permanent(self) -> bool:
@@ -106,15 +111,18 @@ class Fault:
 
 
 def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
-    """``HOST@STEP``, ``HOST@STEP:permanent``, ``HOST@STEP:+SECONDS`` or ``HOST@STEP:nan``
-    -> :class:`Fault`.
+    """``HOST@STEP``, ``HOST@STEP:permanent``, ``HOST@STEP:+SECONDS``, ``HOST@STEP:nan`` or
+    ``HOST@STEP:abstain`` -> :class:`Fault`.
 
     Raises:
       ConfigError: a malformed spec, a host not in ``hosts``, a step < 1, or seconds that
         are not a number >= 0.
     """
     flag = f"--fail-host={spec}"
-    form = "must be HOST@STEP, HOST@STEP:permanent, HOST@STEP:+SECONDS or HOST@STEP:nan"
+    form = (
+        "must be HOST@STEP, HOST@STEP:permanent, HOST@STEP:+SECONDS, HOST@STEP:nan or "
+        "HOST@STEP:abstain"
+    )
     m = _FAULT.fullmatch(spec)
     if not m or not re.fullmatch(r"-?\d+", m[2]):
         raise ConfigError(f"{flag}: {form}")
@@ -124,8 +132,8 @@ def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
     if step < 1:
         raise ConfigError(f"{flag}: step {step} must be >= 1")
     away = 0.0
-    if tail == "nan":
-        return Fault(host, step, 0.0, spec, nan=True)
+    if tail in INJECTED:
+        return Fault(host, step, 0.0, spec, inject=tail)
     if tail == "permanent":
         away = math.inf
     elif tail is not None:
@@ -141,12 +149,14 @@ def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
 
 
 def fault_args(faults: Sequence[Fault]) -> list[str]:
-    """The train arguments that give one job its ``:nan`` faults (every worker of the job
-    gets the same): ``--set train.inject_nonfinite_steps=[...]``, or none."""
-    steps = sorted({f.step for f in faults if f.nan})
-    if not steps:
-        return []
-    return ["--set", f"train.inject_nonfinite_steps=[{','.join(map(str, steps))}]"]
+    """The train arguments that give one job its injected faults (every worker of the job
+    gets the same): ``--set KEY=[STEP, ...]`` per kind (:data:`INJECTED`), or none."""
+    out = []
+    for kind, key in INJECTED.items():
+        steps = sorted({f.step for f in faults if f.inject == kind})
+        if steps:
+            out += ["--set", f"{key}=[{','.join(map(str, steps))}]"]
+    return out
 
 
 class Supervisor:
@@ -178,7 +188,7 @@ class Supervisor:
         self.make_workers = make_workers
         self.on_step = on_step
         self.max_restarts = max_restarts
-        self.faults = [f for f in faults if not f.nan]  # the kills; fault_args passes :nan
+        self.faults = [f for f in faults if not f.inject]  # the kills; fault_args the rest
         self.rejoin_timeout_s = rejoin_timeout_s
         self.excluded: tuple[str, ...] = ()  # hosts the running attempt is without
         self._reexpand = False  # the survivors were asked to stop: start every host again
@@ -478,7 +488,7 @@ def launch(
             )  # fmt: skip
 
         if injected := fault_args(job.faults):
-            specs = " ".join(f.spec for f in job.faults if f.nan)
+            specs = " ".join(f.spec for f in job.faults if f.inject)
             whose = f"island {job.name}'s job" if job.name else "the job"
             print(
                 f"launch: --fail-host {specs}: every worker of {whose} gets {' '.join(injected)}",

@@ -408,9 +408,24 @@ class DilocoConfig:
     # independent, with tls_cert: the CA that signed the peers' certificates (then both sides
     # present one: mutual TLS); unset = the system's CAs
     tls_ca: str | None = None
+    # independent, fault injection for tests: the round after each of these steps' inner
+    # steps, this island sends nothing and takes the global model, as after a non-finite
+    # step; launch --fail-host HOST@STEP:abstain sets it for the island holding HOST
+    inject_abstain_steps: tuple[int, ...] = ()
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         _positive(self, "diloco", ("inner_steps", "fragments"))
+        if self.inject_abstain_steps and self.mode != "independent":
+            raise ConfigError(
+                f"diloco.inject_abstain_steps={list(self.inject_abstain_steps)}: needs "
+                "diloco.mode=independent (an island abstains from the outer sync's rounds)"
+            )
+        for step in self.inject_abstain_steps:
+            if not 1 <= step <= STEPS.limit:
+                raise ConfigError(
+                    f"diloco.inject_abstain_steps={list(self.inject_abstain_steps)}: step "
+                    f"{step} must be >= 1 and <= {STEPS.text} (steps count from 1, as logged)"
+                )
         if self.quorum_timeout_s <= 0:
             raise ConfigError(f"diloco.quorum_timeout_s={self.quorum_timeout_s}: must be > 0")
         if not 0 <= self.overlap_steps < self.inner_steps:

@@ -323,15 +323,18 @@ class IslandSync:
 
     def _diverged(self, state, theta: Shards, step: int) -> bool:
         """Whether the inner steps since the last round skipped a non-finite step or left
-        non-finite parameters, on any process of the island (then it abstains: module
-        doc); says so in one line."""
+        non-finite parameters, on any process of the island, or a test told it to
+        (``diloco.inject_abstain_steps``): then it abstains (module doc); says so in one
+        line."""
         skipped = self._skipped(state)
         since, self.skipped = skipped - self.skipped, skipped
         bad_theta = not all(finite(v) for v in theta.values())
-        if self._everywhere(not (since or bad_theta)):
+        told = any(self.last_step < s <= step for s in self.d.inject_abstain_steps)
+        if self._everywhere(not (since or bad_theta or told)):
             return False
         if self.main:
             why = f"{since} non-finite step(s) skipped" if since else "non-finite parameters"
+            why = "diloco.inject_abstain_steps" if told else why
             self.say(
                 f"diloco: island {self.name}: {why} since step {self.last_step}: it sends "
                 "nothing this round and takes the global model from its peers"

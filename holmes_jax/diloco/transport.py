@@ -249,16 +249,15 @@ class Server:
         except OSError:
             req.close_connection = True
             return
-        if reply.track is not None and self.on_send is not None:
-            self.on_send(reply.track, +1)
+        if reply.track is None or self.on_send is None:
+            self._send(req, reply.body, nonce)
+            return
+        self.on_send(reply.track, +1)
         done = False
         try:
-            done = self._send(req, reply.body, nonce)
-            if reply.track is not None and self.on_send is not None:
-                done = done and drain(req.connection, self.timeout_s)
+            done = self._send(req, reply.body, nonce) and drain(req.connection, self.timeout_s)
         finally:
-            if reply.track is not None and self.on_send is not None:
-                self.on_send(reply.track, -1, done)
+            self.on_send(reply.track, -1, done)
 
     def _send(self, req: BaseHTTPRequestHandler, body: bytes, nonce: str) -> bool:
         """Write ``body`` and, with a key, its trailer; False if the peer stalled past the

@@ -224,8 +224,8 @@ def test_a_host_back_after_the_rejoin_timeout_rejoins_at_a_checkpoint(tmp_path):
         (["--fail-host", "ib-0@3:+x"], "--fail-host=ib-0@3:+x: 'x' must be a number of seconds"),
         (
             ["--fail-host", "ib-0"],
-            "--fail-host=ib-0: must be HOST@STEP, HOST@STEP:permanent, HOST@STEP:+SECONDS or "
-            "HOST@STEP:nan",
+            "--fail-host=ib-0: must be HOST@STEP, HOST@STEP:permanent, HOST@STEP:+SECONDS, "
+            "HOST@STEP:nan or HOST@STEP:abstain",
         ),
         (["--fail-host", "ib-0@3:NaN"], "--fail-host=ib-0@3:NaN: must be HOST@STEP"),
         (["--fail-host", "ib-0@0:nan"], "--fail-host=ib-0@0:nan: step 0 must be >= 1"),
@@ -251,10 +251,14 @@ def test_fault_specs_parse():
     assert supervisor.parse_fault("b@1:+2.5", hosts).away_s == 2.5
     assert supervisor.parse_fault("b@7:permanent", hosts).permanent
     nan = supervisor.parse_fault("b@7:nan", hosts)
-    assert nan == supervisor.Fault("b", 7, 0.0, "b@7:nan", nan=True) and not nan.permanent
+    assert nan == supervisor.Fault("b", 7, 0.0, "b@7:nan", inject="nan") and not nan.permanent
     faults = [nan, supervisor.parse_fault("a@3:nan", hosts), supervisor.parse_fault("a@5", hosts)]
     assert supervisor.fault_args(faults) == ["--set", "train.inject_nonfinite_steps=[3,7]"]
     assert supervisor.fault_args(faults[2:]) == []
+    faults.append(supervisor.parse_fault("b@4:abstain", hosts))
+    assert supervisor.fault_args(faults[1:]) == [
+        "--set", "train.inject_nonfinite_steps=[3]", "--set", "diloco.inject_abstain_steps=[4]",
+    ]  # fmt: skip
 
 
 def test_exit_code_4_is_not_retried(tmp_path):

@@ -416,24 +416,36 @@ def test_a_round_with_a_skipped_step_abstains_and_takes_the_global_model(overlap
         assert got[3] == 21.0 and got[5] == 31.0
 
 
-def test_a_nan_island_abstains_and_both_end_on_one_model(tmp_path, proc_env):
+def test_a_nan_island_abstains_and_the_others_train_as_if_it_missed_the_round(tmp_path, proc_env):
     """``launch --independent-islands --fail-host roce-0@3:nan``: roce's step 3 is not
     finite, so it is skipped and roce sends nothing in the round after step 4 (it abstains:
     the round is ib's delta alone) and takes ib's global model; both islands train on, take
-    part in every later round, and end with one global model, bit for bit."""
+    part in every later round, and end with one global model, bit for bit.
+
+    Against a reference run where roce missed that round with every value finite
+    (``roce-0@4:abstain``), ib's losses are the same at every step and roce's from its heal
+    on: nothing of the NaN reached anyone. The inner optimizer has no memory here (AdamW
+    with b1 = b2 = 0 and a constant rate), so the skipped step leaves no trace in roce's
+    optimizer state either: the two runs differ only in roce's steps 3 and 4."""
     mesh = two_host_mesh(tmp_path)
-    run_dir = tmp_path / "run"
     env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
-    cmd += ["--independent-islands", "--fail-host", "roce-0@3:nan"]
-    job = [*DILOCO, f"train.run_dir={run_dir}", "checkpoint.every=4"]
-    cmd += ["--", *as_flags(job)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = done.stdout
-    assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+    memoryless = ["optimizer.b1=0", "optimizer.b2=0", "optimizer.warmup_steps=0"]
+    memoryless.append("optimizer.min_lr_ratio=1")
+
+    def launch(fault: str, run_dir):
+        cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
+        cmd += ["--independent-islands", "--fail-host", fault]
+        job = [*DILOCO, *memoryless, f"train.run_dir={run_dir}", "checkpoint.every=4"]
+        cmd += ["--", *as_flags(job)]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+        runs = (records(run_dir / island / "metrics.jsonl") for island in ("ib", "roce"))
+        return done.stdout, *runs
+
+    run_dir = tmp_path / "run"
+    out, ib, roce = launch("roce-0@3:nan", run_dir)
     assert "[roce-0] diloco: island roce: 1 non-finite step(s) skipped since step 2" in out, out
-    ib, roce = (records(run_dir / island / "metrics.jsonl") for island in ("ib", "roce"))
     assert sorted(ib) == sorted(roce) == list(range(1, 9))
     assert roce[3]["skipped_steps"] == 1 and roce[8]["skipped_steps"] == 1
     assert ib[8]["skipped_steps"] == 0 and np.isfinite(roce[8]["loss"])
@@ -445,3 +457,14 @@ def test_a_nan_island_abstains_and_both_end_on_one_model(tmp_path, proc_env):
     for key in glob[0]:
         np.testing.assert_array_equal(glob[0][key], glob[1][key])
     assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
+
+    ref_out, ref_ib, ref_roce = launch("roce-0@4:abstain", tmp_path / "reference")
+    assert "island roce: diloco.inject_abstain_steps since step" in ref_out, ref_out
+    assert ref_roce[8]["skipped_steps"] == 0
+    for step in range(1, 9):
+        assert ib[step]["loss"] == pytest.approx(ref_ib[step]["loss"], rel=1e-5, abs=1e-5), step
+        if step >= 5:
+            want = ref_roce[step]["loss"]
+            assert roce[step]["loss"] == pytest.approx(want, rel=1e-5, abs=1e-5), step
+    assert ib[8]["eval_loss"] == pytest.approx(ref_ib[8]["eval_loss"], rel=1e-5)
+    assert roce[4]["loss"] != pytest.approx(ref_roce[4]["loss"], rel=1e-5)  # it did differ

@@ -15,6 +15,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -22,7 +23,7 @@ from holmes_jax.cluster import island_jobs
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.keyfile import read_key
-from holmes_jax.diloco import auth
+from holmes_jax.diloco import auth, messages
 from holmes_jax.diloco.auth import Signer, tag
 from holmes_jax.diloco.messages import Delta, Expect, Refused, parse_delta
 from holmes_jax.diloco.rounds import Rounds, SyncConfig
@@ -410,6 +411,19 @@ def test_messages_are_checked_without_sockets():
     with pytest.raises(WireError, match="dtype 'float64'"):
         body = pack({}, {"x": np.zeros(2, np.float32)}).replace(b"float32", b"float64")
         unpack(body)
+
+
+def test_bf16_bits_are_finite_exactly_when_their_values_are(monkeypatch):
+    """All 65,536 bf16 bit patterns: the finite ones together pass, each of the others
+    (inf, NaN) fails alone and behind finite ones in a later piece."""
+    monkeypatch.setattr(messages, "BITS_PIECE", 3)
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = np.isfinite(bits.view(ml_dtypes.bfloat16).astype(np.float32))
+    assert messages.finite(bits[want]) and (~want).sum() == 2 * 128  # ±inf and 254 NaNs
+    ones = np.full(4, 0x3F80, np.uint16)  # 1.0
+    for b in bits[~want]:
+        assert not messages.finite(np.array([b])), hex(b)
+        assert not messages.finite(np.concatenate([ones, [b]])), hex(b)
 
 
 def test_replies_are_authenticated_too(trio):
