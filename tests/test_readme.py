@@ -9,11 +9,14 @@
 - Every relative link in README.md and docs/*.md names a file that exists, and an
   ``#anchor`` names a heading of that file.
 - The README stays a newcomer's page: at most 12,000 bytes.
+- The quickstart's predicted step, where README.md and docs/planner.md quote it, is what
+  ``plan --keep-degrees`` (and so the trainer) predicts now.
 
-No number is read out of prose: facts live in the code and the generated reference.
+No other number is read out of prose: facts live in the code and the generated reference.
 """
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -174,6 +177,20 @@ def test_a_broken_link_is_caught(tmp_path):
 
 def test_readme_is_a_newcomers_page():
     assert os.path.getsize(README) <= 12_000
+
+
+def test_quoted_quickstart_step_is_current(capsys):
+    """Every predicted step the README quotes, and the full step of docs/planner.md's
+    ``--failures`` printout, is the planner's prediction for configs/quickstart.yaml."""
+    argv = ["--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--keep-degrees"]
+    assert plan_cli.main([*argv, "--json"]) == 0
+    step = f"{json.loads(capsys.readouterr().out)['predicted_step_s']:.3g}"
+    quoted = re.findall(r"predicted (?:step )?([0-9.]+) s", _read(README))
+    quoted += re.findall(
+        r"the config as written: predicted step ([0-9.]+) s",
+        _read(os.path.join(ROOT, "docs", "planner.md")),
+    )
+    assert quoted and set(quoted) == {step}, (quoted, step)
 
 
 def test_readme_points_at_the_notebook():
