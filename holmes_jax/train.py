@@ -96,8 +96,8 @@ def print_config(cfg: Config) -> int:
     """``--print-config``: the resolved config on process 0's stdout."""
     import jax
 
-    from holmes_jax.runtime.loop import resolve
     from holmes_jax.runtime.rundir import config_yaml
+    from holmes_jax.runtime.setup import resolve
 
     resolved = resolve(cfg)
     if jax.process_index() == 0:

@@ -290,7 +290,7 @@ def test_keep_degrees_prices_what_the_trainer_prints(capsys):
     from holmes_jax.core.config import check_devices, load_config
     from holmes_jax.planner.plans import resolve_auto
     from holmes_jax.planner.topology import load_topology
-    from holmes_jax.runtime.loop import describe_plan
+    from holmes_jax.runtime.setup import describe_plan
 
     cfg = load_config(CONFIG, [f"parallel.mesh={TWO}"])
     topology = load_topology(TWO)

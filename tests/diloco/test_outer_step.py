@@ -20,6 +20,7 @@ import pytest
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
+from holmes_jax.diloco.modes import diloco_lines
 from holmes_jax.diloco.outer_step import (
     OuterStep,
     decode,
@@ -35,7 +36,7 @@ from holmes_jax.runtime.checkpoint import (
     read_params,
     save_params,
 )
-from holmes_jax.runtime.loop import diloco_lines, run
+from holmes_jax.runtime.loop import run
 from holmes_jax.runtime.mesh import build_mesh
 from holmes_jax.runtime.model import GPT
 from holmes_jax.runtime.optim import make_optimizer

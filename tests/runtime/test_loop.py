@@ -208,7 +208,7 @@ def test_plan_lines_without_a_topology_or_a_prediction(tiny_config):
 
     from holmes_jax.planner.grid import load_mesh_topology
     from holmes_jax.planner.report import format_step_check
-    from holmes_jax.runtime.loop import describe_plan
+    from holmes_jax.runtime.setup import describe_plan
 
     cfg = tiny_config("parallel.stages=2")
     assert describe_plan(cfg, Degrees(2, 4, 1), None, jax.devices(), None) == ([], None)

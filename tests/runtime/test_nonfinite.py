@@ -19,7 +19,8 @@ from holmes_jax.core.spec import Degrees
 from holmes_jax.runtime import nonfinite
 from holmes_jax.runtime.checkpoint import Checkpointer
 from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch
-from holmes_jax.runtime.loop import fetch_metrics, run
+from holmes_jax.runtime.each_step import fetch_metrics
+from holmes_jax.runtime.loop import run
 from holmes_jax.runtime.nonfinite import SkipGuard
 from holmes_jax.train import main
 from tests.common import TINY_RUN, as_flags
@@ -195,9 +196,9 @@ def test_where_steps_overlap_the_limit_is_read_a_step_late_but_before_a_save(
     """As on GPUs, the loop does not wait for each step (one device, so nothing to wait
     for on CPU either): step 5's counter is due a step late, but step 5 is a save step, so
     the save reads it first and stops the run without writing step 5."""
-    import holmes_jax.runtime.loop as loop
+    import holmes_jax.runtime.each_step as each_step
 
-    monkeypatch.setattr(loop.jax, "local_device_count", lambda: 1)
+    monkeypatch.setattr(each_step.jax, "local_device_count", lambda: 1)
     ckpt = tmp_path / "ckpt"
     overrides = [
         *TINY, "parallel.devices=1", "train.steps=8", "logging.log_every=100",

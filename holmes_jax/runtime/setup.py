@@ -1,0 +1,316 @@
+"""Everything the training loop (:func:`holmes_jax.runtime.loop.run`) does before its
+first step, in the order it does it.
+
+- :func:`resolve`: the mesh degrees and what the config leaves to the planner (``auto``:
+  the split, remat, DiLoCo by :func:`holmes_jax.planner.strategy.resolve_diloco`), checked
+  to fit in memory; ``train --print-config`` runs it alone, and the config it returns is
+  the one the run trains and writes to ``config.yaml``. On a topology (``parallel.mesh``)
+  :func:`describe_plan` predicts the step with the planner's cost model.
+- :func:`restore`: the newest checkpoint in ``checkpoint.dir`` (:func:`nothing_to_train`
+  when it holds ``train.steps`` steps already); :func:`initial_state`: the restored
+  state, else ``checkpoint.init_from``'s parameters with a fresh optimizer at step 0,
+  else a fresh one.
+- :class:`Data`: the corpus, this process's part of each batch, the evaluation batches.
+- :func:`announce`: the lines printed before training (process 0, through the metrics
+  logger): the model and mesh, where the outputs go, the plan, DiLoCo, what was resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from holmes_jax.core.config import Config
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import Degrees, flops_per_token
+from holmes_jax.diloco.scope import eval_batch_count, independent, island_outputs, island_scope
+from holmes_jax.planner.failures import replan
+from holmes_jax.planner.grid import job_topology, load_mesh_topology, resolve_shape
+from holmes_jax.planner.memory import check_fits
+from holmes_jax.planner.plans import memory_inputs_from_config, predict_config, resolve_auto
+from holmes_jax.planner.report import format_preference, format_run_plan
+from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
+from holmes_jax.planner.topology import Topology
+from holmes_jax.runtime.checkpoint import init_state_from
+from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
+from holmes_jax.runtime.devices import peak_tflops
+from holmes_jax.runtime.mesh import collectives_block
+from holmes_jax.runtime.metrics import MetricsLogger
+from holmes_jax.runtime.model import attention_kernel
+from holmes_jax.runtime.program import compute_dtype
+from holmes_jax.runtime.rundir import (
+    CHECKPOINTS_NAME,
+    RunDir,
+    choose_run_dir,
+    first_free,
+    moved_line,
+    outputs_line,
+    sibling,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A config resolved against the visible devices (:func:`resolve`).
+
+    Attributes:
+      cfg: what the run trains: outputs in the run directory, DiLoCo decided, and the
+        planner's ``auto`` (schedule, split, remat) resolved for ``shape``.
+      outputs: the run directory chosen (:func:`~holmes_jax.runtime.rundir.choose_run_dir`).
+      devices: the devices the run sees (``jax.devices()``).
+      topology: the cluster (``parallel.mesh``, without ``parallel.exclude_hosts``), or None.
+      shape: the mesh degrees.
+      replanned: the survivors' plan (:func:`~holmes_jax.planner.failures.replan`) when
+        ``parallel.exclude_hosts`` names hosts, else None.
+      asked: the config as given, outputs resolved (before the planner's choices).
+      diloco_choice: :func:`~holmes_jax.planner.strategy.resolve_diloco`'s choice, or None.
+      share: an independent DiLoCo island's rows of the global batch
+        (:mod:`holmes_jax.diloco.scope`), else None.
+    """
+
+    cfg: Config
+    outputs: RunDir
+    devices: list
+    topology: Topology | None
+    shape: Degrees
+    replanned: Any
+    asked: Config
+    diloco_choice: Any
+    share: Any = None
+
+
+def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
+    """Choose the run directory (unless ``outputs`` is given), then resolve the degrees and
+    what the config leaves to the planner, on the visible devices, and check the plan fits
+    in memory. Compiles nothing and writes nothing.
+
+    Raises:
+      ConfigError: settings that are impossible on the visible devices.
+    """
+    outputs = outputs or choose_run_dir(island_outputs(cfg))
+    cfg = outputs.cfg
+    share = None
+    if independent(cfg):  # this island's job: replica 1, its rows of the global batch
+        cfg, share = island_scope(cfg)
+    devices = jax.devices()
+    topology = load_mesh_topology(cfg)  # without parallel.exclude_hosts
+    replanned = None
+    if cfg.parallel.exclude_hosts:  # a failure's survivors: the planner's degrees for them
+        full = job_topology(cfg)
+        sync = collectives_block(devices)
+        replanned = replan(cfg, full, cfg.parallel.exclude_hosts, sync_collectives=sync)
+        cfg = replanned.cfg
+    asked = cfg
+    diloco, choice = resolve_diloco(cfg, topology)
+    cfg = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled=diloco))
+    shape = resolve_shape(cfg, len(devices), topology)
+    cfg = resolve_auto(cfg, shape, topology)
+    check_memory(cfg, shape, topology, devices)
+    return Resolved(cfg, outputs, devices, topology, shape, replanned, asked, choice, share)
+
+
+def restore(ckpt, program, cfg: Config) -> tuple[Any, int]:
+    """The newest checkpoint's logical state and its step, or ``(None, 0)`` (no
+    checkpoint, ``checkpoint.resume`` off, or none saved yet)."""
+    if ckpt is None or not cfg.checkpoint.resume:
+        return None, 0
+    restored = ckpt.restore(program.abstract_logical_state, cfg)
+    if restored is None:
+        return None, 0
+    logical, meta = restored
+    return logical, int(meta["data_position"])
+
+
+def initial_state(program, cfg: Config, logical) -> tuple[Any, str | None]:
+    """The state to train from: the restored ``logical`` one, else ``checkpoint.init_from``'s
+    parameters with a fresh optimizer at step 0, else a fresh one; and ``init_from``'s step
+    directory when the run starts there."""
+    if logical is not None:
+        return program.from_logical(logical), None
+    if cfg.checkpoint.init_from:
+        state, started_from = init_state_from(program, cfg.checkpoint.init_from)
+        if state is not None:
+            return state, started_from
+    return program.init(cfg.train.seed), None
+
+
+class Data:
+    """The corpus, the sampler of training batches and the evaluation batches.
+
+    An independent DiLoCo island (``share``) takes its rows of each global batch, and the
+    whole batch's evaluation windows: the same draws as a whole-batch run's.
+    """
+
+    def __init__(self, cfg: Config, program, share=None):
+        corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+        seq, batch_size, seed = cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.seed
+        self.sampler = BatchSampler(corpus.train, seq, batch_size, seed)
+        n_eval = cfg.train.eval_batches
+        if share is not None:
+            window = (share.offset, share.rows)
+            self.sampler = BatchSampler(corpus.train, seq, share.total, seed, window=window)
+            n_eval = eval_batch_count(share, n_eval)
+        self.sharding = program.batch_sharding
+        self.eval_set = [
+            _global_batch(rows, self.sharding)
+            for rows in eval_batches(corpus.eval, seq, batch_size, n_eval)
+        ]
+        self.description = corpus.description
+
+    def batch(self, step: int) -> jax.Array:
+        """Step ``step + 1``'s batch, this process's rows of it on its devices."""
+        return make_batch(self.sampler, step, self.sharding)
+
+
+def make_logger(cfg: Config, r: Resolved) -> MetricsLogger:
+    """The metrics logger (it prints on process 0 only), with the model's FLOPs per token
+    and the devices' peak for the utilisation it reports."""
+    flops = flops_per_token(cfg.model.spec, cfg.model.remat)
+    peak = cfg.logging.peak_tflops or peak_tflops(r.devices[0].device_kind, cfg.train.precision)
+    return MetricsLogger(
+        cfg, flops=flops, num_devices=r.shape.num_devices, peak_tflops=peak,
+        is_main=jax.process_index() == 0,
+    )  # fmt: skip
+
+
+def announce(say, r: Resolved, data: Data, plan_lines, outer_lines, resumed, start, started_from):
+    """The lines before training: model, mesh and data; where the outputs go; the plan
+    (or the pipeline as configured); DiLoCo; remat's choice; what the run starts from."""
+    cfg, shape, devices = r.cfg, r.shape, r.devices
+    say(
+        f"holmes_jax: {cfg.model.spec.num_params / 1e6:.2f}M params | mesh "
+        + (f"replica={shape.replica} " if shape.replica > 1 else "")
+        + f"stage={shape.stages} data={shape.data} tensor={shape.tensor} on "
+        f"{shape.num_devices} {devices[0].platform} devices | {data.description}"
+    )
+    lines = []
+    if r.outputs.continued:
+        lines.append(f"restart: continuing the run in {cfg.train.run_dir}")
+    if r.replanned is not None:
+        lines.append(r.replanned.line())
+    lines += [moved_line(r.outputs), outputs_line(cfg), *plan_lines]
+    if not plan_lines and (cfg.parallel.stages > 1 or cfg.parallel.microbatches > 1):
+        lines.append(
+            f"pipeline: layers per stage {list(cfg.parallel.layers_per_stage)}, "
+            f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
+        )
+    lines += outer_lines
+    if r.asked.model.remat == "auto":
+        lines.append(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
+    if resumed:
+        lines.append(f"resumed from {cfg.checkpoint.dir} at step {start}")
+        if cfg.checkpoint.init_from:
+            lines.append(
+                f"checkpoint.init_from={cfg.checkpoint.init_from} not used: the run resumes "
+                "from its own checkpoints"
+            )
+    if started_from:
+        lines.append(f"initialised from {started_from} (fresh optimizer, step 0)")
+    for line in lines:
+        if line:
+            say(line)
+
+
+def nothing_to_train(cfg: Config, held: int) -> str:
+    """The one line of a run whose checkpoint already holds ``train.steps`` steps."""
+    again = f"raise train.steps (--set train.steps={max(2 * held, held + 1)})"
+    run_dir = cfg.train.run_dir
+    if run_dir and cfg.checkpoint.dir == os.path.join(run_dir, CHECKPOINTS_NAME):
+        other = sibling(run_dir, first_free(run_dir))
+        new = f"start a new run (--set train.run_dir={other})"
+    else:
+        new = "start a new run in another checkpoint.dir"
+    return (
+        f"nothing to train: {cfg.checkpoint.dir} holds step {held} and "
+        f"train.steps={cfg.train.steps}; {again} or {new}"
+    )
+
+
+def describe_plan(
+    cfg: Config,
+    shape: Degrees,
+    topology: Topology | None,
+    devices: list,
+    asked_split: tuple[int, ...] | str | None,
+) -> tuple[list[str], float | None]:
+    """The plan's lines for the log and its predicted step; nothing without a topology.
+
+    The prediction is the planner's (:func:`holmes_jax.planner.plans.predict_config`) for
+    ``cfg`` as resolved, with blocking collectives on CPU runtimes, where a collective
+    occupies the device until it is done. A run the cost model cannot price (the naive
+    placement with stages) still trains: its plan is one line saying why.
+
+    Args:
+      cfg: the config after :func:`~holmes_jax.planner.plans.resolve_auto`.
+      shape: the resolved degrees.
+      topology: the cluster (``parallel.mesh``), or None.
+      devices: the visible devices (their platform decides the collectives priced).
+      asked_split: ``parallel.layers_per_stage`` as the user gave it (before resolving).
+
+    Returns:
+      (lines, predicted step in seconds or None).
+    """
+    if topology is None:
+        return [], None
+    sync = collectives_block(devices)
+    try:
+        prediction = predict_config(cfg, topology, sync_collectives=sync)
+    except ConfigError as e:
+        return [f"plan on topology {topology.name}: no prediction ({e})"], None
+    if cfg.parallel.stages == 1:
+        split = "one stage"
+    elif asked_split == "auto":
+        split = "the planner's optimal split (parallel.layers_per_stage: auto)"
+    elif isinstance(asked_split, tuple):
+        split = "as configured (parallel.layers_per_stage)"
+    else:
+        split = "even (parallel.layers_per_stage unset)"
+    lines = format_run_plan(cfg, shape, topology, prediction, sync_collectives=sync, split=split)
+    lines += format_preference(cfg, topology, prediction.step_s, sync_collectives=sync)
+    if cfg.diloco.enabled is True and shape.replica > 1:
+        # The plan above prices replica > 1 as hierarchical (a cross-island gradient ring
+        # every step); DiLoCo's inner steps send nothing across: price those instead.
+        step, inner, outer = predict_diloco_config(cfg, topology, sync_collectives=sync)
+        lines.append(
+            f"diloco: predicted inner step {inner:.4g}s (islands alone) + one outer sync "
+            f"{outer:.4g}s every {cfg.diloco.inner_steps} steps = {step:.4g}s per step"
+        )
+        return lines, step
+    return lines, prediction.step_s
+
+
+def device_limit_bytes(topology, devices) -> float | None:
+    """Memory of one device: the smallest island's ``memory_gb`` when a topology names it,
+    else what the runtime reports (GPUs), else None (CPU: no limit to check)."""
+    if topology is not None:
+        return min(isl.memory_gb for isl in topology.islands) * 1e9
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    try:  # only this process's devices can be asked; CPU runtimes may not answer
+        stats = local[0].memory_stats() if local else None
+    except Exception:  # noqa: BLE001 (any runtime refusal means: no limit known)
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return None
+
+
+def check_memory(cfg: Config, shape, topology, devices) -> None:
+    """Before compiling: resolve the attention kernel (a forced ``cudnn`` that cannot run is
+    a one-line ConfigError) and refuse a plan the memory model says will not fit
+    (:func:`holmes_jax.planner.memory.check_fits`). ``cfg`` comes from :func:`resolve_auto`, so
+    its split is concrete."""
+    kernel = attention_kernel(cfg.model, compute_dtype(cfg.train.precision))
+    limit = device_limit_bytes(topology, devices)
+    if limit is not None:
+        x = memory_inputs_from_config(cfg, shape.data, kernel)
+        check_fits(x, cfg.parallel.layers_per_stage, limit)
+
+
+def _global_batch(rows: np.ndarray, sharding) -> jax.Array:
+    """A global [B, T+1] array from a host copy of all rows, each process giving its own."""
+    mine = local_rows(sharding, rows.shape[0])
+    return jax.make_array_from_process_local_data(sharding, rows[mine], rows.shape)
