@@ -1,7 +1,7 @@
 """``python -m holmes_jax.launch``: one training process per host of a topology, locally.
 
 The entry point: it parses the command line and calls
-:func:`holmes_jax.cluster.supervisor.launch`, which does the work (see there).
+:func:`holmes_jax.cluster.local_launch.launch`, which does the work (see there).
 
     python -m holmes_jax.launch --mesh meshes/cpu8-two-islands.yaml -- \\
         --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20
@@ -24,12 +24,8 @@ import sys
 from collections.abc import Sequence
 
 from holmes_jax.cluster.launcher import DEFAULT_GRACE_S, PROGRAMS
-from holmes_jax.cluster.supervisor import (
-    DEFAULT_MAX_RESTARTS,
-    DEFAULT_REJOIN_S,
-    RESTART_GRACE_S,
-    launch,
-)
+from holmes_jax.cluster.local_launch import launch
+from holmes_jax.cluster.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_REJOIN_S, RESTART_GRACE_S
 from holmes_jax.cluster.transport import format_exports, host_environment
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import load_topology

@@ -91,7 +91,7 @@ def emulated_probe(
     read ``<folder>/<name>.json`` where an earlier probe wrote it instead of probing."""
     import json
 
-    from holmes_jax.cluster.supervisor import launch
+    from holmes_jax.cluster.local_launch import launch
     from holmes_jax.planner.profiles import load_profile
     from holmes_jax.planner.topology import load_topology
 
@@ -170,7 +170,7 @@ def emulated_run(
     (``cpu_quota``: ``launch --cpu-quota``)."""
     import json
 
-    from holmes_jax.cluster.supervisor import launch
+    from holmes_jax.cluster.local_launch import launch
 
     metrics = os.path.join(folder, f"{name}.jsonl")
     args = ["--config", config] if config else []  # else the built-in defaults

@@ -1,7 +1,7 @@
 """Local multi-process launches: one training process per host of a topology.
 
 The library half of ``python -m holmes_jax.launch`` (:mod:`holmes_jax.launch` parses the
-command line and calls :func:`holmes_jax.cluster.supervisor.launch`)::
+command line and calls :func:`holmes_jax.cluster.local_launch.launch`)::
 
     python -m holmes_jax.launch --mesh meshes/cpu8-two-islands.yaml -- \\
         --config configs/quickstart.yaml --set parallel.stages=2 --set train.steps=20

@@ -1,5 +1,5 @@
-"""Supervised restarts and fault injection for the local launcher, and :func:`launch`, the
-work of ``python -m holmes_jax.launch``: one process per host of a topology, supervised.
+"""Supervised restarts and fault injection for the local launcher
+(:func:`holmes_jax.cluster.local_launch.launch`).
 
 :class:`Supervisor` runs a job (:class:`~holmes_jax.cluster.launcher.Launch`) and, when a
 worker fails, runs it again, up to ``max_restarts`` times:
@@ -47,9 +47,7 @@ checkpoint; this re-expansion does not count as a restart.
 from __future__ import annotations
 
 import math
-import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -57,20 +55,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from holmes_jax.cluster import island_jobs, linkcut
 from holmes_jax.cluster.launcher import (
     DEFAULT_GRACE_S,
-    EMULATED_PORT,
     Launch,
     Worker,
     _Stop,
     describe,
     exit_code,
-    free_port,
-    plan_workers,
 )
 from holmes_jax.core.errors import NONFINITE_EXIT, USAGE_EXIT, ConfigError
-from holmes_jax.planner.topology import Topology, load_topology
 
 DEFAULT_MAX_RESTARTS = 3
 RESTART_GRACE_S = 1.0  # the others' time to exit when a restart follows a failure
@@ -385,195 +378,3 @@ class Supervisor:
         finally:
             if hidden and self.current is not None:
                 self.current.say(f"{hidden} lines of library output hidden (--verbose shows them)")
-
-
-def launch(
-    mesh_path: str,
-    train_args: Sequence[str],
-    *,
-    emulate: bool = False,
-    scale: float = 1.0,
-    grace_s: float = DEFAULT_GRACE_S,
-    out=None,
-    env: dict[str, str] | None = None,
-    program: str = "train",
-    verbose: bool = False,
-    max_restarts: int = 0,
-    fail_hosts: Sequence[str] = (),
-    rejoin_timeout_s: float = DEFAULT_REJOIN_S,
-    cpu_quota: str = "auto",
-    latency: bool = True,
-    independent: bool = False,
-    cut_islands: str | None = None,
-) -> int:
-    """Run one process per host of the topology on this machine (see the module doc).
-
-    Args:
-      mesh_path: topology file.
-      train_args: arguments for ``holmes_jax.train``.
-      emulate: run each host in its own shaped network namespace (root only).
-      scale: multiplies every emulated rate.
-      grace_s: time the others get after the first failure.
-      out: where the prefixed output goes (default stdout).
-      env: base environment of the processes (default ``os.environ``).
-      program: ``train`` (default) or ``probe`` (:data:`PROGRAMS`).
-      verbose: show library chatter (:func:`quiet`) too.
-      max_restarts: restarts after failures (:class:`~holmes_jax.cluster.supervisor.Supervisor`);
-        0 runs the job once.
-      fail_hosts: ``--fail-host`` specs (:func:`~holmes_jax.cluster.supervisor.parse_fault`).
-      rejoin_timeout_s: how long a restart waits for an away host before the others go on
-        without it (:class:`Supervisor`).
-      cpu_quota: with ``emulate``, a CPU quota per host from its island's ``peak_tflops``:
-        ``auto``, ``on`` or ``off`` (:mod:`holmes_jax.cluster.cgroups`).
-      latency: with ``emulate``, delay packets between islands by the topology's latency.
-      independent: one job per island, each supervised on its own, as independent DiLoCo
-        islands (:mod:`holmes_jax.cluster.island_jobs`).
-      cut_islands: with ``emulate``, ``STEP:+SECONDS``: cut the links between islands
-        (:mod:`holmes_jax.cluster.linkcut`).
-
-    Returns:
-      The exit code of the last attempt (see :meth:`Launch.run`); 130 when stopped before
-      anything started.
-
-    Raises:
-      ConfigError: bad topology, arguments, fault specs, or ``--emulate`` without root.
-    """
-    topology = load_topology(mesh_path)
-    hosts = [h for isl in topology.islands for h in isl.hosts]
-    faults = [parse_fault(spec, hosts) for spec in fail_hosts]
-    cut = linkcut.parse_cut(cut_islands) if cut_islands is not None else None
-    if cut is not None and not emulate:
-        raise ConfigError(
-            f"--cut-islands={cut_islands}: only with --emulate (the cut is a rule in the "
-            "emulated router)"
-        )
-    if cut is not None and len(topology.islands) < 2:
-        raise ConfigError(f"--cut-islands={cut_islands}: topology '{topology.name}' has one island")
-    if max_restarts < 0:
-        raise ConfigError(f"--max-restarts={max_restarts}: must be >= 0 (0 = no restarts)")
-    if not rejoin_timeout_s >= 0 or math.isinf(rejoin_timeout_s):
-        raise ConfigError(
-            f"--rejoin-timeout={rejoin_timeout_s:g}: must be a number of seconds >= 0"
-        )
-    base = dict(os.environ if env is None else env)
-    plan_workers(topology, mesh_path, train_args, "127.0.0.1:1", base_env={}, program=program)
-    if independent and program != "train":
-        raise ConfigError(f"--independent-islands: runs holmes_jax.train, not --program={program}")
-    if independent and len(topology.islands) < 2:
-        raise ConfigError(
-            f"--independent-islands: topology '{topology.name}' has one island; independent "
-            "DiLoCo islands need at least 2"
-        )
-    handlers = {}
-    supervisors: list[Supervisor] = []
-    cutter: list[linkcut.IslandCutter] = []  # with --cut-islands, once the network is up
-
-    def on_signal(signum, frame):
-        if not supervisors:
-            raise _Stop
-        for supervisor in supervisors:
-            supervisor.on_signal(signum, frame)
-
-    def supervise(coordinator: Callable[[Topology], str], prefix=None, job=None) -> Supervisor:
-        job = job or island_jobs.Job(topology, (), faults)  # the whole topology: one job
-
-        def make_workers(extra: dict[str, str], excluded: tuple[str, ...]) -> list[Worker]:
-            hosts, args = job.topology, [*train_args, *job.args, *fault_args(job.faults)]
-            if excluded:  # the survivors: the trainer re-plans for them
-                hosts = island_jobs.survivors(job, excluded)
-                args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
-            return plan_workers(
-                hosts, mesh_path, args, coordinator(hosts), base_env={**base, **extra},
-                program=program, prefix=prefix,
-            )  # fmt: skip
-
-        if injected := fault_args(job.faults):
-            specs = " ".join(f.spec for f in job.faults if f.inject)
-            whose = f"island {job.name}'s job" if job.name else "the job"
-            print(
-                f"launch: --fail-host {specs}: every worker of {whose} gets {' '.join(injected)}",
-                file=out or sys.stdout, flush=True,
-            )  # fmt: skip
-        supervisor = Supervisor(
-            make_workers, max_restarts=max_restarts, faults=job.faults, grace_s=grace_s,
-            on_step=cutter[0].on_step if cutter else None,
-            out=out, verbose=verbose, rejoin_timeout_s=rejoin_timeout_s,
-        )  # fmt: skip
-        supervisors.append(supervisor)
-        return supervisor
-
-    def run_jobs(coordinator: Callable[[Topology], str], peer_address, prefix=None) -> int:
-        if not independent:
-            return supervise(coordinator, prefix).run()
-        with island_jobs.run_key(train_args) as key:  # every island authenticates with it
-            jobs = island_jobs.plan_jobs(topology, faults, peer_address, key)
-            runs = [(job.name, supervise(coordinator, prefix, job)) for job in jobs]
-            return island_jobs.run_all(runs, out)
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            handlers[sig] = signal.signal(sig, on_signal)
-    try:
-        if not emulate:
-            local = lambda hosts: f"127.0.0.1:{free_port()}"  # noqa: E731
-            return run_jobs(local, lambda host, k: f"127.0.0.1:{free_port()}")
-        from holmes_jax.cluster import cgroups, netns
-
-        netns.check_privileges()
-        netns.remove_stale()
-        cgroups.remove_stale()
-        tag = str(os.getpid())
-        plan = netns.plan_network(topology, tag=tag, scale=scale, latency=latency)
-        mode = cgroups.resolve(cpu_quota, warn=lambda line: print(line, file=out or sys.stdout))
-        cores = len(os.sched_getaffinity(0))
-        quotas = cgroups.plan_quotas(topology, tag, mode, cores)
-        with netns.EmulatedNetwork(plan) as network, cgroups.CpuGroups(quotas) as groups:
-
-            def coordinator(hosts: Topology) -> str:  # process 0's namespace
-                return f"{plan.host(hosts.islands[0].hosts[0]).address}:{EMULATED_PORT}"
-
-            def peer_address(host: str, k: int) -> str:  # the host's k-th outer-sync lane
-                return f"{plan.host(host).address}:{island_jobs.OUTER_SYNC_PORT + k}"
-
-            summary = _emulation_summary(topology, len(plan.hosts), scale, plan.delays, quotas)
-            print(f"launch: {summary}", file=out or sys.stdout, flush=True)
-            if cut is not None:
-                say = lambda line: print(f"launch: {line}", file=out or sys.stdout, flush=True)  # noqa: E731
-                cutter.append(
-                    linkcut.IslandCutter(cut, network.cut_islands, network.restore_islands, say)
-                )
-            try:
-                return run_jobs(coordinator, peer_address, groups.wrap(network.exec_prefix))
-            finally:
-                if cutter:
-                    cutter[0].restore()
-                if stats := groups.throttling():
-                    line = cgroups.format_throttling(stats)
-                    print(f"launch: {line}", file=out or sys.stdout, flush=True)
-    except _Stop:
-        return 130
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
-def _emulation_summary(
-    topology: Topology, namespaces: int, scale: float, delays=None, quotas=()
-) -> str:
-    islands = topology.islands
-    rates = ", ".join(f"{i.name} {i.link.bandwidth_gbps * 1e3 * scale:g} Mbit/s" for i in islands)
-    inter = sorted(
-        {
-            topology.inter_island(a.name, b.name).bandwidth_gbps * 1e3 * scale
-            for n, a in enumerate(islands)
-            for b in islands[n + 1 :]
-        }
-    )
-    between = f", between islands {'/'.join(f'{r:g}' for r in inter)} Mbit/s" if inter else ""
-    rtts = sorted({2e3 * d for d in (delays or {}).values()})
-    if rtts:
-        between += f", round trip {'/'.join(f'{r:g}' for r in rtts)} ms"
-    if quotas:
-        cpu = ", ".join(f"{q.host} {q.share:.2g}" for q in quotas)
-        between += f"; CPU quota (cores): {cpu}"
-    return f"emulating '{topology.name}': {namespaces} namespaces, {rates}{between}"

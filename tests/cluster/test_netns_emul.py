@@ -15,7 +15,7 @@ import yaml
 
 from holmes_jax import launch
 from holmes_jax.cluster import cgroups, delay, netns
-from holmes_jax.cluster.supervisor import _emulation_summary
+from holmes_jax.cluster.local_launch import _emulation_summary
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import ModelSpec
 from holmes_jax.planner.cost import RunSpec

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from holmes_jax import launch
-from holmes_jax.cluster import supervisor
+from holmes_jax.cluster import local_launch, supervisor
 from holmes_jax.cluster.launcher import Worker
 from holmes_jax.runtime import rundir
 from tests.common import ROOT
@@ -282,7 +282,7 @@ def test_a_nan_fault_reaches_every_worker_of_the_job_holding_its_host(independen
     """Every worker of the job holding the host gets the step (they run one program);
     with independent islands only that island's job does."""
     planned = {}
-    real = supervisor.plan_workers
+    real = local_launch.plan_workers
 
     def plan(topology, mesh, args, coordinator, **kwargs):
         workers = real(topology, mesh, args, coordinator, **kwargs)
@@ -290,10 +290,10 @@ def test_a_nan_fault_reaches_every_worker_of_the_job_holding_its_host(independen
             planned.update((w.host, w.command) for w in workers)
         return [Worker(w.host, w.process_id, [sys.executable, "-c", ""], w.env) for w in workers]
 
-    monkeypatch.setattr(supervisor, "plan_workers", plan)
+    monkeypatch.setattr(local_launch, "plan_workers", plan)
     out = io.StringIO()
     specs = ["roce-1@5:nan", "roce-0@3:nan", "ib-0@9"]
-    code = supervisor.launch(
+    code = local_launch.launch(
         os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml"), ["--set", "train.steps=1"],
         fail_hosts=specs, independent=independent, out=out,
     )  # fmt: skip
