@@ -24,6 +24,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from holmes_jax.core.diloco_config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.sections import (
     CONFIG_CHOICES,
@@ -32,7 +33,6 @@ from holmes_jax.core.sections import (
     TOKEN_DTYPES,
     CheckpointConfig,
     DataConfig,
-    DilocoConfig,
     DistributedConfig,
     LoggingConfig,
     ModelConfig,

@@ -1,7 +1,7 @@
 """Lanes: how an island's processes split the outer sync of independent DiLoCo.
 
 Each island's entry of ``diloco.peers`` lists ``L`` addresses, the same ``L`` for every
-island (:meth:`~holmes_jax.core.sections.DilocoConfig.lane_addresses`). Lane ``ℓ`` is one
+island (:meth:`~holmes_jax.core.diloco_config.DilocoConfig.lane_addresses`). Lane ``ℓ`` is one
 :class:`~holmes_jax.diloco.sync.OuterSync` per island, at the island's ``ℓ``-th
 address, and carries block ``ℓ`` of every parameter: the leaf flattened (row-major, the
 logical layout), zero-padded to ``L · B`` elements and cut into ``L`` blocks of ``B``

@@ -62,7 +62,7 @@ from holmes_jax.runtime.optim import (
 )
 from holmes_jax.runtime.pipeline import PipelineEngine
 from holmes_jax.runtime.stages import layout_from_config, pipeline_shardings
-from holmes_jax.runtime.zero import shard_dim, sharded_spec
+from holmes_jax.runtime.zero import shard_dim, sharded_spec, zero1_split
 
 
 @flax.struct.dataclass
@@ -142,25 +142,8 @@ class Program:
             )
             self.param_sharding = pipeline_shardings(self.layout, logical_sharding, mesh)
             abstract_params = jax.eval_shape(self._params_from_logical, abstract_logical)
-            # ZeRO-1: which dim of each leaf is split over data (-1: none); the stage axis
-            # (and the slot axis of blocks) never are.
-            self.grad_dims = {
-                part: jax.tree.map(
-                    lambda a, s, skip=(2 if part == "blocks" else 1): (
-                        shard_dim(a.shape, s.spec, self.data_size, skip, dict(mesh.shape))
-                        if self.zero1
-                        else -1
-                    ),
-                    abstract_params[part],
-                    self.param_sharding[part],
-                )
-                for part in abstract_params
-            }
-            opt_param_sharding = jax.tree.map(
-                lambda s, a, dim: NamedSharding(mesh, sharded_spec(s.spec, dim, len(a.shape))),
-                self.param_sharding,
-                abstract_params,
-                self.grad_dims,
+            self.grad_dims, opt_param_sharding = zero1_split(
+                abstract_params, self.param_sharding, mesh, self.zero1
             )
             self.engine = PipelineEngine(
                 m,
@@ -613,14 +596,3 @@ def compute_dtype(precision: str):
 
 def _cast(tree, dtype):
     return jax.tree.map(lambda a: a.astype(dtype), tree)
-
-
-def sharding_summary(shardings: Any) -> dict[str, str]:
-    """{'path': 'PartitionSpec(...)'} for logging and tests."""
-    flat = jax.tree_util.tree_flatten_with_path(
-        shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
-    )[0]
-    return {
-        jax.tree_util.keystr(path): str(s.spec if isinstance(s, NamedSharding) else PartitionSpec())
-        for path, s in flat
-    }

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from holmes_jax.core.axes import DATA, REPLICA
 
@@ -74,6 +74,34 @@ def sharded_spec(spec: PartitionSpec, dim: int, ndim: int) -> PartitionSpec:
     if dim >= 0:
         entries[dim] = DATA
     return PartitionSpec(*entries)
+
+
+def zero1_split(abstract_params: dict, param_sharding: dict, mesh, enabled: bool):
+    """ZeRO-1 for the engine's parameter parts (``blocks``, ...): which dim of each leaf
+    is split over ``data`` (-1: none; never the stage axis, nor the slot axis of blocks),
+    and the sharding of the optimizer state and fp32 master that follows from it.
+
+    Returns:
+      (dims, optimizer-state shardings), trees like ``param_sharding``.
+    """
+    data, axes = mesh.shape[DATA], dict(mesh.shape)
+    dims = {
+        part: jax.tree.map(
+            lambda a, s, skip=(2 if part == "blocks" else 1): (
+                shard_dim(a.shape, s.spec, data, skip, axes) if enabled else -1
+            ),
+            abstract_params[part],
+            param_sharding[part],
+        )
+        for part in abstract_params
+    }
+    shardings = jax.tree.map(
+        lambda s, a, dim: NamedSharding(mesh, sharded_spec(s.spec, dim, len(a.shape))),
+        param_sharding,
+        abstract_params,
+        dims,
+    )
+    return dims, shardings
 
 
 def reduce_bucket(grads: Any, dims: Any, data: int, replica: int, flat: bool = False) -> Any:
