@@ -15,8 +15,8 @@ import os
 import time
 
 from holmes_jax.core.spec import SCHEDULES, ModelSpec
-from holmes_jax.planner.cost import RunSpec
 from holmes_jax.planner.search import candidate_layouts, search_plan
+from holmes_jax.planner.stage_costs import RunSpec
 from holmes_jax.planner.topology import load_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -218,9 +218,9 @@ def test_profile_overrides_speed_and_links(capsys, tmp_path):
 
 def test_profile_reproduces_the_measured_layer():
     from holmes_jax.core.spec import Layout, ModelSpec
-    from holmes_jax.planner.cost import RunSpec, stage_costs
     from holmes_jax.planner.placement import stage_hardware
     from holmes_jax.planner.profiles import profile_from_dict
+    from holmes_jax.planner.stage_costs import RunSpec, stage_costs
     from holmes_jax.planner.topology import load_topology
 
     measured = {

@@ -23,7 +23,6 @@ from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.plan import main as plan_main
-from holmes_jax.planner.cost import RunSpec, stage_costs
 from holmes_jax.planner.formulas import (
     all_gather_time,
     p2p_time,
@@ -50,6 +49,7 @@ from holmes_jax.planner.profiles import (
     load_profile,
     profile_from_dict,
 )
+from holmes_jax.planner.stage_costs import RunSpec, stage_costs
 from holmes_jax.planner.topology import load_topology
 from holmes_jax.runtime import measure
 from tests.common import ROOT, TINY_MODEL, as_flags

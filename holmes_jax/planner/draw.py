@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.cost import stage_totals
 from holmes_jax.planner.placement import stage_blocks
 from holmes_jax.planner.schedule import BWD, FWD, WGT, Schedule, make_schedule, simulate_events
 from holmes_jax.planner.search import Plan
+from holmes_jax.planner.step_time import stage_totals
 from holmes_jax.planner.topology import Topology
 
 _KIND = {FWD: "F", BWD: "B", WGT: "W"}

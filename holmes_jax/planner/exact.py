@@ -1,6 +1,6 @@
 """The exact split search: the per-stage layer totals with the least predicted step.
 
-:func:`holmes_jax.planner.cost.predict` prices a split through each stage's layer total as
+:func:`holmes_jax.planner.step_time.predict` prices a split through each stage's layer total as
 ``Σ_s h_s + max_s g_s + max_s [(r_s − Σ_{k<s} σ_k − ω_s)⁺ + a_s]`` (:func:`step_tables`:
 the schedule's pipeline terms, each stage's gradient reduction r overlapped with the
 drain, the optimizer step and all-gather a). :func:`exact_totals` minimises it over every
@@ -18,12 +18,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from holmes_jax.planner.cost import StageCosts, schedule_terms
+from holmes_jax.planner.stage_costs import StageCosts
+from holmes_jax.planner.step_time import schedule_terms
 
 
 def step_tables(costs: StageCosts) -> dict[str, np.ndarray]:
     """The per-stage (p, L+1) tables :func:`optimal_split` combines, exactly as
-    :func:`holmes_jax.planner.cost.predict` does: step = ``Σ_s h_s + max_s g_s + X`` with
+    :func:`holmes_jax.planner.step_time.predict` does: step = ``Σ_s h_s + max_s g_s + X`` with
     the tail X = ``max_s [(r_s − Σ_{k<s} σ_k − ω_s)⁺ + a_s]`` (overlapped reduction),
     ``max_s (r_s + a_s)`` (not overlapped) or ``Σ_s r_s + max_s a_s`` (synchronous; the
     sum then joins h). Infeasible (stage, n) pairs are inf in h."""

@@ -30,10 +30,11 @@ import math
 from dataclasses import dataclass
 
 from holmes_jax.core.spec import Layout, ModelSpec
-from holmes_jax.planner.cost import RunSpec, even_chunks
 from holmes_jax.planner.partition import uniform_split
 from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.search import plan_for_layout
+from holmes_jax.planner.stage_costs import RunSpec
+from holmes_jax.planner.step_time import even_chunks
 from holmes_jax.planner.topology import Topology, topology_from_dict
 
 SOURCE = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"
@@ -278,7 +279,7 @@ class DeepRun:
     overlap_grad_sync: bool = False
     split: tuple[int, ...] | None = None  # layers per stage; None: uniform
     # Megatron-LM 2022 (Korthikanti et al.): the backward's tensor all-reduces overlapped
-    # with its weight-gradient matmuls; sequence parallelism (pricing.RunSpec).
+    # with its weight-gradient matmuls; sequence parallelism (stage_costs.RunSpec).
     tp_overlap: bool = False
     sequence_parallel: bool = False
     n_params: float = 0.0  # only for palm_tflops

@@ -7,7 +7,7 @@ every stage >= 1 layer):
 - ``holmes``: the Holmes paper's rule, layers in proportion to stage speed, where a
   stage's speed is 1 / (its busy time per layer per iteration: m micro-batches of
   compute and communication plus its share of gradient sync over its island's NIC).
-- ``optimal``: the split whose :func:`holmes_jax.planner.cost.predict` step is the least
+- ``optimal``: the split whose :func:`holmes_jax.planner.step_time.predict` step is the least
   of all compositions that fit in memory, exactly (:func:`optimal_split`; the search
   itself, a label-correcting DP with branch and bound over each stage's layer total, is
   :mod:`holmes_jax.planner.exact`'s). With v chunks per device each stage's total is cut
@@ -31,8 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.cost import StageCosts, even_chunks, stage_totals
 from holmes_jax.planner.exact import exact_totals, least_sums, split_value, step_tables, walk_split
+from holmes_jax.planner.stage_costs import StageCosts
+from holmes_jax.planner.step_time import even_chunks, stage_totals
 
 # --------------------------------------------------------------------------- simple rules
 
@@ -190,7 +191,7 @@ def optimal_split(costs: StageCosts, cutoff: float = math.inf) -> list[int] | No
     :func:`holmes_jax.planner.exact.step_tables` (which price a split exactly as
     ``predict`` does), started with the best of the uniform, holmes, least-Σh and
     least-max-g splits as incumbent; with v chunks per device each
-    stage's layers are cut as evenly as possible (:func:`~holmes_jax.planner.cost.even_chunks`:
+    stage's layers are cut as evenly as possible (:func:`~holmes_jax.planner.step_time.even_chunks`:
     time depends only on the totals, memory on the largest chunk, which the even cut
     minimises).
 

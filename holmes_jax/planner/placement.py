@@ -281,7 +281,7 @@ def naive_hardware(
     modelled. The price reproduces the probe's times for its layout (data = the probed
     ranks, tensor = the gcd of ``devices_per_host``) and follows the ring formula elsewhere.
     On that layout the probe's sizes and times (``Calibration.spanning_points``) go into
-    :attr:`StageHardware.measured`, and :mod:`holmes_jax.planner.pricing` prices each call
+    :attr:`StageHardware.measured`, and :mod:`holmes_jax.planner.stage_costs` prices each call
     from them by its size.
 
     Device speed, memory and memory bandwidth are the slowest island's (data parallel ranks

@@ -18,10 +18,8 @@ from collections.abc import Sequence
 from holmes_jax.core.config import Config, check_devices
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, Degrees, Layout, ModelSpec
-from holmes_jax.planner.cost import Prediction, predict, with_lockstep
 from holmes_jax.planner.memory import MemoryInputs
 from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
-from holmes_jax.planner.pricing import RunSpec, memory_inputs, stage_costs
 from holmes_jax.planner.search import (
     METHODS,
     Plan,
@@ -30,6 +28,8 @@ from holmes_jax.planner.search import (
     schedule_layouts,
     search_plan,
 )
+from holmes_jax.planner.stage_costs import RunSpec, memory_inputs, stage_costs
+from holmes_jax.planner.step_time import Prediction, predict, with_lockstep
 from holmes_jax.planner.topology import Topology, single_host_topology
 
 _BYTES = {"fp32": (4, 4, 4, 8), "bf16": (2, 2, 4, 12)}  # act, param, grad, optimizer
@@ -438,9 +438,9 @@ def predict_config(
       topology: the cluster (links possibly replaced by a profile).
       calibration: device speed (e.g. from a profile).
       sync_collectives: collectives block the device (CPU runtimes such as gloo; see
-        :class:`holmes_jax.planner.pricing.RunSpec`): the reductions are priced that way, and
+        :class:`holmes_jax.planner.stage_costs.RunSpec`): the reductions are priced that way, and
         the pipeline by running the schedule's ticks in lockstep
-        (:func:`holmes_jax.planner.cost.lockstep_pipeline`) instead of the closed form
+        (:func:`holmes_jax.planner.step_time.lockstep_pipeline`) instead of the closed form
         the split searches use.
 
     Raises:
@@ -457,7 +457,7 @@ def predict_config(
     hardware = place(topology, layout, calibration, run.memory_fraction)
     costs = stage_costs(model, run, layout, hardware)
     prediction = predict(costs, cfg.parallel.layers_per_stage)
-    if sync_collectives:  # the tick loop runs in lockstep (cost.lockstep_pipeline)
+    if sync_collectives:  # the tick loop runs in lockstep (step_time.lockstep_pipeline)
         prediction = with_lockstep(prediction, costs)
     return prediction
 

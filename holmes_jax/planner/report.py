@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, resolve_grad_buckets
-from holmes_jax.planner.cost import Prediction
 from holmes_jax.planner.failures import FailurePlan, survivor_overrides
 from holmes_jax.planner.placement import stage_blocks, stages_per_island
 from holmes_jax.planner.plans import (
@@ -29,6 +28,7 @@ from holmes_jax.planner.plans import (
     topology_blocks,
 )
 from holmes_jax.planner.search import Plan
+from holmes_jax.planner.step_time import Prediction
 from holmes_jax.planner.strategy import StrategyChoice, crossing_bytes_by_format
 from holmes_jax.planner.topology import Topology
 

@@ -28,7 +28,7 @@ Schedules (S stages, M micro-batches):
   defers up to s W's into bubbles (:func:`_zb_ticks`); at most S micro-batches in flight.
   With F = B = W the bubble is a third of 1F1B's.
 
-Ticks are an order, not a timing; :mod:`holmes_jax.planner.cost` prices each op. Pure NumPy.
+Ticks are an order, not a timing; :mod:`holmes_jax.planner.step_time` prices each op. Pure NumPy.
 """
 
 from __future__ import annotations

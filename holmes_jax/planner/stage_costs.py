@@ -6,7 +6,7 @@ tensor-parallel, r replicas (data parallel across islands), β bytes per element
 are seconds, sizes bytes, rates per second. :func:`stage_costs` combines the FLOP counts
 (:mod:`holmes_jax.core.spec`), the closed-form collective times
 (:mod:`holmes_jax.planner.formulas`) and the memory model (:mod:`holmes_jax.planner.memory`).
-:mod:`holmes_jax.planner.cost` turns the tables into one split's step.
+:mod:`holmes_jax.planner.step_time` turns the tables into one split's step.
 
 - Compute per micro-batch: layer forward F, backward 2x forward plus what the remat policy
   reruns. Element-wise work is priced as memory traffic. The LM head runs on the last stage.
@@ -87,7 +87,7 @@ class RunSpec:
     zero1: bool = True  # optimizer state sharded over data-parallel ranks
     overlap_grad_sync: bool = True  # gradient reduction overlapped with the pipeline drain
     # Collectives block the device until done (CPU runtimes such as gloo): the stages'
-    # in-loop reductions add up instead of hiding behind each other (planner.cost).
+    # in-loop reductions add up instead of hiding behind each other (planner.step_time).
     sync_collectives: bool = False
     # parallel.grad_buckets: "layer" (each layer's gradient reduced as it completes, in
     # the loop), "step" (each leaf once, all layers at a time, after the loop), auto: step

@@ -1,8 +1,8 @@
 """Step prediction of one split: the pipeline, then the gradient reduction and optimizer.
 
-Notation as in :mod:`holmes_jax.planner.pricing`, whose per-stage tables (:class:`StageCosts`,
-:func:`stage_costs`, :class:`RunSpec`, re-exported here) this module combines. τ_s =
-F_s + B_s + W_s is stage s's time per micro-batch.
+Notation as in :mod:`holmes_jax.planner.stage_costs`, whose per-stage tables
+(:class:`~holmes_jax.planner.stage_costs.StageCosts`) this module combines. τ_s = F_s + B_s +
+W_s is stage s's time per micro-batch.
 
 - Pipeline, for every schedule ``Σ_s h_s + max_s g_s`` (:func:`schedule_terms`,
   :func:`holmes_jax.planner.formulas.pipeline_terms`):
@@ -39,31 +39,8 @@ import numpy as np
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import iteration_flops
 from holmes_jax.planner.formulas import exposed_tail, pipeline_terms
-from holmes_jax.planner.pricing import (
-    RunSpec,
-    StageCosts,
-    memory_inputs,
-    stage_costs,
-    with_schedule,
-)
 from holmes_jax.planner.schedule import BWD, FWD, WGT, make_schedule
-
-# The cost model's tables and inputs, importable from here with the prediction.
-__all__ = [
-    "Prediction",
-    "RunSpec",
-    "StageCosts",
-    "check_split",
-    "even_chunks",
-    "lockstep_pipeline",
-    "memory_inputs",
-    "predict",
-    "schedule_terms",
-    "stage_costs",
-    "stage_totals",
-    "with_lockstep",
-    "with_schedule",
-]
+from holmes_jax.planner.stage_costs import StageCosts
 
 # --------------------------------------------------------------------------- prediction
 

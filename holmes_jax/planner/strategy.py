@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from holmes_jax.core.config import Config
     from holmes_jax.core.spec import ModelSpec
     from holmes_jax.planner.placement import Calibration
-    from holmes_jax.planner.pricing import RunSpec
+    from holmes_jax.planner.stage_costs import RunSpec
 
 STRATEGIES = ("pipeline", "hierarchical", "diloco")
 FREE_GBPS = 1e12  # the inter-island link DiLoCo's inner plan is priced on (nothing crosses)

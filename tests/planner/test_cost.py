@@ -16,14 +16,6 @@ from holmes_jax.core.spec import (
     megatron_flops,
 )
 from holmes_jax.planner import fidelity
-from holmes_jax.planner.cost import (
-    RunSpec,
-    lockstep_pipeline,
-    memory_inputs,
-    predict,
-    stage_costs,
-    with_lockstep,
-)
 from holmes_jax.planner.draw import simulate_schedule
 from holmes_jax.planner.formulas import (
     all_gather_time,
@@ -41,6 +33,8 @@ from holmes_jax.planner.placement import (
     Calibration,
     StageHardware,
 )
+from holmes_jax.planner.stage_costs import RunSpec, memory_inputs, stage_costs
+from holmes_jax.planner.step_time import lockstep_pipeline, predict, with_lockstep
 
 GB = 1e9
 

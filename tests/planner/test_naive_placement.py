@@ -7,8 +7,8 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, Layout, ModelSpec
 from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
 from holmes_jax.planner.plans import make_plan, predict_config, specs_from_config
-from holmes_jax.planner.pricing import RunSpec, stage_costs
 from holmes_jax.planner.search import plan_for_layout
+from holmes_jax.planner.stage_costs import RunSpec, stage_costs
 from holmes_jax.planner.topology import Link, load_topology, topology_from_dict
 from tests.common import config_path, mesh_path
 

@@ -17,9 +17,10 @@ import pytest
 
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner import exact
-from holmes_jax.planner.cost import RunSpec, predict, stage_costs
 from holmes_jax.planner.partition import optimal_split
 from holmes_jax.planner.placement import StageHardware
+from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.step_time import predict
 
 
 def compositions(total: int, parts: int):

@@ -10,7 +10,6 @@ import yaml
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Layout, ModelSpec
-from holmes_jax.planner.cost import RunSpec, predict, stage_costs
 from holmes_jax.planner.partition import (
     bottleneck_split,
     layer_cube,
@@ -27,6 +26,8 @@ from holmes_jax.planner.search import (
     search_plan,
     split_layers,
 )
+from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.step_time import predict
 from holmes_jax.planner.topology import load_topology, topology_from_dict
 from tests.common import ROOT
 

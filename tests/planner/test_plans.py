@@ -57,8 +57,8 @@ def test_search_over_schedules():
     """search_plan with one schedule (interleaved: its v searched too) or all of them;
     the best of all is no slower than the best 1F1B plan."""
     from holmes_jax.core.spec import SCHEDULES, ModelSpec
-    from holmes_jax.planner.cost import RunSpec
     from holmes_jax.planner.search import search_plan
+    from holmes_jax.planner.stage_costs import RunSpec
 
     topology = load_topology(mesh_path("cpu8-two-islands.yaml"))
     model, run = ModelSpec(8, 128, 4, 128, 256), RunSpec(32)
@@ -104,7 +104,7 @@ def test_schedule_auto_picks_the_fastest_schedule_that_fits():
 def test_blocking_collectives_plan_the_split_fastest_in_lockstep():
     """The searches rank splits by the closed form, where a send overlaps the receiver's
     work. With blocking collectives (CPU) the stages wait for each other at every tick
-    that sends (:func:`~holmes_jax.planner.cost.lockstep_pipeline`):
+    that sends (:func:`~holmes_jax.planner.step_time.lockstep_pipeline`):
     ``sync_collectives=True`` keeps the searched degrees, prices the plan that way and
     takes the split fastest as trained (10 layers on 4 stages, roce at half ib's speed)."""
     from holmes_jax.planner.plans import alternatives, plan_config, predict_config

@@ -21,19 +21,14 @@ import pytest
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Layout, ModelSpec
-from holmes_jax.planner.cost import (
-    RunSpec,
-    predict,
-    schedule_terms,
-    stage_costs,
-    stage_totals,
-)
 from holmes_jax.planner.draw import simulate_schedule, simulate_table
 from holmes_jax.planner.formulas import pipeline_terms
 from holmes_jax.planner.memory import buffer_depth, deferred_weight_sets
 from holmes_jax.planner.placement import stage_hardware
 from holmes_jax.planner.schedule import BWD, FWD, WGT, make_schedule, simulate_makespan
 from holmes_jax.planner.search import plan_for_layout
+from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.step_time import predict, schedule_terms, stage_totals
 from holmes_jax.planner.topology import load_topology
 from tests.common import mesh_path
 
@@ -199,8 +194,8 @@ def test_memory_tables_are_the_memory_model():
     """Every schedule's table is memory.device_memory exactly (what the trainer checks and
     bench_memory compares with the compiled program): interleaved prices v·n slots and
     its chunk sets, ZB-H1 adds what of its stash the B-only residuals cannot hold."""
-    from holmes_jax.planner.cost import memory_inputs
     from holmes_jax.planner.memory import device_memory
+    from holmes_jax.planner.stage_costs import memory_inputs
 
     topo = load_topology(mesh_path("paper-ib-roce-8x8.yaml"))
     model = ModelSpec(40, 5120, 40, 2048, 51200)
