@@ -18,7 +18,8 @@ Everything that more than one layer must agree on is defined here once:
 - the limits (:class:`Bound`): an upper bound on every number that sizes a loop or an
   allocation, so a typo (``hosts: 1000000000000``) is a one-line error, not an endless
   allocation. ``docs/configuration.md`` is generated from :data:`CONFIG_LIMITS`;
-- the batch rule (:func:`check_batch`).
+- the batch rule (:func:`check_batch`) and the split rules of ``parallel.layers_per_stage``
+  (:func:`check_split`, :func:`even_split`).
 
 The planner, the trainer's MFU (:func:`flops_per_token`) and the fidelity check
 (:func:`megatron_flops`) share these counts. Plain Python; no jax import.
@@ -26,6 +27,7 @@ The planner, the trainer's MFU (:func:`flops_per_token`) and the fidelity check
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -92,6 +94,40 @@ def check_pipeline(schedule: str, stages: int, virtual_stages: int) -> None:
             f"parallel.virtual_stages={virtual_stages}: only parallel.schedule='interleaved' "
             f"runs more than one chunk per device (schedule='{schedule}')"
         )
+
+
+def check_split(
+    layers_per_stage: Sequence[int], stages: int, num_layers: int, chunks: int = 1
+) -> list[int]:
+    """The ``parallel.layers_per_stage`` rules: one count >= 1 per stage (per virtual stage
+    with ``chunks`` > 1; chunk c of stage s is entry ``c·stages + s``), summing to the layers.
+
+    Returns:
+      The split as a list of ints.
+
+    Raises:
+      ConfigError: naming the split and the rule it breaks.
+    """
+    split = [int(x) for x in layers_per_stage]
+    if len(split) != stages * chunks:
+        what = "stage" if chunks == 1 else f"stage x virtual stage ({stages} x {chunks})"
+        raise ConfigError(
+            f"parallel.layers_per_stage={split}: needs one entry per {what} (stages={stages})"
+        )
+    if min(split) < 1:
+        raise ConfigError(f"parallel.layers_per_stage={split}: every stage needs >= 1 layer")
+    if sum(split) != num_layers:
+        raise ConfigError(
+            f"parallel.layers_per_stage={split}: must sum to model.num_layers={num_layers}"
+        )
+    return split
+
+
+def even_split(num_layers: int, parts: int) -> list[int]:
+    """``layers_per_stage`` unset: ``num_layers`` as even as possible over ``parts`` (stages
+    x virtual stages), the first ``num_layers % parts`` one layer more."""
+    base, extra = divmod(num_layers, parts)
+    return [base + (k < extra) for k in range(parts)]
 
 
 # --------------------------------------------------------------------------- model

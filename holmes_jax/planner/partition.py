@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.spec import even_split
 from holmes_jax.planner.exact import exact_totals, least_sums, split_value, step_tables, walk_split
 from holmes_jax.planner.stage_costs import StageCosts
 from holmes_jax.planner.step_time import even_chunks, stage_totals
@@ -42,8 +43,7 @@ def uniform_split(num_layers: int, stages: int) -> list[int]:
     """As even as possible; the first ``num_layers % stages`` stages get one more."""
     if not 1 <= stages <= num_layers:
         raise ConfigError(f"parallel.stages={stages}: must be in [1, num_layers={num_layers}]")
-    q, r = divmod(num_layers, stages)
-    return [q + (1 if s < r else 0) for s in range(stages)]
+    return even_split(num_layers, stages)
 
 
 def proportional_split(num_layers: int, speeds: Sequence[float]) -> list[int]:

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import iteration_flops
+from holmes_jax.core.spec import check_split, iteration_flops
 from holmes_jax.planner.formulas import exposed_tail, pipeline_terms
 from holmes_jax.planner.schedule import BWD, FWD, WGT, make_schedule
 from holmes_jax.planner.stage_costs import StageCosts
@@ -264,26 +263,3 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
         p2p_bytes=costs.p2p_bytes,
     )
 
-
-def check_split(
-    layers_per_stage: Sequence[int], stages: int, num_layers: int, chunks: int = 1
-) -> list[int]:
-    """Validate a split: one count >= 1 per stage (per virtual stage with ``chunks`` > 1),
-    summing to the layer count.
-
-    Raises:
-      ConfigError: naming the split and the rule it breaks.
-    """
-    split = [int(x) for x in layers_per_stage]
-    if len(split) != stages * chunks:
-        what = "stage" if chunks == 1 else f"stage x virtual stage ({stages} x {chunks})"
-        raise ConfigError(
-            f"parallel.layers_per_stage={split}: needs one entry per {what} (stages={stages})"
-        )
-    if min(split) < 1:
-        raise ConfigError(f"parallel.layers_per_stage={split}: every stage needs >= 1 layer")
-    if sum(split) != num_layers:
-        raise ConfigError(
-            f"parallel.layers_per_stage={split}: must sum to model.num_layers={num_layers}"
-        )
-    return split

@@ -35,6 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.core.axes import STAGE
+from holmes_jax.core.spec import even_split
 
 # --------------------------------------------------------------------------- layout
 
@@ -127,9 +128,7 @@ def layout_from_config(
     take the remainder)."""
     if isinstance(layers_per_stage, tuple):
         return PipelineLayout(tuple(layers_per_stage), virtual)
-    chunks = stages * virtual
-    base, extra = divmod(num_layers, chunks)
-    return PipelineLayout(tuple(base + (k < extra) for k in range(chunks)), virtual)
+    return PipelineLayout(tuple(even_split(num_layers, stages * virtual)), virtual)
 
 
 def pipeline_shardings(layout: PipelineLayout, logical_shardings, mesh: Mesh):
