@@ -19,8 +19,9 @@ for the survivors of the loss of one host of each island and of each whole islan
 each, with the ``--set`` overrides that run them; the trainer computes the same plan itself
 when a restart names the lost hosts in ``parallel.exclude_hosts``.
 Errors in the config, topology or profile print one line to stderr and exit with code 2.
-The work is done by :mod:`holmes_jax.planner` (``plans``, ``report``, ``draw``); this
-module only parses and prints.
+The work is done by :mod:`holmes_jax.planner` (``plans``, ``report``, ``draw``) on the
+config converted once (:func:`holmes_jax.core.plan_request.plan_request`); this module only
+parses and prints.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from holmes_jax.core.errors import ConfigError, one_line, run_cli
+from holmes_jax.core.plan_request import PlanRequest, plan_request
 from holmes_jax.planner.draw import draw_plan
 from holmes_jax.planner.failures import failure_plans, full_step
 from holmes_jax.planner.grid import describe_grid
@@ -41,9 +42,6 @@ from holmes_jax.planner.report import failures_json, format_failures, format_pla
 from holmes_jax.planner.search import METHODS
 from holmes_jax.planner.strategy import price_strategies
 from holmes_jax.planner.topology import Topology, load_topology
-
-if TYPE_CHECKING:
-    from holmes_jax.core.config import Config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,25 +108,26 @@ def _run(args: argparse.Namespace) -> int:
             if getattr(args, attr):
                 raise ConfigError(f"--failures with {flag}: they do not combine ({why})")
     cfg = load_config(args.config, args.set)
+    req = plan_request(cfg)
     mesh = args.mesh or cfg.parallel.mesh
     if not mesh:
         raise ConfigError("--mesh=None: a topology is needed (--mesh or parallel.mesh)")
     topology = load_topology(mesh)
     if args.show_mesh:
-        print(describe_grid(cfg, topology))
+        print(describe_grid(req, topology))
         return 0
     if args.failures:
-        return _failures(args, cfg, topology)
+        return _failures(args, req, topology)
     calibration = None
     if args.profile:
         from holmes_jax.planner.profiles import load_profile
 
         topology, calibration = load_profile(args.profile, topology)
     partition = args.partition or "optimal"
-    searched = make_plan(cfg, topology, partition, calibration, args.keep_degrees)
-    alts = alternatives(cfg, topology, searched, calibration)
-    choice = price_strategies(cfg, topology, partition, calibration, searched)
-    plan = as_trained(cfg, topology, searched, calibration)
+    searched = make_plan(req, topology, partition, calibration, args.keep_degrees)
+    alts = alternatives(req, topology, searched, calibration)
+    choice = price_strategies(req, topology, partition, calibration, searched)
+    plan = as_trained(req, topology, searched, calibration)
     kept = args.keep_degrees
     if args.png:
         try:
@@ -136,20 +135,20 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as e:  # a missing folder, no permission
             raise ConfigError(f"--png '{args.png}': cannot be written ({one_line(e)})") from None
     if args.json:
-        print(json.dumps(plan_json(plan, topology, alts, cfg, choice, kept=kept)))
+        print(json.dumps(plan_json(plan, topology, alts, req, choice, kept=kept)))
     else:
         command = _train_command(args)
-        print(format_plan(plan, topology, alts, cfg, choice, kept=kept, command=command))
+        print(format_plan(plan, topology, alts, req, choice, kept=kept, command=command))
         if args.png:
             print(f"wrote {args.png}")
     return 0
 
 
-def _failures(args: argparse.Namespace, cfg: Config, topology: Topology) -> int:
+def _failures(args: argparse.Namespace, req: PlanRequest, topology: Topology) -> int:
     """``--failures``: the survivors' plan of each failure, as text or JSON."""
-    plans = failure_plans(cfg, topology)
+    plans = failure_plans(req, topology)
     try:
-        full_s, why = full_step(cfg, topology), ""
+        full_s, why = full_step(req, topology), ""
     except ConfigError as e:
         full_s, why = None, str(e)
     if args.json:

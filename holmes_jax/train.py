@@ -34,6 +34,7 @@ from typing import Any
 from holmes_jax.cluster import detect, distributed, xla_flags
 from holmes_jax.core.config import Config, load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import DEVICES_PER_HOST
 from holmes_jax.planner.grid import load_mesh_topology
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = overrides_of(args)
     try:
         cfg = detect.apply_flags(load_config(args.config, overrides), args)
-        load_mesh_topology(cfg)  # a bad topology file fails here, not after jax starts
+        load_mesh_topology(plan_request(cfg))  # a bad topology file fails here, not in jax
         if args.cpu_devices < 1:
             raise ConfigError(f"--cpu-devices={args.cpu_devices}: must be >= 1")
         DEVICES_PER_HOST.check("--cpu-devices", args.cpu_devices)

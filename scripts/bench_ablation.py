@@ -6,7 +6,7 @@
     python scripts/bench_ablation.py --plan-only
 
 Rows, each one set of config overrides that the trainer runs and the planner prices
-(:func:`holmes_jax.planner.plans.predict_config`), so measured and predicted are one plan:
+(:func:`holmes_jax.planner.plans.predict_run`), so measured and predicted are one plan:
 
 - full: the planner's plan (its degrees and split, island-aware placement), gradients reduced
   per layer during the backward (``parallel.grad_buckets=layer``) and ZeRO-1;
@@ -97,14 +97,9 @@ import tempfile
 import benchlib
 
 from holmes_jax.core.config import load_config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.placement import Calibration
-from holmes_jax.planner.plans import (
-    make_plan,
-    plan_overrides,
-    predict_config,
-    specs_from_config,
-    topology_blocks,
-)
+from holmes_jax.planner.plans import make_plan, plan_overrides, predict_run, topology_blocks
 from holmes_jax.planner.topology import Topology, load_topology
 
 MESH_DIR = f"{benchlib.ROOT}/meshes"
@@ -193,7 +188,7 @@ def ablation_rows(
     cfg = load_config(None, base + FULL + [f"parallel.mesh={mesh}"])
     topology = topology or load_topology(mesh)
     sync = topology_blocks(topology)  # CPU islands: priced and run with blocking collectives
-    plan = make_plan(cfg, topology, calibration=calibration, sync_collectives=sync)
+    plan = make_plan(plan_request(cfg), topology, calibration=calibration, sync_collectives=sync)
     full = plan_overrides(plan) + FULL
     tensor = plan.layout.tensor
     naive = [
@@ -242,15 +237,16 @@ def price_rows(base: list[str], mesh: str, calibration=None, sync: bool = False)
     out = {}
     for name, extra in rows.items():
         cfg = row_config(base, mesh, extra)
+        req = plan_request(cfg)
         topo, cal = (
             fast_twin(topology, calibration) if name == "homogeneous" else (topology, calibration)
         )
-        step = predict_config(cfg, topo, cal, sync_collectives=sync).step_s
+        step = predict_run(req, topo, cal, sync_collectives=sync).step_s
         entry = {"predicted_ms": round(step * 1e3, 2), "overrides": extra}
         if sync and name == "overlap-off":  # what a GPU would do with the same row
-            gpu = predict_config(cfg, topo, cal).step_s
+            gpu = predict_run(req, topo, cal).step_s
             entry["gpu_predicted_ms"] = round(gpu * 1e3, 2)
-        model, run = specs_from_config(cfg)
+        model, run = req.model, req.run
         tokens = run.global_batch_size * model.seq_len
         flops = 6 * model_params(cfg) * tokens  # fwd + bwd, no attention term
         entry["tokens_per_s"] = round(tokens / step, 1)
@@ -362,10 +358,10 @@ def measure(args, folder: str) -> dict:
             log(f"{label} {name} round {k + 1}/{args.rounds}: {step * 1e3:.1f} ms a step")
             if len(runs[name]) < args.rounds:
                 continue
-            cfg = row_config(EMULATED, run_mesh, extra)
-            predicted = predict_config(cfg, topo, cal, sync_collectives=True).step_s
+            req = plan_request(row_config(EMULATED, run_mesh, extra))
+            predicted = predict_run(req, topo, cal, sync_collectives=True).step_s
             step = min(r["step_s"] for r in runs[name])
-            model, run = specs_from_config(cfg)
+            model, run = req.model, req.run
             tokens = run.global_batch_size * model.seq_len
             table[name] = {
                 "step_ms": round(step * 1e3, 1),

@@ -19,7 +19,7 @@ where the gradient traffic flows decides the step time. Variants, a few steps ea
 Each pipeline variant also reports the bytes per step that cross the island boundary, read
 from its compiled HLO (:mod:`holmes_jax.runtime.traffic`). Step times are medians of
 5-step logging windows after the first. Predictions are
-:func:`holmes_jax.planner.plans.predict_config` on a profile the probe measures through
+:func:`holmes_jax.planner.plans.predict_run` on a profile the probe measures through
 the same emulated launch (docs/multihost.md, "Benchmark"). A diagnostic runs (a)'s plan on
 4 devices of this one process, next to its prediction from the in-process probe.
 
@@ -51,7 +51,8 @@ os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
 
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.errors import ConfigError  # noqa: E402
-from holmes_jax.planner.plans import predict_config, specs_from_config  # noqa: E402
+from holmes_jax.core.plan_request import plan_request  # noqa: E402
+from holmes_jax.planner.plans import predict_run  # noqa: E402
 from holmes_jax.planner.topology import load_topology  # noqa: E402
 
 SLOW = f"{benchlib.ROOT}/meshes/emu-4host-2island.yaml"
@@ -107,7 +108,7 @@ def probe_launch(mesh: str, extra: list[str], folder: str, name: str, cpu_quota:
 
 def predicted_step(cfg, topology, calibration) -> float:
     """Cost-model step time of a config, as the trainer runs it on CPUs (module doc)."""
-    return predict_config(cfg, topology, calibration, sync_collectives=True).step_s
+    return predict_run(plan_request(cfg), topology, calibration, sync_collectives=True).step_s
 
 
 def single_process(cfg, topology, calibration, steps: int) -> tuple[float, float]:
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
     ratio = lambda a, b: measured[a] / measured[b] if a in measured and b in measured else 0.0
     b_a, a_c = ratio("naive", "holmes"), ratio("holmes", "fast")
     errors = {k: (predicted[k] - measured[k]) / measured[k] for k in measured}
-    model, _ = specs_from_config(config(args.steps, HOLMES, slow_mesh))
+    model = plan_request(config(args.steps, HOLMES, slow_mesh)).model
     act = 1 * model.seq_len * model.hidden_size * 4  # one micro-batch of 1 row, fp32
     result = {
         "bench": "islands",

@@ -38,12 +38,13 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_DEVICES}
 import jax  # noqa: E402
 
 from holmes_jax.core.config import load_config  # noqa: E402
+from holmes_jax.core.plan_request import apply_parallel, plan_request  # noqa: E402
 from holmes_jax.core.spec import Degrees  # noqa: E402
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape  # noqa: E402
 from holmes_jax.planner.memory import device_memory, stage_peaks  # noqa: E402
 from holmes_jax.planner.plans import (  # noqa: E402
     make_plan,
-    memory_inputs_from_config,
+    memory_inputs_of,
     plan_overrides,
     resolve_auto,
 )
@@ -162,7 +163,7 @@ def measure(cfg, shape: Degrees, split) -> tuple[float, float, dict]:
     program = Program(cfg, build_mesh(shape, jax.devices()[: shape.num_devices]))
     measured = program.compiled_memory()["peak"]
     dtype = compute_dtype(cfg.train.precision)
-    x = memory_inputs_from_config(cfg, shape.data, attention_kernel(cfg.model, dtype))
+    x = memory_inputs_of(plan_request(cfg, attention_kernel(cfg.model, dtype)), shape.data)
     v = x.virtual_stages
     stages, slots = len(split) // v, v * max(split)
     peaks = [device_memory(x, slots, last_stage=s == stages - 1) for s in range(stages)]
@@ -175,14 +176,15 @@ def shipped_row(config: str, mesh: str, planned: bool = False) -> dict:
     degrees, or with ``planned`` the plan ``python -m holmes_jax.plan`` prints for it (the
     planner's search over degrees, schedule and remat), beside the planner's figure."""
     cfg = load_config(config, [f"parallel.mesh={mesh}"])
-    topology = load_mesh_topology(cfg)
+    topology = load_mesh_topology(plan_request(cfg))
     planner_gb, sets = None, []
     if planned:
-        plan = make_plan(cfg, topology)
+        plan = make_plan(plan_request(cfg), topology)
         planner_gb, sets = max(plan.memory_per_stage_gb), plan_overrides(plan)
         cfg = load_config(config, [f"parallel.mesh={mesh}", *sets])
-    real = resolve_shape(cfg, topology.num_devices, topology)
-    cfg = resolve_auto(cfg, real, topology)
+    req = plan_request(cfg)
+    real = resolve_shape(req, topology.num_devices, topology)
+    cfg = apply_parallel(cfg, resolve_auto(req, real, topology))
     data = real.data
     while real.replica * real.stages * data * real.tensor > MAX_DEVICES:
         data //= 2  # shrink only the data degree, keeping sequences per microbatch
@@ -203,7 +205,7 @@ def shipped_row(config: str, mesh: str, planned: bool = False) -> dict:
     )
     split = small.parallel.layers_per_stage
     measured, predicted, parts = measure(small, shape, split)
-    at_real = max(stage_peaks(memory_inputs_from_config(cfg, real.data), split))
+    at_real = max(stage_peaks(memory_inputs_of(plan_request(cfg), real.data), split))
     return {
         "config": os.path.basename(config),
         "mesh": os.path.basename(mesh),

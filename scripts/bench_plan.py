@@ -14,9 +14,9 @@ import json
 import os
 import time
 
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import SCHEDULES, ModelSpec
 from holmes_jax.planner.search import candidate_layouts, search_plan
-from holmes_jax.planner.stage_costs import RunSpec
 from holmes_jax.planner.topology import load_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,8 +24,8 @@ others; the default ``auto`` applies none, the islands computing alike).
 Time per step is the mean over the logged windows after the first. A DiLoCo run is
 ``2H + 1`` steps, so its windows hold its outer syncs in their true proportion. Each
 prediction comes from a profile the probe measures through the same launch, once per plan
-micro-batch: :func:`holmes_jax.planner.plans.predict_config` for (a) and (b),
-:func:`holmes_jax.planner.strategy.predict_diloco_config` for (c).
+micro-batch: :func:`holmes_jax.planner.plans.predict_run` for (a) and (b),
+:func:`holmes_jax.planner.strategy.predict_diloco` for (c).
 
 **Quality** (no root, 8 simulated devices): ``--quality-steps`` steps of the quickstart
 model, ``replica = 2`` x data 4, the same tokens for every variant. Synchronous against
@@ -58,12 +58,9 @@ os.environ["XLA_FLAGS"] = benchlib.os.environ["XLA_FLAGS"].replace(
 
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.errors import ConfigError  # noqa: E402
-from holmes_jax.planner.plans import (  # noqa: E402
-    plan_overrides,
-    predict_config,
-    specs_from_config,
-)
-from holmes_jax.planner.strategy import predict_diloco_config, price_strategies  # noqa: E402
+from holmes_jax.core.plan_request import plan_request  # noqa: E402
+from holmes_jax.planner.plans import plan_overrides, predict_run  # noqa: E402
+from holmes_jax.planner.strategy import predict_diloco, price_strategies  # noqa: E402
 from holmes_jax.planner.topology import load_topology  # noqa: E402
 
 QUICKSTART = f"{benchlib.ROOT}/configs/quickstart.yaml"
@@ -136,7 +133,7 @@ def log(msg: str) -> None:
 def speed_variants(mesh: str, inner_steps: int) -> dict[str, list[str]]:
     """(a), (b), (c) for one topology: the planner's best plans for each strategy."""
     cfg = load_config(QUICKSTART, SPEED + [f"parallel.mesh={mesh}", "diloco.enabled=false"])
-    choice = price_strategies(cfg, load_topology(mesh))
+    choice = price_strategies(plan_request(cfg), load_topology(mesh))
     out = {}
     for name in ("pipeline", "hierarchical"):
         price = choice.price(name)
@@ -179,13 +176,11 @@ def measure_speed(args, folder: str) -> dict:
             steps = 2 * args.inner_steps + 1 if name.startswith("diloco") else args.speed_steps
             window = 10 if name.startswith("diloco") else 5
             overrides = SPEED + extra + [f"parallel.mesh={mesh}", f"logging.log_every={window}"]
-            cfg = load_config(QUICKSTART, overrides + [f"train.steps={steps}"])
+            req = plan_request(load_config(QUICKSTART, overrides + [f"train.steps={steps}"]))
             if name.startswith("diloco"):
-                predicted = predict_diloco_config(
-                    cfg, topology, calibration, sync_collectives=True
-                )[0]
+                predicted = predict_diloco(req, topology, calibration, sync_collectives=True)[0]
             else:
-                predicted = predict_config(cfg, topology, calibration, sync_collectives=True).step_s
+                predicted = predict_run(req, topology, calibration, sync_collectives=True).step_s
             log(f"{link}: {name}: {steps} steps")
             records = benchlib.emulated_run(
                 mesh,
@@ -198,7 +193,7 @@ def measure_speed(args, folder: str) -> dict:
                 args.cpu_quota,
             )
             step_s = benchlib.steady_step_s(records)
-            model, run = specs_from_config(cfg)
+            model, run = req.model, req.run
             tokens = run.global_batch_size * model.seq_len
             table[name] = {
                 "step_ms": round(step_s * 1e3, 1),

@@ -10,6 +10,7 @@ import re
 import jax
 import numpy as np
 
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.runtime.mesh import build_mesh, device_islands
 from holmes_jax.runtime.program import Program
@@ -64,8 +65,9 @@ def compiled_train_step(cfg):
     Returns:
       (HLO text, resolved degrees, ``island(n)``: the island index of HLO device n).
     """
-    topology = load_mesh_topology(cfg)
-    shape = resolve_shape(cfg, len(jax.devices()), topology)
+    req = plan_request(cfg)
+    topology = load_mesh_topology(req)
+    shape = resolve_shape(req, len(jax.devices()), topology)
     mesh = build_mesh(shape)
     text = Program(cfg, mesh).lower_train_step().compile().as_text()
     islands = device_islands(mesh, topology)

@@ -59,8 +59,9 @@ def test_rows_load_and_differ_where_the_component_matters(bench, label):
 def test_the_fast_twin_runs_every_island_at_the_fastest_measured_speed(bench):
     """A profile measures each island by name: the twin takes the fastest island's
     measurement for all of them, so it prices as if the slow island were never slow."""
+    from holmes_jax.core.plan_request import plan_request
     from holmes_jax.planner.placement import Calibration
-    from holmes_jax.planner.plans import predict_config
+    from holmes_jax.planner.plans import predict_run
     from holmes_jax.planner.topology import load_topology
 
     mesh = bench.EMULATED_MESHES["two"]
@@ -70,7 +71,7 @@ def test_the_fast_twin_runs_every_island_at_the_fastest_measured_speed(bench):
     slow = Calibration(island_flops={"ib": (2e10, 1e10), "roce": (1e10, 5e9)})
 
     def step(topo, calibration):
-        return predict_config(cfg, topo, calibration, sync_collectives=True).step_s
+        return predict_run(plan_request(cfg), topo, calibration, sync_collectives=True).step_s
 
     twin, twin_calibration = bench.fast_twin(topology, slow)
     assert twin_calibration.island_flops == fast.island_flops

@@ -40,6 +40,7 @@ import yaml
 from holmes_jax import plan, probe, train
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.planner.profiles import load_profile
 from holmes_jax.planner.topology import load_topology
@@ -273,14 +274,15 @@ def run_case(n: int, folder: str) -> dict:
     try:
         if target == "config":
             cfg = _load(load_config, path)
-            topo = _load(load_mesh_topology, cfg) if cfg else None
+            req = plan_request(cfg) if cfg else None
+            topo = _load(load_mesh_topology, req) if req else None
             loaded = cfg is not None and (topo is not None or not cfg.parallel.mesh)
             if not loaded:  # would fail before jax: the config or its topology
                 _cli(train.main, ["--config", path], (2,))
             if not loaded or not cfg.parallel.mesh:
                 _cli(probe.main, ["--config", path], (2,))
             if loaded:
-                _load(resolve_shape, cfg, topo.num_devices if topo else 8, topo)
+                _load(resolve_shape, req, topo.num_devices if topo else 8, topo)
             _cli(plan.main, ["--config", path, "--mesh", TWO, "--json", *flags])
         elif target == "mesh":
             topo = _load(load_topology, path)
@@ -289,8 +291,8 @@ def run_case(n: int, folder: str) -> dict:
                 _cli(train.main, ["--config", QUICK, "--mesh", path], (2,))
                 _cli(probe.main, ["--mesh", path], (2,))
             else:
-                cfg = load_config(QUICK, [f"parallel.mesh={path}"])
-                _load(resolve_shape, cfg, topo.num_devices, topo)
+                req = plan_request(load_config(QUICK, [f"parallel.mesh={path}"]))
+                _load(resolve_shape, req, topo.num_devices, topo)
             _cli(plan.main, ["--config", QUICK, "--mesh", path, "--json", *flags], (0, 2))
         else:
             loaded = _load(load_profile, path, load_topology(TWO)) is not None

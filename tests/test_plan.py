@@ -217,10 +217,11 @@ def test_profile_overrides_speed_and_links(capsys, tmp_path):
 
 
 def test_profile_reproduces_the_measured_layer():
+    from holmes_jax.core.plan_request import RunSpec
     from holmes_jax.core.spec import Layout, ModelSpec
     from holmes_jax.planner.placement import stage_hardware
     from holmes_jax.planner.profiles import profile_from_dict
-    from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+    from holmes_jax.planner.stage_costs import stage_costs
     from holmes_jax.planner.topology import load_topology
 
     measured = {
@@ -287,15 +288,17 @@ def test_json_names_the_strategy_and_compares_all_three(capsys):
 def test_keep_degrees_prices_what_the_trainer_prints(capsys):
     import jax
 
-    from holmes_jax.core.config import check_devices, load_config
+    from holmes_jax.core.config import load_config
+    from holmes_jax.core.plan_request import apply_parallel, plan_request
     from holmes_jax.planner.plans import resolve_auto
     from holmes_jax.planner.topology import load_topology
     from holmes_jax.runtime.setup import describe_plan
 
     cfg = load_config(CONFIG, [f"parallel.mesh={TWO}"])
+    req = plan_request(cfg)
     topology = load_topology(TWO)
-    shape = check_devices(cfg, topology.num_devices)
-    resolved = resolve_auto(cfg, shape, topology)
+    shape = req.degrees(topology.num_devices)
+    resolved = apply_parallel(cfg, resolve_auto(req, shape, topology))
     lines, trainer_s = describe_plan(
         resolved, shape, topology, jax.devices(), cfg.parallel.layers_per_stage
     )
@@ -312,8 +315,9 @@ def test_keep_degrees_prices_what_the_trainer_prints(capsys):
 
 
 def test_printed_overrides_run_the_plan_shown(capsys):
-    from holmes_jax.core.config import check_devices, load_config
-    from holmes_jax.planner.plans import predict_config
+    from holmes_jax.core.config import load_config
+    from holmes_jax.core.plan_request import plan_request
+    from holmes_jax.planner.plans import predict_run
     from holmes_jax.planner.topology import load_topology
 
     code, out, err = run(capsys, "--config", CONFIG, "--mesh", TWO, "--json")
@@ -321,8 +325,9 @@ def test_printed_overrides_run_the_plan_shown(capsys):
     d = json.loads(out)
     assert not d["keeps_config_degrees"] and d["overrides"]
     cfg = load_config(CONFIG, [f"parallel.mesh={TWO}", *d["overrides"]])
+    req = plan_request(cfg)
     topology = load_topology(TWO)
-    shape = check_devices(cfg, topology.num_devices)
+    shape = req.degrees(topology.num_devices)
     assert (shape.replica, shape.stages, shape.data, shape.tensor) == (
         d["replica"],
         d["stages"],
@@ -331,7 +336,7 @@ def test_printed_overrides_run_the_plan_shown(capsys):
     )
     assert (cfg.parallel.microbatches, cfg.parallel.schedule) == (d["microbatches"], d["schedule"])
     assert d["predicted_step_s"] == pytest.approx(
-        predict_config(cfg, topology, sync_collectives=True).step_s, rel=1e-12
+        predict_run(req, topology, sync_collectives=True).step_s, rel=1e-12
     )
     code, out, _ = run(capsys, "--config", CONFIG, "--mesh", TWO)
     assert "plan (the planner's choice, optimal split)" in out
@@ -341,25 +346,25 @@ def test_printed_overrides_run_the_plan_shown(capsys):
 
 
 def test_trainer_line_names_the_faster_plan_and_its_overrides():
-    from holmes_jax.core.config import check_devices, load_config
-    from holmes_jax.planner.plans import make_plan, plan_config, predict_config, resolve_auto
+    from holmes_jax.core.config import load_config
+    from holmes_jax.core.plan_request import plan_request
+    from holmes_jax.planner.plans import make_plan, predict_run, resolve_auto, with_plan
     from holmes_jax.planner.report import format_preference
     from holmes_jax.planner.topology import load_topology
 
     topology = load_topology(TWO)
-    cfg = load_config(CONFIG, [f"parallel.mesh={TWO}"])
-    resolved = resolve_auto(cfg, check_devices(cfg, topology.num_devices), topology)
-    step = predict_config(resolved, topology, sync_collectives=True).step_s
-    best = make_plan(cfg, topology)
-    best_step = predict_config(plan_config(cfg, best), topology, sync_collectives=True).step_s
+    req = plan_request(load_config(CONFIG, [f"parallel.mesh={TWO}"]))
+    resolved = req.with_parallel(resolve_auto(req, req.degrees(topology.num_devices), topology))
+    step = predict_run(resolved, topology, sync_collectives=True).step_s
+    best = make_plan(req, topology)
+    planned = req.with_parallel(with_plan(req.parallel, best))
+    best_step = predict_run(planned, topology, sync_collectives=True).step_s
     assert best_step < step  # the planner's hierarchical plan beats the shipped pipeline
     (line,) = format_preference(resolved, topology, step, sync_collectives=True)
     assert f"replica {best.layout.replica} x stage {best.layout.stages}" in line
     assert f"(predicted {best_step:.3g} s)" in line and "--set parallel.stages=1" in line
     # the planner's own plan, or a run predicted as fast: nothing to say
-    assert (
-        format_preference(plan_config(cfg, best), topology, best_step, sync_collectives=True) == []
-    )
+    assert format_preference(planned, topology, best_step, sync_collectives=True) == []
     assert format_preference(resolved, topology, best_step, sync_collectives=True) == []
 
 
@@ -371,15 +376,16 @@ KEEPS_ITS_OWN_DEGREES = {"quickstart.yaml"}
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "configs"))))
 def test_shipped_configs_run_the_planners_choice_and_fit(name, monkeypatch):
     from holmes_jax.core.config import load_config
-    from holmes_jax.planner.plans import make_plan, predict_config, run_overrides
+    from holmes_jax.core.plan_request import plan_request
+    from holmes_jax.planner.plans import make_plan, predict_run, run_overrides
     from holmes_jax.planner.topology import load_topology
 
     monkeypatch.chdir(ROOT)  # parallel.mesh is read from the working directory
-    cfg = load_config(os.path.join("configs", name))
-    assert cfg.parallel.mesh, f"{name}: parallel.mesh names the topology it is planned for"
-    topology = load_topology(cfg.parallel.mesh)
-    assert predict_config(cfg, topology).fits
-    differ = run_overrides(cfg, topology, make_plan(cfg, topology))
+    req = plan_request(load_config(os.path.join("configs", name)))
+    assert req.parallel.mesh, f"{name}: parallel.mesh names the topology it is planned for"
+    topology = load_topology(req.parallel.mesh)
+    assert predict_run(req, topology).fits
+    differ = run_overrides(req, topology, make_plan(req, topology))
     if name in KEEPS_ITS_OWN_DEGREES:
         with open(os.path.join(ROOT, "configs", name)) as f:
             header = f.read().split("\nmodel:", 1)[0]
@@ -392,6 +398,7 @@ def test_failures_json_holds_the_plans_replan_gives(capsys, monkeypatch):
     """``--failures --json`` on the quickstart: each case's plan is ``replan``'s for that
     topology, and its ``--set`` overrides, run by hand, give the same plan again."""
     from holmes_jax.core.config import load_config
+    from holmes_jax.core.plan_request import plan_request
     from holmes_jax.planner.failures import full_step, replan
     from holmes_jax.planner.topology import load_topology
 
@@ -399,10 +406,10 @@ def test_failures_json_holds_the_plans_replan_gives(capsys, monkeypatch):
     code, out, err = run(capsys, "--config", CONFIG, "--failures", "--json")
     assert code == 0, err
     d = json.loads(out)
-    cfg = load_config(CONFIG)
-    topology = load_topology(cfg.parallel.mesh)
+    req = plan_request(load_config(CONFIG))
+    topology = load_topology(req.parallel.mesh)
     assert d["topology"] == "cpu8-two-islands" and d["collectives_block"]
-    assert d["full_step_s"] == pytest.approx(full_step(cfg, topology), rel=1e-12)
+    assert d["full_step_s"] == pytest.approx(full_step(req, topology), rel=1e-12)
     assert [(f["lost"], f["excluded"]) for f in d["failures"]] == [
         ("host", ["ib-0"]),
         ("island", ["ib-0", "ib-1"]),
@@ -411,7 +418,7 @@ def test_failures_json_holds_the_plans_replan_gives(capsys, monkeypatch):
     ]
     degrees = ("replica", "stages", "data", "tensor", "microbatches", "schedule")
     for f in d["failures"]:
-        for base in (cfg, load_config(CONFIG, f["overrides"])):  # as written; by hand
+        for base in (req, plan_request(load_config(CONFIG, f["overrides"]))):  # as written; by hand
             r = replan(base, topology, f["excluded"])
             plan = r.plan.to_dict()
             assert [f["plan"][k] for k in degrees] == [plan[k] for k in degrees]

@@ -21,6 +21,7 @@ import pytest
 from holmes_jax import probe as probe_cli
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec, plan_request
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.plan import main as plan_main
 from holmes_jax.planner.formulas import (
@@ -49,7 +50,7 @@ from holmes_jax.planner.profiles import (
     load_profile,
     profile_from_dict,
 )
-from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.stage_costs import stage_costs
 from holmes_jax.planner.topology import load_topology
 from holmes_jax.runtime import measure
 from tests.common import ROOT, TINY_MODEL, as_flags
@@ -134,7 +135,7 @@ def _synthetic(topo, per_ring, per_sender):
         ),
     )
     compute = tuple(ComputeTiming(i.name, "cpu:0", 8, 0.02, 0.06, 0.005) for i in topo.islands)
-    model = load_config(None).model  # hidden 128, 4 heads, seq 128
+    model = load_config(None).model.spec  # hidden 128, 4 heads, seq 128
     return Measurement(topo, model, 2, 3, compute, links, "cpu")
 
 
@@ -454,7 +455,7 @@ def test_probe_times_one_micro_batch_of_a_replicated_plan():
         [f"parallel.mesh={TWO}", "parallel.replica=2", "parallel.stages=1", "parallel.data=4",
          "parallel.microbatches=1", "parallel.layers_per_stage=null"],
     )  # fmt: skip
-    assert microbatch_size(cfg, topo) == 4
+    assert microbatch_size(plan_request(cfg), topo) == 4
 
 
 # --------------------------------------------------------------------------- real run
@@ -610,4 +611,4 @@ def test_the_timed_stage_has_the_layers_one_device_runs():
         (["parallel.layers_per_stage=[3,5]"], 2, 2),
     ]
     for extra, most, want in cases:
-        assert stage_layers(load_config(CONFIG, base + extra), most) == want, extra
+        assert stage_layers(plan_request(load_config(CONFIG, base + extra)), most) == want, extra

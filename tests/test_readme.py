@@ -26,6 +26,7 @@ import pytest
 from holmes_jax import plan as plan_cli
 from holmes_jax import train as train_cli
 from holmes_jax.core.config import load_config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from tests.common import ROOT
 
@@ -112,8 +113,9 @@ def test_documented_train_command_loads(where, argv):
     args = train_cli.parse_args(argv)
     overrides = train_cli.overrides_of(args)  # --set, --mesh and --profile
     cfg = load_config(os.path.join(ROOT, args.config) if args.config else None, overrides)
-    topo = load_mesh_topology(cfg)  # the degrees must fit the topology's placement rules
-    resolve_shape(cfg, topo.num_devices if topo is not None else args.cpu_devices, topo)
+    req = plan_request(cfg)
+    topo = load_mesh_topology(req)  # the degrees must fit the topology's placement rules
+    resolve_shape(req, topo.num_devices if topo is not None else args.cpu_devices, topo)
 
 
 @pytest.mark.parametrize(

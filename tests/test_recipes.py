@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from holmes_jax.core.config import Config, load_config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.failures import replan
 from holmes_jax.planner.grid import load_mesh_topology
 from holmes_jax.planner.topology import load_topology
@@ -183,6 +184,7 @@ def test_sbatch_restarts_on_the_survivors_of_a_lost_node(fakes):
     assert "no answer from roce-1" in out and "restart 1 of 3" in out and "done" in out
     # both command lines load, and the planner plans the survivors of the second
     whole, survivors = (_config(r["argv"]) for r in (runs[0], runs[4]))
+    whole, survivors = plan_request(whole), plan_request(survivors)
     assert load_mesh_topology(whole).num_hosts == 4
     assert load_mesh_topology(survivors).num_hosts == 3
     full = load_topology(os.path.join(ROOT, MESH))
@@ -313,7 +315,7 @@ def test_jobset_pods_number_the_survivors_in_topology_order(tmp_path, exclude, s
         assert _value(argv, "--num-processes") == str(len(survivors))
         assert _value(argv, "--coordinator") == f"{_jobset_pods()[first]}.holmes:1234"
         assert f"parallel.exclude_hosts=[{exclude.replace(' ', ',')}]" in _sets(argv)
-    cfg = _config(records[0]["argv"])
+    cfg = plan_request(_config(records[0]["argv"]))
     assert [h for i in load_mesh_topology(cfg).islands for h in i.hosts] == survivors
     if exclude:
         full = load_topology(os.path.join(ROOT, MESH))

@@ -65,13 +65,15 @@ def start(cfg: Config, environ: MutableMapping[str, str] | None = None):
       JoinError: the job could not be joined.
     """
     from holmes_jax.cluster import transport
+    from holmes_jax.core.plan_request import plan_request
     from holmes_jax.planner.grid import load_mesh_topology
 
     env = os.environ if environ is None else environ
     settings = resolve(cfg, env)
     if settings is None:
         return None
-    topology = load_mesh_topology(cfg)  # the hosts of this run (parallel.exclude_hosts left out)
+    # the hosts of this run (parallel.exclude_hosts left out)
+    topology = load_mesh_topology(plan_request(cfg))
     if topology is not None and settings.process_id is not None and settings.num_processes:
         host = env.get(transport.HOST_VAR) or transport.host_of_process(
             topology, settings.process_id, settings.num_processes

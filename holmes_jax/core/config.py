@@ -8,8 +8,8 @@ key. YAML is loaded strictly. An unknown key, a wrong type or an impossible valu
 and the rule. An unknown key's message suggests the nearest known one. Every number that sizes
 a loop or an allocation has an upper bound (:data:`holmes_jax.core.spec.CONFIG_LIMITS`),
 checked first. Derived values are properties, never stored twice. Checks that need the device
-count (``parallel.devices``, the data-parallel size) live in :func:`check_devices`, which the
-trainer calls once devices are known.
+count (``parallel.devices``, the data-parallel size) run once devices are known, on the
+planner's view of the config (:meth:`holmes_jax.core.plan_request.ParallelSpec.degrees`).
 
 Example::
 
@@ -40,7 +40,7 @@ from holmes_jax.core.sections import (
     ParallelConfig,
     TrainConfig,
 )
-from holmes_jax.core.spec import CONFIG_LIMITS, Degrees, check_batch, check_choice
+from holmes_jax.core.spec import CONFIG_LIMITS, check_batch, check_choice
 from holmes_jax.core.yamlio import apply_override, build_dataclass, plain, read_yaml
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "TrainConfig",
-    "check_devices",
     "config_from_dict",
     "load_config",
 ]
@@ -115,48 +114,6 @@ class Config:
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)
-
-
-# --------------------------------------------------------------------------- devices
-
-
-def check_devices(cfg: Config, available: int) -> Degrees:
-    """Resolve ``parallel.devices`` and ``parallel.data`` against the visible devices.
-
-    Args:
-      cfg: a validated config.
-      available: number of devices visible to the job (all processes).
-
-    Returns:
-      The mesh degrees (stages, data, tensor).
-
-    Raises:
-      ConfigError: more devices asked for than exist, degrees that do not multiply to the
-        device count, or a global batch the data-parallel size does not divide.
-    """
-    p = cfg.parallel
-    devices = p.devices or available
-    if devices > available:
-        raise ConfigError(
-            f"parallel.devices={devices}: more devices asked for than exist ({available})"
-        )
-    fixed = p.replica * p.stages * p.tensor
-    if p.data:
-        if p.data * fixed != devices:
-            raise ConfigError(
-                f"parallel.data={p.data}: replica*stages*data*tensor = {p.replica}*{p.stages}*"
-                f"{p.data}*{p.tensor} = {p.data * fixed} must equal the {devices} devices used "
-                f"(set parallel.devices or parallel.data: 0 for auto)"
-            )
-        data = p.data
-    else:
-        if devices % fixed:
-            raise ConfigError(
-                f"parallel.replica*stages*tensor={fixed}: must divide the {devices} devices used"
-            )
-        data = devices // fixed
-    check_batch(cfg.train.global_batch_size, p.replica, data, p.microbatches)
-    return Degrees(stages=p.stages, data=data, tensor=p.tensor, replica=p.replica)
 
 
 # --------------------------------------------------------------------------- loading

@@ -19,6 +19,7 @@ import dataclasses
 import os
 
 from holmes_jax.core.config import Config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology
 
@@ -69,7 +70,7 @@ class Share:
 def island_scope(cfg: Config) -> tuple[Config, Share]:
     """The island job's config (``replica`` 1, ``train.global_batch_size`` its rows) and
     its :class:`Share`."""
-    rows = island_batch_rows(cfg)
+    rows = island_batch_rows(plan_request(cfg))
     i = cfg.diloco.island
     share = Share(i, island_name(cfg), sum(rows[:i]), rows[i], cfg.train.global_batch_size)
     cfg = cfg.replace(

@@ -3,30 +3,31 @@
 :func:`replan` is what the trainer runs when ``parallel.exclude_hosts`` names hosts (the
 launcher sets it when a host does not come back): the planner searches degrees,
 micro-batches, schedule, split and activation policy for the hosts that are left, with
-the config's global batch, so the optimisation is the same and only its speed changes.
+the run's global batch, so the optimisation is the same and only its speed changes.
 :func:`failure_plans` does the same ahead of time for the loss of one host of each island
 and of each whole island (``python -m holmes_jax.plan --failures``); hosts of one island
 are interchangeable, so one search covers them all. Both compare the survivors' step with
-:func:`full_step`, the config as written on the whole topology (what the job runs once
-every host is back). Pure Python; no jax import.
+:func:`full_step`, the run as written on the whole topology (what the job runs once
+every host is back). The survivors' decision comes back as a
+:class:`~holmes_jax.core.plan_request.ParallelSpec` (:attr:`Replan.parallel`), which the
+trainer applies to its config. Pure Python; no jax import.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import ParallelSpec, PlanRequest
 from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.plans import (
     as_trained,
     make_plan,
-    plan_config,
     plan_overrides,
-    predict_config,
+    predict_run,
     topology_blocks,
+    with_plan,
 )
 from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology, without_hosts
@@ -36,14 +37,16 @@ EXCLUDE_KEY = "parallel.exclude_hosts"
 
 @dataclass(frozen=True)
 class Replan:
-    """The survivors' run: who is gone, their topology, the config set to their plan."""
+    """The survivors' run: who is gone, their topology, the parallelism set to their plan."""
 
     excluded: tuple[str, ...]
     topology: Topology  # the survivors
-    cfg: Config  # the config with the survivors' plan (parallel.exclude_hosts kept)
+    # The survivors' degrees, pipeline, split and remat (parallel.devices 0,
+    # parallel.exclude_hosts the lost hosts): apply_parallel sets a config to run it.
+    parallel: ParallelSpec
     plan: Plan
     step_s: float  # predicted, as the trainer runs it
-    full_step_s: float | None  # the config on the whole topology; None: not priceable
+    full_step_s: float | None  # the run on the whole topology; None: not priceable
 
     def line(self) -> str:
         """One line: what was re-planned and the predicted step."""
@@ -68,17 +71,17 @@ def _count(n: int, noun: str, plural: str = "s") -> str:
 
 
 def replan(
-    cfg: Config,
+    req: PlanRequest,
     topology: Topology,
     excluded: Sequence[str],
     calibration: Calibration | None = None,
     *,
     sync_collectives: bool | None = None,
 ) -> Replan:
-    """Plan ``cfg`` on ``topology`` without the hosts ``excluded``.
+    """Plan ``req`` on ``topology`` without the hosts ``excluded``.
 
     Args:
-      cfg: the run's config (its degrees are replaced; its global batch is kept).
+      req: the run (its degrees are replaced; its global batch is kept).
       topology: the whole cluster (``parallel.mesh``).
       excluded: host names to leave out.
       calibration: device speed (e.g. from a profile).
@@ -94,9 +97,7 @@ def replan(
     excluded = tuple(excluded)
     survivors = without_hosts(topology, excluded, key=EXCLUDE_KEY)
     # Degrees that the planner chooses, not the ones written for the whole topology.
-    base = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, devices=0, exclude_hosts=excluded)
-    )
+    base = req.with_parallel(devices=0, exclude_hosts=excluded)
     try:
         searched = make_plan(base, survivors, calibration=calibration)
     except ConfigError as e:
@@ -106,29 +107,30 @@ def replan(
     # The plan priced as the trainer runs it, so plan.predicted_step_s is step_s.
     plan = as_trained(base, survivors, searched, calibration, sync_collectives=sync_collectives)
     try:
-        full_s = full_step(cfg, topology, calibration, sync_collectives=sync_collectives)
+        full_s = full_step(req, topology, calibration, sync_collectives=sync_collectives)
     except ConfigError:
         full_s = None
-    return Replan(excluded, survivors, plan_config(base, plan), plan, plan.predicted_step_s, full_s)
+    parallel = with_plan(base.parallel, plan)
+    return Replan(excluded, survivors, parallel, plan, plan.predicted_step_s, full_s)
 
 
 def full_step(
-    cfg: Config,
+    req: PlanRequest,
     topology: Topology,
     calibration: Calibration | None = None,
     *,
     sync_collectives: bool | None = None,
 ) -> float:
-    """The predicted step of ``cfg`` as written (its own degrees) on the whole ``topology``:
+    """The predicted step of ``req`` as written (its own degrees) on the whole ``topology``:
     what the job runs once every host is back, the step the survivors' is compared with.
 
     Raises:
-      ConfigError: the config's degrees do not run on ``topology`` or do not fit.
+      ConfigError: the run's degrees do not run on ``topology`` or do not fit.
     """
     if sync_collectives is None:
         sync_collectives = topology_blocks(topology)
-    full = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, exclude_hosts=()))
-    return predict_config(full, topology, calibration, sync_collectives=sync_collectives).step_s
+    full = req.with_parallel(exclude_hosts=())
+    return predict_run(full, topology, calibration, sync_collectives=sync_collectives).step_s
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class FailurePlan:
 
 
 def failure_plans(
-    cfg: Config,
+    req: PlanRequest,
     topology: Topology,
     calibration: Calibration | None = None,
     *,
@@ -182,7 +184,7 @@ def failure_plans(
         for what, gone in cases:
             survivors = without_hosts(topology, gone, key=EXCLUDE_KEY)
             try:
-                r = replan(cfg, topology, gone, calibration, sync_collectives=sync_collectives)
+                r = replan(req, topology, gone, calibration, sync_collectives=sync_collectives)
                 out.append(FailurePlan(what, isl.name, gone, survivors, r))
             except ConfigError as e:
                 out.append(FailurePlan(what, isl.name, gone, survivors, None, str(e)))

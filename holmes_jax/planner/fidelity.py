@@ -29,11 +29,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner.partition import uniform_split
 from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.search import plan_for_layout
-from holmes_jax.planner.stage_costs import RunSpec
 from holmes_jax.planner.step_time import even_chunks
 from holmes_jax.planner.topology import Topology, topology_from_dict
 
@@ -279,7 +279,7 @@ class DeepRun:
     overlap_grad_sync: bool = False
     split: tuple[int, ...] | None = None  # layers per stage; None: uniform
     # Megatron-LM 2022 (Korthikanti et al.): the backward's tensor all-reduces overlapped
-    # with its weight-gradient matmuls; sequence parallelism (stage_costs.RunSpec).
+    # with its weight-gradient matmuls; sequence parallelism (core.plan_request.RunSpec).
     tp_overlap: bool = False
     sequence_parallel: bool = False
     n_params: float = 0.0  # only for palm_tflops

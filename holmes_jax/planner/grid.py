@@ -1,6 +1,6 @@
 """The device grid of a run on a topology: its degrees, checked, and its picture.
 
-:func:`resolve_shape` turns a config's requested degrees into the resolved
+:func:`resolve_shape` turns a run's requested degrees into the resolved
 :class:`~holmes_jax.core.spec.Degrees` on the visible devices, checked against the
 topology's placement rules (:func:`holmes_jax.planner.placement.stage_blocks`: tensor
 groups inside a host, data groups and stages inside an island); :func:`describe_grid`
@@ -13,40 +13,41 @@ from __future__ import annotations
 
 import dataclasses
 
-from holmes_jax.core.config import Config, check_devices
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import PlanRequest
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.placement import stage_blocks
 from holmes_jax.planner.topology import Topology, load_topology, without_hosts
 
 
-def load_mesh_topology(cfg: Config) -> Topology | None:
+def load_mesh_topology(req: PlanRequest) -> Topology | None:
     """The topology named by ``parallel.mesh`` without ``parallel.exclude_hosts`` (the
     hosts this run has), or None. An independent DiLoCo island's job
     (``diloco.mode=independent``) has only its island (:func:`job_topology`)."""
-    if not cfg.parallel.mesh:
+    par = req.parallel
+    if not par.mesh:
         return None
-    topology = job_topology(cfg)
-    if cfg.parallel.exclude_hosts:
-        topology = without_hosts(topology, cfg.parallel.exclude_hosts, "parallel.exclude_hosts")
+    topology = job_topology(req)
+    if par.exclude_hosts:
+        topology = without_hosts(topology, par.exclude_hosts, "parallel.exclude_hosts")
     return topology
 
 
-def job_topology(cfg: Config) -> Topology:
+def job_topology(req: PlanRequest) -> Topology:
     """The hosts of this job before failures: ``parallel.mesh``'s whole topology, or under
     ``diloco.mode=independent`` only island ``diloco.island``.
 
     Raises:
       ConfigError: ``diloco.peers`` does not name one address per island of the mesh.
     """
-    topology = load_topology(cfg.parallel.mesh)
-    d = cfg.diloco
+    mesh, d = req.parallel.mesh, req.diloco
+    topology = load_topology(mesh)
     if d.mode != "independent":
         return topology
     if len(d.peers) != len(topology.islands):
         raise ConfigError(
             f"diloco.peers={list(d.peers)}: needs one address per island of "
-            f"parallel.mesh='{cfg.parallel.mesh}' ({len(topology.islands)} islands)"
+            f"parallel.mesh='{mesh}' ({len(topology.islands)} islands)"
         )
     others = [h for i, isl in enumerate(topology.islands) if i != d.island for h in isl.hosts]
     island = without_hosts(topology, others, "diloco.island")
@@ -54,7 +55,7 @@ def job_topology(cfg: Config) -> Topology:
     return dataclasses.replace(island, name=name)
 
 
-def island_batch_rows(cfg: Config) -> list[int]:
+def island_batch_rows(req: PlanRequest) -> list[int]:
     """Independent DiLoCo: the rows of ``train.global_batch_size`` each island trains on,
     by island index. In proportion to an island's compute (devices x ``peak_tflops``) on
     ``parallel.mesh``, else equal; in whole units of ``parallel.data`` x ``microbatches``
@@ -64,7 +65,7 @@ def island_batch_rows(cfg: Config) -> list[int]:
     Raises:
       ConfigError: an island would get no unit.
     """
-    batch, n, p = cfg.train.global_batch_size, len(cfg.diloco.peers), cfg.parallel
+    batch, n, p = req.run.global_batch_size, len(req.diloco.peers), req.parallel
     unit = max(p.data, 1) * p.microbatches
     weights = [1.0] * n
     if p.mesh:
@@ -84,34 +85,35 @@ def island_batch_rows(cfg: Config) -> list[int]:
     return [u * unit for u in units]
 
 
-def resolve_shape(cfg: Config, available: int, topology: Topology | None) -> Degrees:
-    """Mesh degrees for ``cfg`` on ``available`` devices, checked against the topology.
+def resolve_shape(req: PlanRequest, available: int, topology: Topology | None) -> Degrees:
+    """Mesh degrees for ``req`` on ``available`` devices, checked against the topology.
 
     Raises:
       ConfigError: too few devices for the topology, or degrees that break placement.
     """
+    par = req.parallel
     if topology is not None:
         if topology.num_devices > available:
             raise ConfigError(
-                f"parallel.mesh='{cfg.parallel.mesh}': topology '{topology.name}' has "
+                f"parallel.mesh='{par.mesh}': topology '{topology.name}' has "
                 f"{topology.num_devices} devices but only {available} are visible"
             )
-        if cfg.parallel.devices and cfg.parallel.devices != topology.num_devices:
+        if par.devices and par.devices != topology.num_devices:
             raise ConfigError(
-                f"parallel.devices={cfg.parallel.devices}: must equal the "
+                f"parallel.devices={par.devices}: must equal the "
                 f"{topology.num_devices} devices of topology '{topology.name}' (or 0)"
             )
         available = topology.num_devices
-    shape = check_devices(cfg, available)
-    if topology is not None and cfg.parallel.enforce_islands:
-        layout = cfg.parallel.layout(shape)
+    shape = req.degrees(available)
+    if topology is not None and par.enforce_islands:
+        layout = par.layout(shape)
         stage_blocks(topology, layout)  # raises ConfigError when placement is impossible
     return shape
 
 
-def describe_grid(cfg: Config, topology: Topology) -> str:
+def describe_grid(req: PlanRequest, topology: Topology) -> str:
     """The device grid: each stage's island and, per data rank, the devices and hosts."""
-    shape = resolve_shape(cfg, topology.num_devices, topology)
+    shape = resolve_shape(req, topology.num_devices, topology)
     places = topology.device_places()
     k = shape.data * shape.tensor
     lines = [

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from holmes_jax.core.axes import DATA, TENSOR
-from holmes_jax.core.config import Config, ModelConfig, check_devices
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import Degrees, Layout, layer_fwd_flops
+from holmes_jax.core.plan_request import PlanRequest
+from holmes_jax.core.spec import Degrees, Layout, ModelSpec, layer_fwd_flops
 from holmes_jax.planner.placement import naive_hops, stage_blocks
 from holmes_jax.planner.profiles import PROFILE_VERSION, SPANNING, link_dict
 from holmes_jax.planner.topology import Link, Topology
@@ -93,7 +93,7 @@ class Measurement:
     """Everything one probe run measured."""
 
     topology: Topology
-    model: ModelConfig
+    model: ModelSpec  # the timed layer's shape
     microbatch_size: int
     repeats: int
     compute: tuple[ComputeTiming, ...]
@@ -103,7 +103,7 @@ class Measurement:
     @property
     def layer_fwd_flops(self) -> float:
         """FLOPs of the timed layer's forward (the cost model's count)."""
-        return layer_fwd_flops(self.model.spec, self.microbatch_size)
+        return layer_fwd_flops(self.model, self.microbatch_size)
 
 
 # --------------------------------------------------------------------------- fitting
@@ -145,27 +145,27 @@ def fit_link(nbytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, 
 # --------------------------------------------------------------------------- what to run
 
 
-def microbatch_size(cfg: Config, topology: Topology) -> int:
-    """The config's micro-batch on the topology:
+def microbatch_size(req: PlanRequest, topology: Topology) -> int:
+    """The run's micro-batch on the topology:
     ``global_batch / (replica × data × microbatches)`` (every replica trains its own share).
 
     Raises:
       ConfigError: degrees that do not divide the devices, or a batch they do not divide.
     """
-    shape = check_devices(cfg, topology.num_devices)
-    return cfg.train.global_batch_size // (shape.replica * shape.data * cfg.parallel.microbatches)
+    shape = req.degrees(topology.num_devices)
+    return req.run.global_batch_size // (shape.replica * shape.data * req.parallel.microbatches)
 
 
-def stage_layers(cfg: Config, most: int) -> int:
-    """Layers one device runs per micro-batch pass under the config's plan (the largest
+def stage_layers(req: PlanRequest, most: int) -> int:
+    """Layers one device runs per micro-batch pass under the run's plan (the largest
     entry of ``parallel.layers_per_stage``, else an even split over stages x virtual
     stages, rounded up), at most ``most``: the probe times a stage of that many distinct
     layers, whose weights and stored activations the training step also streams through."""
-    p = cfg.parallel
+    p = req.parallel
     if isinstance(p.layers_per_stage, tuple):
         n = max(p.layers_per_stage)
     else:
-        n = math.ceil(cfg.model.num_layers / (p.stages * p.virtual_stages))
+        n = math.ceil(req.model.num_layers / (p.stages * p.virtual_stages))
     return max(1, min(most, n))
 
 

@@ -279,7 +279,7 @@ def check_fits(x: MemoryInputs, layers_per_stage, limit_bytes: float) -> list[fl
     """Refuse a run whose predicted per-device peak exceeds the device memory.
 
     Args:
-      x: the run's memory inputs (:func:`holmes_jax.planner.plans.memory_inputs_from_config`).
+      x: the run's memory inputs (:func:`holmes_jax.planner.plans.memory_inputs_of`).
       layers_per_stage: the split (every stage pads to its largest entry).
       limit_bytes: memory of one device.
 

@@ -24,7 +24,6 @@ from holmes_jax.planner.plans import (
     as_trained,
     make_plan,
     run_overrides,
-    specs_from_config,
     topology_blocks,
 )
 from holmes_jax.planner.search import Plan
@@ -33,14 +32,14 @@ from holmes_jax.planner.strategy import StrategyChoice, crossing_bytes_by_format
 from holmes_jax.planner.topology import Topology
 
 if TYPE_CHECKING:
-    from holmes_jax.core.config import Config
+    from holmes_jax.core.plan_request import PlanRequest
 
 
 def plan_json(
     plan: Plan,
     topology: Topology,
     alts: dict[str, Plan | None],
-    cfg: Config,
+    req: PlanRequest,
     choice: StrategyChoice | None = None,
     *,
     kept: bool = False,
@@ -52,16 +51,16 @@ def plan_json(
     ``--set`` values that make the trainer run ``plan`` (:func:`run_overrides`);
     ``collectives_block`` says how ``predicted_step_s`` priced the collectives
     (:func:`topology_blocks`)."""
-    model, run = specs_from_config(cfg)
+    model, run = req.model, req.run
     out = plan.to_dict()
     out["keeps_config_degrees"] = kept
-    out["overrides"] = run_overrides(cfg, topology, plan)
+    out["overrides"] = run_overrides(req, topology, plan)
     out["collectives_block"] = topology_blocks(topology)
     out["topology"] = topology.name
     out["num_devices"] = topology.num_devices
     out["model_params"] = model.num_params
     out["global_batch_size"] = run.global_batch_size
-    out["cross_island_dtype"] = cfg.parallel.cross_island_dtype
+    out["cross_island_dtype"] = req.parallel.cross_island_dtype
     # per format: what the plan's pipeline sends across islands each step in each
     out["cross_island_bytes_per_step"] = crossing_bytes_by_format(plan, model, run)
     out["alternatives"] = {
@@ -86,7 +85,7 @@ def format_plan(
     plan: Plan,
     topology: Topology,
     alts: dict[str, Plan | None],
-    cfg: Config,
+    req: PlanRequest,
     choice: StrategyChoice | None = None,
     *,
     kept: bool = False,
@@ -99,7 +98,7 @@ def format_plan(
     (:func:`run_overrides`). ``plan``'s prediction is the trainer's
     (:func:`holmes_jax.planner.plans.as_trained`); the tables keep the searches' pricing.
     """
-    model, run = specs_from_config(cfg)
+    model, run = req.model, req.run
     lay, pr = plan.layout, plan.prediction
     lines = _topology_lines(topology)
     lines.append(
@@ -134,7 +133,7 @@ def format_plan(
             "  priced as the trainer runs it on CPU devices: blocking collectives, the "
             "pipeline's ticks in lockstep (the tables below price the closed form)"
         )
-    lines.append("run it: " + run_command(command, run_overrides(cfg, topology, plan)))
+    lines.append("run it: " + run_command(command, run_overrides(req, topology, plan)))
     if plan.by_schedule:
         lines.append("schedules on these degrees:")
         lines.append("  schedule        step s      bubble  layers per stage (per virtual stage)")
@@ -163,7 +162,7 @@ def format_plan(
 
 
 def format_run_plan(
-    cfg: Config,
+    req: PlanRequest,
     shape: Degrees,
     topology: Topology,
     prediction: Prediction,
@@ -174,11 +173,11 @@ def format_run_plan(
     """The plan the trainer is about to run, as lines for its log.
 
     Args:
-      cfg: the resolved config (concrete ``parallel.layers_per_stage`` and ``model.remat``;
+      req: the resolved run (concrete ``parallel.layers_per_stage`` and ``remat``;
         :func:`holmes_jax.planner.plans.resolve_auto`).
       shape: the resolved degrees.
       topology: the cluster the run is placed on.
-      prediction: :func:`holmes_jax.planner.plans.predict_config` of ``cfg`` on ``topology``.
+      prediction: :func:`holmes_jax.planner.plans.predict_run` of ``req`` on ``topology``.
       sync_collectives: what the prediction assumed about collectives (stated in the text).
       split: who chose the layers per stage, e.g. ``"the planner's optimal split
         (parallel.layers_per_stage: auto)"``.
@@ -187,9 +186,9 @@ def format_run_plan(
       Lines: the topology, the mesh with the stages per island, the pipeline, the stage
       table, the predicted step with its terms, and what the prediction assumes.
     """
-    par = cfg.parallel
+    par = req.parallel
     layout = par.layout(shape)
-    mb = layout.microbatch_size(cfg.train.global_batch_size)
+    mb = layout.microbatch_size(req.run.global_batch_size)
     topo = _topology_lines(topology)
     lines = [f"plan on {topo[0]}", *topo[1:]]
     if par.enforce_islands:
@@ -205,10 +204,10 @@ def format_run_plan(
         f"  mesh replica {layout.replica} x stage {layout.stages} x data {layout.data} x "
         f"tensor {layout.tensor}; {where}"
     )
-    buckets = resolve_grad_buckets(par.grad_buckets, sync_collectives)
+    buckets = resolve_grad_buckets(req.run.grad_buckets, sync_collectives)
     lines.append(
         f"  pipeline {layout.schedule}, {layout.microbatches} micro-batches of {mb} per data "
-        f"rank, remat {cfg.model.remat}, gradient buckets per {buckets}; layers per stage "
+        f"rank, remat {par.remat}, gradient buckets per {buckets}; layers per stage "
         f"{list(par.layers_per_stage)}: {split}"
     )
     lines += _stage_table(prediction, islands)
@@ -311,14 +310,14 @@ def run_command(command: str, overrides: Sequence[str]) -> str:
 
 
 def format_preference(
-    cfg: Config, topology: Topology, step_s: float, *, sync_collectives: bool
+    req: PlanRequest, topology: Topology, step_s: float, *, sync_collectives: bool
 ) -> list[str]:
     """A line for the trainer's log when the planner's own plan is predicted faster.
 
     Args:
-      cfg: the resolved config the trainer runs.
+      req: the resolved run the trainer runs.
       topology: the cluster.
-      step_s: the run's predicted step (:func:`holmes_jax.planner.plans.predict_config`).
+      step_s: the run's predicted step (:func:`holmes_jax.planner.plans.predict_run`).
       sync_collectives: what that prediction assumed about collectives.
 
     Returns:
@@ -326,15 +325,15 @@ def format_preference(
       ``--set`` overrides that run it; nothing when the run is the planner's plan, is as
       fast, nothing fits, or DiLoCo is on (the synchronous search does not price it).
     """
-    if cfg.diloco.enabled is True:
+    if req.diloco.enabled is True:
         return []
     try:
         best = as_trained(
-            cfg, topology, make_plan(cfg, topology), sync_collectives=sync_collectives
+            req, topology, make_plan(req, topology), sync_collectives=sync_collectives
         )
     except ConfigError:
         return []
-    overrides = run_overrides(cfg, topology, best)
+    overrides = run_overrides(req, topology, best)
     if not overrides or best.predicted_step_s >= step_s:
         return []
     lay = best.layout

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import REMAT_POLICIES, SPLIT_CELLS, Layout, ModelSpec
 from holmes_jax.planner.partition import holmes_split, optimal_split, slot_fits, uniform_split
 from holmes_jax.planner.placement import (
@@ -31,7 +32,7 @@ from holmes_jax.planner.placement import (
     stage_hardware,
     stages_per_island,
 )
-from holmes_jax.planner.stage_costs import RunSpec, StageCosts, stage_costs, with_schedule
+from holmes_jax.planner.stage_costs import StageCosts, stage_costs, with_schedule
 from holmes_jax.planner.step_time import Prediction, predict, schedule_terms
 from holmes_jax.planner.topology import Topology
 

@@ -35,17 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import (
-    GRAD_BUCKET_CHOICES,
-    REMAT_POLICIES,
     Layout,
     ModelSpec,
-    check_choice,
-    check_positive,
     head_fwd_flops,
     layer_fwd_flops,
-    resolve_grad_buckets,
     scores_fwd_flops,
 )
 from holmes_jax.planner.formulas import (
@@ -66,82 +61,10 @@ from holmes_jax.planner.memory import (
 )
 from holmes_jax.planner.placement import StageHardware
 
-ENGINES = ("holmes_jax", "megatron")
 VIRTUAL_MAX = 4  # most chunks per device the memory tables are priced for (v·L slots)
 
 
-# --------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """Batch and numerics of a run (everything but the layout)."""
-
-    global_batch_size: int  # sequences per optimizer step
-    act_bytes: int = 2  # activations, p2p and tensor all-reduces (β)
-    param_bytes: int = 2  # working copy of the parameters
-    grad_bytes: int = 4  # gradients as reduced over data-parallel ranks
-    optimizer_bytes: int = 12  # per parameter: fp32 master + Adam m, v (8 without master)
-    remat: str = "none"  # activation policy (holmes_jax.planner.memory): none | full | selective
-    attention: str = "xla"  # xla (fp32 [b, a/t, s, s] transients) | cudnn (fused)
-    zero1: bool = True  # optimizer state sharded over data-parallel ranks
-    overlap_grad_sync: bool = True  # gradient reduction overlapped with the pipeline drain
-    # Collectives block the device until done (CPU runtimes such as gloo): the stages'
-    # in-loop reductions add up instead of hiding behind each other (planner.step_time).
-    sync_collectives: bool = False
-    # parallel.grad_buckets: "layer" (each layer's gradient reduced as it completes, in
-    # the loop), "step" (each leaf once, all layers at a time, after the loop), auto: step
-    # with sync_collectives, else layer (holmes_jax.core.spec.resolve_grad_buckets).
-    grad_buckets: str = "auto"
-    # The implementation priced: "holmes_jax" (this trainer: a collective per parameter
-    # leaf, the layer weights sliced out of the stacked slots) or "megatron" (Megatron-LM,
-    # for the fidelity check: one flat gradient buffer, weights used in place). Both send
-    # each micro-batch once per stage boundary and direction.
-    engine: str = "holmes_jax"
-    memory_fraction: float = 0.9  # usable fraction of device memory
-    # Mechanisms of Megatron-LM 2022 (Korthikanti et al.), priced in time only, for the
-    # fidelity check's runs that had them; holmes_jax's runtime has neither. tp_overlap:
-    # the backward's tensor all-reduces hidden behind the weight-gradient matmuls.
-    # sequence_parallel: the element-wise work outside attention and MLP split over t too.
-    tp_overlap: bool = False
-    sequence_parallel: bool = False
-    # parallel.cross_island_dtype (resolved): the wire format of the sends between stages
-    # on two islands (holmes_jax.runtime.compress).
-    cross_island_dtype: str = "same"
-
-    def __post_init__(self):
-        check_positive("train.global_batch_size", self.global_batch_size)
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine='{self.engine}': must be one of {', '.join(ENGINES)}")
-        if not 0 < self.memory_fraction <= 1:
-            raise ConfigError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]")
-        check_choice(self.grad_buckets, "parallel.grad_buckets", GRAD_BUCKET_CHOICES)
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(
-                f"model.remat='{self.remat}': must be one of {', '.join(REMAT_POLICIES)}"
-            )
-
-    @property
-    def buckets(self) -> str:
-        """``grad_buckets`` as run: ``layer`` or ``step`` (``auto`` by ``sync_collectives``)."""
-        return resolve_grad_buckets(self.grad_buckets, self.sync_collectives)
-
-    @property
-    def reduction(self) -> str:
-        """How the gradient reduction meets the pipeline: ``overlap`` (per-layer buckets,
-        hidden behind the drain), ``sync`` (per-layer buckets on blocking collectives: the
-        stages' reductions add up), ``exposed`` (after the loop, nothing hides it: one
-        bucket per step, or ``overlap_grad_sync`` off)."""
-        if self.buckets == "step":
-            return "exposed"
-        if self.sync_collectives:
-            return "sync"
-        return "overlap" if self.overlap_grad_sync else "exposed"
-
-    @property
-    def recompute(self) -> bool:
-        """Full recomputation: the backward reruns every layer's forward."""
-        return self.remat == "full"
+# --------------------------------------------------------------------------- tables
 
 
 @dataclass(frozen=True)

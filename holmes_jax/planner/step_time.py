@@ -262,4 +262,3 @@ def predict(costs: StageCosts, layers_per_stage: Sequence[int]) -> Prediction:
         bubble_fraction=float(1.0 - m * tau.sum() / (p * pipe)),
         p2p_bytes=costs.p2p_bytes,
     )
-

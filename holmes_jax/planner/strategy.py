@@ -40,10 +40,9 @@ from holmes_jax.planner.search import Plan, search_plan
 from holmes_jax.planner.topology import Link, Topology
 
 if TYPE_CHECKING:
-    from holmes_jax.core.config import Config
+    from holmes_jax.core.plan_request import DilocoSpec, PlanRequest, RunSpec
     from holmes_jax.core.spec import ModelSpec
     from holmes_jax.planner.placement import Calibration
-    from holmes_jax.planner.stage_costs import RunSpec
 
 STRATEGIES = ("pipeline", "hierarchical", "diloco")
 FREE_GBPS = 1e12  # the inter-island link DiLoCo's inner plan is priced on (nothing crosses)
@@ -140,20 +139,18 @@ def exposed_outer_s(sync_s: float, fragments: int) -> tuple[float, float]:
 
 
 def price_strategies(
-    cfg: Config,
+    req: PlanRequest,
     topology: Topology,
     method: str = "optimal",
     calibration: Calibration | None = None,
     plan: Plan | None = None,
 ) -> StrategyChoice:
-    """Price pipeline, hierarchical and DiLoCo for ``cfg`` on ``topology``; choose one.
+    """Price pipeline, hierarchical and DiLoCo for ``req`` on ``topology``; choose one.
 
     ``plan`` (from :func:`holmes_jax.planner.plans.make_plan`) is reused for its own
     strategy (replica 1: pipeline, else hierarchical), so only the other is searched.
     """
-    from holmes_jax.planner.plans import specs_from_config
-
-    model, run = specs_from_config(cfg)
+    model, run = req.model, req.run
     tokens = run.global_batch_size * model.seq_len
     search = dict(
         method=method, calibration=calibration, remats=REMAT_POLICIES, schedules=SCHEDULES
@@ -185,9 +182,9 @@ def price_strategies(
                 _sync_cross_bytes(found, model, run),
             )
         )
-    prices.append(_price_diloco(cfg, topology, model, run, tokens, search, equal))
+    prices.append(_price_diloco(req, topology, tokens, search, equal))
     prices.extend(_price_compressed(prices[0], topology, model, run, tokens, search))
-    return _choose(cfg, tuple(prices))
+    return _choose(req.diloco, tuple(prices))
 
 
 def _price_compressed(pipe, topology, model, run, tokens, search) -> list[StrategyPrice]:
@@ -207,48 +204,48 @@ def _price_compressed(pipe, topology, model, run, tokens, search) -> list[Strate
     return [StrategyPrice(f"pipeline+{fmt}", found, step, tokens / step, cross)]
 
 
-def resolve_diloco(cfg: Config, topology: Topology | None) -> tuple[bool, StrategyChoice | None]:
-    """For the trainer: does ``cfg.diloco.enabled`` (true | false | auto) mean DiLoCo here?
+def resolve_diloco(
+    req: PlanRequest, topology: Topology | None
+) -> tuple[bool, StrategyChoice | None]:
+    """For the trainer: does ``diloco.enabled`` (true | false | auto) mean DiLoCo here?
 
     ``true``/``false`` are returned as they are (no pricing; ``None`` choice); ``auto``
     prices the strategies on ``topology`` and returns ``(chosen == "diloco", choice)``;
     ``choice.plan`` is then the plan inside one island. No topology: auto means false.
     """
-    enabled = cfg.diloco.enabled
+    enabled = req.diloco.enabled
     if enabled is True or enabled is False:
         return enabled, None
     if topology is None:
         return False, None
-    choice = price_strategies(cfg, topology)
+    choice = price_strategies(req, topology)
     return choice.chosen == "diloco", choice
 
 
-def predict_diloco_config(
-    cfg: Config,
+def predict_diloco(
+    req: PlanRequest,
     topology: Topology,
     calibration: Calibration | None = None,
     *,
     sync_collectives: bool = False,
 ) -> tuple[float, float, float]:
-    """``(step, inner step, one outer sync)`` in seconds for ``cfg`` as the trainer runs it
+    """``(step, inner step, one outer sync)`` in seconds for ``req`` as the trainer runs it
     with DiLoCo on (its own degrees, ``parallel.replica`` = islands), by the module doc's
-    formula: the inner step priced by :func:`~holmes_jax.planner.plans.predict_config` with
+    formula: the inner step priced by :func:`~holmes_jax.planner.plans.predict_run` with
     the inter-island link free (nothing crosses between outer syncs), plus the blocking
     outer syncs spread over ``H`` steps."""
-    from holmes_jax.planner.plans import predict_config, specs_from_config
+    from holmes_jax.planner.plans import predict_run
 
-    inner = predict_config(
-        cfg, _islands_alone(topology), calibration, sync_collectives=sync_collectives
+    inner = predict_run(
+        req, _islands_alone(topology), calibration, sync_collectives=sync_collectives
     ).step_s
-    model, _ = specs_from_config(cfg)
-    sync, exposed = _outer_cost(cfg, topology, model.num_params)
-    return inner + exposed * outer_syncs_per_step(cfg), inner, sync
+    sync, exposed = _outer_cost(req.diloco, topology, req.model.num_params)
+    return inner + exposed * outer_syncs_per_step(req.diloco, req.steps), inner, sync
 
 
-def _outer_cost(cfg: Config, topology: Topology, params: int) -> tuple[float, float]:
-    """(one outer sync, its exposed time per outer round) of ``cfg.diloco`` across the
+def _outer_cost(dl: DilocoSpec, topology: Topology, params: int) -> tuple[float, float]:
+    """(one outer sync, its exposed time per outer round) of DiLoCo ``dl`` across the
     islands: every host of the smallest island sends over the slowest inter-island link."""
-    dl = cfg.diloco
     slow = _slowest_inter_island(topology)
     hosts = min(isl.num_hosts for isl in topology.islands)
     replicas = len(topology.islands)
@@ -256,10 +253,10 @@ def _outer_cost(cfg: Config, topology: Topology, params: int) -> tuple[float, fl
     return sync, exposed_outer_s(sync, dl.fragments)[0]
 
 
-def outer_syncs_per_step(cfg: Config) -> float:
-    """Full outer syncs per step over the run (module doc's ``n``): ``1/H``, plus one after
-    each of the first ``diloco.warmup_steps`` of ``train.steps`` steps."""
-    dl, steps = cfg.diloco, max(1, cfg.train.steps)
+def outer_syncs_per_step(dl: DilocoSpec, steps: int) -> float:
+    """Full outer syncs per step over a run of ``steps`` (``train.steps``) steps (module
+    doc's ``n``): ``1/H``, plus one after each of the first ``diloco.warmup_steps``."""
+    steps = max(1, steps)
     warm = min(dl.warmup_steps, steps)
     return (warm + (steps - warm) / dl.inner_steps) / steps
 
@@ -307,8 +304,8 @@ def crossing_bytes_by_format(plan: Plan, model: ModelSpec, run: RunSpec) -> dict
     return {f: per_act * w for f, w in wire.items()}
 
 
-def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyPrice:
-    dl = cfg.diloco
+def _price_diloco(req, topology, tokens, search, equal) -> StrategyPrice:
+    dl, model, run = req.diloco, req.model, req.run
     R = len(topology.islands)
     base = dict(
         inner_steps=dl.inner_steps,
@@ -329,9 +326,9 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
         inner = search_plan(_islands_alone(topology), model, run, replica=R, **search)
     except ConfigError as e:
         return StrategyPrice("diloco", None, why=str(e), **base)
-    sync, exposed = _outer_cost(cfg, topology, model.num_params)
+    sync, exposed = _outer_cost(dl, topology, model.num_params)
     t = inner.predicted_step_s
-    n = outer_syncs_per_step(cfg)
+    n = outer_syncs_per_step(dl, req.steps)
     step = t + exposed * n
     cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dl.outer_dtype] * n
     return StrategyPrice(
@@ -339,22 +336,24 @@ def _price_diloco(cfg, topology, model, run, tokens, search, equal) -> StrategyP
     )
 
 
-def _choose(cfg: Config, prices: tuple[StrategyPrice, ...]) -> StrategyChoice:
+def _choose(dl: DilocoSpec, prices: tuple[StrategyPrice, ...]) -> StrategyChoice:
     sync = [p for p in prices[:2] if p.plan is not None]
     best = min(sync, key=lambda p: p.step_s) if sync else None
-    dl = prices[2]
-    enabled = cfg.diloco.enabled
+    diloco = prices[2]
+    enabled = dl.enabled
     if enabled is True:
-        if dl.plan is None:
-            raise ConfigError(f"diloco.enabled=true: DiLoCo cannot run on this topology ({dl.why})")
+        if diloco.plan is None:
+            raise ConfigError(
+                f"diloco.enabled=true: DiLoCo cannot run on this topology ({diloco.why})"
+            )
         return StrategyChoice(prices, "diloco", "diloco.enabled=true")
     if best is None:
         raise ConfigError("no synchronous strategy fits: " + "; ".join(p.why for p in prices[:2]))
-    if enabled is False or dl.plan is None:
-        why = "diloco.enabled=false" if enabled is False else f"diloco unavailable ({dl.why})"
+    if enabled is False or diloco.plan is None:
+        why = "diloco.enabled=false" if enabled is False else f"diloco unavailable ({diloco.why})"
         return StrategyChoice(prices, best.name, f"{why}: the faster synchronous strategy")
-    speedup = best.step_s / dl.step_s
-    need = cfg.diloco.auto_min_speedup
+    speedup = best.step_s / diloco.step_s
+    need = dl.auto_min_speedup
     if speedup >= need:
         reason = (
             f"diloco.enabled=auto: DiLoCo predicted {speedup:.2f}x faster than {best.name} "

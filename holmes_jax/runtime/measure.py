@@ -55,6 +55,7 @@ from holmes_jax.cluster.cgroups import own_share
 from holmes_jax.core.axes import DATA, MESH_AXES, STAGE, TENSOR
 from holmes_jax.core.config import Config, ModelConfig
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.measurements import (
     DEFAULT_REPEATS,
@@ -122,7 +123,8 @@ def measure(
             f"--sizes-kib={[s / KIB for s in sizes]}: need >= 2 distinct sizes, each a "
             f"positive multiple of 4 bytes"
         )
-    b = microbatch_size(cfg, topology)
+    req = plan_request(cfg)  # the planner's view of the run: its micro-batch and stage
+    b = microbatch_size(req, topology)
     import jax
 
     devices = jax.devices()
@@ -140,7 +142,7 @@ def measure(
     # A stage, but no more than MAX_STACK_BYTES of fp32 weights (and as much again of
     # weight gradients): a 70B layer alone is 3.2 GB.
     most = max(1, min(MAX_STACK, MAX_STACK_BYTES // (4 * cfg.model.spec.layer_params)))
-    layers = stage_layers(cfg, most)
+    layers = stage_layers(req, most)
     say(f"layer forward, forward+backward, micro-batch {b}, a stage of {layers}, every device busy")
     compute = _time_layers(model, b, layers, topology, devices, repeats)
 
@@ -199,7 +201,7 @@ def measure(
         compute, links = _gather(compute, links)
     return Measurement(
         topology=topology,
-        model=model,
+        model=model.spec,
         microbatch_size=b,
         repeats=repeats,
         compute=tuple(compute),

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.core.axes import DATA, REPLICA
 from holmes_jax.core.config import Config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import resolve_grad_buckets
 from holmes_jax.diloco.outer_step import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.planner.grid import load_mesh_topology
@@ -160,7 +161,7 @@ class Program:
                 crossing=(
                     frozenset()
                     if par.cross_island_dtype == "same"
-                    else crossing_pairs(mesh, load_mesh_topology(cfg))
+                    else crossing_pairs(mesh, load_mesh_topology(plan_request(cfg)))
                 ),
                 flat_buckets=blocking,
             )

@@ -26,14 +26,15 @@ import numpy as np
 
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import apply_parallel, plan_request
 from holmes_jax.core.spec import Degrees, flops_per_token
 from holmes_jax.diloco.scope import eval_batch_count, independent, island_outputs, island_scope
 from holmes_jax.planner.failures import replan
 from holmes_jax.planner.grid import job_topology, load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
-from holmes_jax.planner.plans import memory_inputs_from_config, predict_config, resolve_auto
+from holmes_jax.planner.plans import memory_inputs_of, predict_run, resolve_auto
 from holmes_jax.planner.report import format_preference, format_run_plan
-from holmes_jax.planner.strategy import predict_diloco_config, resolve_diloco
+from holmes_jax.planner.strategy import predict_diloco, resolve_diloco
 from holmes_jax.planner.topology import Topology
 from holmes_jax.runtime.checkpoint import init_state_from
 from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
@@ -97,18 +98,21 @@ def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
     if independent(cfg):  # this island's job: replica 1, its rows of the global batch
         cfg, share = island_scope(cfg)
     devices = jax.devices()
-    topology = load_mesh_topology(cfg)  # without parallel.exclude_hosts
+    req = plan_request(cfg)  # the planner's view of the run; its decisions come back as data
+    topology = load_mesh_topology(req)  # without parallel.exclude_hosts
     replanned = None
-    if cfg.parallel.exclude_hosts:  # a failure's survivors: the planner's degrees for them
-        full = job_topology(cfg)
+    if req.parallel.exclude_hosts:  # a failure's survivors: the planner's degrees for them
+        full = job_topology(req)
         sync = collectives_block(devices)
-        replanned = replan(cfg, full, cfg.parallel.exclude_hosts, sync_collectives=sync)
-        cfg = replanned.cfg
+        replanned = replan(req, full, req.parallel.exclude_hosts, sync_collectives=sync)
+        req = req.with_parallel(replanned.parallel)
+        cfg = apply_parallel(cfg, replanned.parallel)
     asked = cfg
-    diloco, choice = resolve_diloco(cfg, topology)
+    diloco, choice = resolve_diloco(req, topology)
+    req = dataclasses.replace(req, diloco=dataclasses.replace(req.diloco, enabled=diloco))
     cfg = dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled=diloco))
-    shape = resolve_shape(cfg, len(devices), topology)
-    cfg = resolve_auto(cfg, shape, topology)
+    shape = resolve_shape(req, len(devices), topology)
+    cfg = apply_parallel(cfg, resolve_auto(req, shape, topology))
     check_memory(cfg, shape, topology, devices)
     return Resolved(cfg, outputs, devices, topology, shape, replanned, asked, choice, share)
 
@@ -239,7 +243,7 @@ def describe_plan(
 ) -> tuple[list[str], float | None]:
     """The plan's lines for the log and its predicted step; nothing without a topology.
 
-    The prediction is the planner's (:func:`holmes_jax.planner.plans.predict_config`) for
+    The prediction is the planner's (:func:`holmes_jax.planner.plans.predict_run`) for
     ``cfg`` as resolved, with blocking collectives on CPU runtimes, where a collective
     occupies the device until it is done. A run the cost model cannot price (the naive
     placement with stages) still trains: its plan is one line saying why.
@@ -257,8 +261,9 @@ def describe_plan(
     if topology is None:
         return [], None
     sync = collectives_block(devices)
+    req = plan_request(cfg)
     try:
-        prediction = predict_config(cfg, topology, sync_collectives=sync)
+        prediction = predict_run(req, topology, sync_collectives=sync)
     except ConfigError as e:
         return [f"plan on topology {topology.name}: no prediction ({e})"], None
     if cfg.parallel.stages == 1:
@@ -269,12 +274,12 @@ def describe_plan(
         split = "as configured (parallel.layers_per_stage)"
     else:
         split = "even (parallel.layers_per_stage unset)"
-    lines = format_run_plan(cfg, shape, topology, prediction, sync_collectives=sync, split=split)
-    lines += format_preference(cfg, topology, prediction.step_s, sync_collectives=sync)
+    lines = format_run_plan(req, shape, topology, prediction, sync_collectives=sync, split=split)
+    lines += format_preference(req, topology, prediction.step_s, sync_collectives=sync)
     if cfg.diloco.enabled is True and shape.replica > 1:
         # The plan above prices replica > 1 as hierarchical (a cross-island gradient ring
         # every step); DiLoCo's inner steps send nothing across: price those instead.
-        step, inner, outer = predict_diloco_config(cfg, topology, sync_collectives=sync)
+        step, inner, outer = predict_diloco(req, topology, sync_collectives=sync)
         lines.append(
             f"diloco: predicted inner step {inner:.4g}s (islands alone) + one outer sync "
             f"{outer:.4g}s every {cfg.diloco.inner_steps} steps = {step:.4g}s per step"
@@ -306,7 +311,7 @@ def check_memory(cfg: Config, shape, topology, devices) -> None:
     kernel = attention_kernel(cfg.model, compute_dtype(cfg.train.precision))
     limit = device_limit_bytes(topology, devices)
     if limit is not None:
-        x = memory_inputs_from_config(cfg, shape.data, kernel)
+        x = memory_inputs_of(plan_request(cfg, kernel), shape.data)
         check_fits(x, cfg.parallel.layers_per_stage, limit)
 
 

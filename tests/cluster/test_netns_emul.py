@@ -17,10 +17,10 @@ from holmes_jax import launch
 from holmes_jax.cluster import cgroups, delay, netns
 from holmes_jax.cluster.local_launch import _emulation_summary
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import ModelSpec
 from holmes_jax.planner.profiles import profile_from_dict
 from holmes_jax.planner.search import split_layers
-from holmes_jax.planner.stage_costs import RunSpec
 from holmes_jax.planner.topology import load_topology, topology_from_dict
 from tests.common import ROOT, load_script
 

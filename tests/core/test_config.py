@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from holmes_jax.core.config import Config, check_devices, config_from_dict, load_config
+from holmes_jax.core.config import Config, config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.train import main
 from tests.common import ROOT, as_flags
 
@@ -157,11 +158,11 @@ def test_device_checks():
     with pytest.raises(
         ConfigError, match=r"parallel.devices=16: more devices asked for than exist"
     ):
-        check_devices(cfg, 8)
+        plan_request(cfg).degrees(8)
     cfg = load_config(None, ["train.global_batch_size=12", "parallel.tensor=1"])
     with pytest.raises(ConfigError, match=r"train.global_batch_size=12: must be divisible by"):
-        check_devices(cfg, 8)  # data = 8 does not divide 12
-    shape = check_devices(load_config(None, ["parallel.tensor=2"]), 8)
+        plan_request(cfg).degrees(8)  # data = 8 does not divide 12
+    shape = plan_request(load_config(None, ["parallel.tensor=2"])).degrees(8)
     assert (shape.stages, shape.data, shape.tensor) == (1, 4, 2)
 
 
@@ -250,7 +251,7 @@ def test_one_batch_rule_one_message():
     )
     cfg = load_config(None, ["parallel.microbatches=3", "parallel.replica=2"])
     with pytest.raises(ConfigError) as err:
-        check_devices(cfg, 8)  # data = 4
+        plan_request(cfg).degrees(8)  # data = 4
     assert str(err.value) == rule.format(b=32, r=2, d=4, m=3, n=24)
     with pytest.raises(ConfigError) as err:
         Layout(1, 4, 1, replica=2, microbatches=3).microbatch_size(32)

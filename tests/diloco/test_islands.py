@@ -29,6 +29,7 @@ from holmes_jax.cluster.launcher import free_port
 from holmes_jax.cluster.supervisor import parse_fault
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.diloco.islands import IslandSync
 from holmes_jax.diloco.messages import Expect
 from holmes_jax.diloco.rounds import split_state
@@ -134,19 +135,20 @@ def test_islands_get_batch_rows_in_proportion_to_their_compute():
     peers = "diloco.peers=[127.0.0.1:1,127.0.0.1:2]"
     slow = f"parallel.mesh={ROOT}/meshes/emu-4host-2island-slow-compute.yaml"
     base = [*DILOCO, "diloco.mode=independent", "diloco.island=1", peers]
-    assert island_batch_rows(load_config(None, [*base, slow, "train.global_batch_size=24"])) == [
-        16,
-        8,
-    ]
+
+    def rows(overrides):
+        return island_batch_rows(plan_request(load_config(None, overrides)))
+
+    assert rows([*base, slow, "train.global_batch_size=24"]) == [16, 8]
     one = [*base, "parallel.data=1", "train.global_batch_size=9"]
-    assert island_batch_rows(load_config(None, one)) == [5, 4]
+    assert rows(one) == [5, 4]
     units = [*base, slow, "train.global_batch_size=32"]  # 8 units of data 4: 5.33 and 2.67
-    assert island_batch_rows(load_config(None, units)) == [20, 12]
+    assert rows(units) == [20, 12]
     cfg, share = island_scope(load_config(None, [*base, slow, "train.global_batch_size=24"]))
     assert (share.offset, share.rows, share.total, share.name) == (16, 8, 24, "roce")
     assert cfg.train.global_batch_size == 8 and cfg.parallel.replica == 1
     with pytest.raises(ConfigError, match=r"train.global_batch_size=1: too small"):
-        island_batch_rows(load_config(None, [*one[:-1], "train.global_batch_size=1"]))
+        rows([*one[:-1], "train.global_batch_size=1"])
 
 
 def test_the_launcher_plans_one_job_per_island_and_routes_faults():

@@ -369,13 +369,16 @@ def test_the_log_says_whether_diloco_runs_and_what_auto_became(average, hierarch
     )
     # auto picks DiLoCo on the 10 Mbit/s emulated mesh, but this config's replica is 1:
     # the log says so and gives the planner's DiLoCo degrees to run it.
+    from holmes_jax.core.plan_request import plan_request
     from holmes_jax.planner.strategy import resolve_diloco
     from holmes_jax.planner.topology import load_topology
 
     mesh = os.path.join(ROOT, "meshes", "emu-4host-2island-slow.yaml")
     cfg = load_config(os.path.join(ROOT, "configs", "quickstart.yaml"), [f"parallel.mesh={mesh}"])
     on, choice = resolve_diloco(
-        dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled="auto")),
+        plan_request(
+            dataclasses.replace(cfg, diloco=dataclasses.replace(cfg.diloco, enabled="auto"))
+        ),
         load_topology(mesh),
     )
     assert on and choice.chosen == "diloco"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import (
     Layout,
     ModelSpec,
@@ -33,7 +34,7 @@ from holmes_jax.planner.placement import (
     Calibration,
     StageHardware,
 )
-from holmes_jax.planner.stage_costs import RunSpec, memory_inputs, stage_costs
+from holmes_jax.planner.stage_costs import memory_inputs, stage_costs
 from holmes_jax.planner.step_time import lockstep_pipeline, predict, with_lockstep
 
 GB = 1e9

@@ -1,13 +1,12 @@
 """The planner's price of compressed sends across islands (parallel.cross_island_dtype):
 wire bytes per format, the encode/decode passes, ``auto`` and the strategy row. No jax."""
 
-import dataclasses
-
 import pytest
 
-from holmes_jax.core.config import check_devices, load_config
+from holmes_jax.core.config import load_config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.formulas import codec_time, wire_bytes
-from holmes_jax.planner.plans import AUTO_MIN_GAIN, predict_config, resolve_auto
+from holmes_jax.planner.plans import AUTO_MIN_GAIN, predict_run, resolve_auto
 from holmes_jax.planner.strategy import price_strategies
 from holmes_jax.planner.topology import load_topology
 from tests.common import config_path, mesh_path
@@ -18,7 +17,8 @@ PIPE = ("parallel.stages=2", "parallel.microbatches=4", "parallel.schedule=1f1b"
 
 
 def cfg(*sets, mesh=SLOW):
-    return load_config(config_path("quickstart.yaml"), [f"parallel.mesh={mesh}", *PIPE, *sets])
+    sets = [f"parallel.mesh={mesh}", *PIPE, *sets]
+    return plan_request(load_config(config_path("quickstart.yaml"), sets))
 
 
 def test_wire_bytes_by_hand():
@@ -34,7 +34,7 @@ def test_prediction_prices_the_formats():
     per row, and the step gets shorter on a 10 Mbit/s link despite the codec passes."""
     topology = load_topology(SLOW)
     pr = {
-        f: predict_config(cfg(f"parallel.cross_island_dtype={f}"), topology)
+        f: predict_run(cfg(f"parallel.cross_island_dtype={f}"), topology)
         for f in ("same", "bf16", "int8", "fp8")
     }
     same = pr["same"].p2p_bytes[0]
@@ -51,16 +51,11 @@ def test_auto_picks_bf16_only_for_a_clear_gain():
     for mesh, want in ((SLOW, "bf16"), (mesh_path("cpu8-two-islands.yaml"), "same")):
         c = cfg("parallel.cross_island_dtype=auto", mesh=mesh)
         topology = load_topology(mesh)
-        shape = check_devices(c, topology.num_devices)
-        got = resolve_auto(c, shape, topology).parallel.cross_island_dtype
+        shape = c.degrees(topology.num_devices)
+        got = resolve_auto(c, shape, topology).cross_island_dtype
         assert got == want, mesh
         steps = {
-            f: predict_config(
-                dataclasses.replace(
-                    c, parallel=dataclasses.replace(c.parallel, cross_island_dtype=f)
-                ),
-                topology,
-            ).step_s
+            f: predict_run(c.with_parallel(cross_island_dtype=f), topology).step_s
             for f in ("same", "bf16")
         }
         assert (steps["bf16"] <= (1 - AUTO_MIN_GAIN) * steps["same"]) == (want == "bf16")

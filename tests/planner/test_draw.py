@@ -1,9 +1,9 @@
 """The plan drawing's data: which host runs which stage (``planner.draw``)."""
 
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner.draw import host_stage_labels
 from holmes_jax.planner.search import plan_for_layout
-from holmes_jax.planner.stage_costs import RunSpec
 from holmes_jax.planner.topology import load_topology
 from tests.common import mesh_path
 

@@ -4,8 +4,9 @@ import dataclasses
 
 import pytest
 
-from holmes_jax.core.config import check_devices, config_from_dict, load_config
+from holmes_jax.core.config import config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import apply_parallel, plan_request
 from holmes_jax.planner.failures import EXCLUDE_KEY, failure_plans, full_step, replan
 from holmes_jax.planner.grid import load_mesh_topology
 from holmes_jax.planner.report import failure_label
@@ -18,6 +19,10 @@ THREE = mesh_path("cpu8-three-islands-uneven.yaml")
 
 def quickstart(*overrides):
     return load_config(config_path("quickstart.yaml"), [f"parallel.mesh={TWO}", *overrides])
+
+
+def request(*overrides):
+    return plan_request(quickstart(*overrides))
 
 
 def hosts(topology):
@@ -60,16 +65,17 @@ def test_an_island_that_loses_every_host_drops_out_with_its_links():
 @pytest.mark.parametrize("gone", [["ib-0"], ["roce-0", "roce-1"], ["ib-1", "roce-0"]])
 def test_replan_keeps_the_global_batch_and_its_config_validates(gone):
     cfg = quickstart()
-    r = replan(cfg, load_topology(TWO), gone, sync_collectives=True)
-    assert r.cfg.train.global_batch_size == cfg.train.global_batch_size
-    assert r.cfg.parallel.exclude_hosts == tuple(gone)
-    assert r.cfg.model == dataclasses.replace(cfg.model, remat=r.plan.remat)
+    r = replan(plan_request(cfg), load_topology(TWO), gone, sync_collectives=True)
+    applied = apply_parallel(cfg, r.parallel)
+    assert applied.train.global_batch_size == cfg.train.global_batch_size
+    assert applied.parallel.exclude_hosts == tuple(gone)
+    assert applied.model == dataclasses.replace(cfg.model, remat=r.plan.remat)
     # the survivors' config is a valid config as written down (every check that needs no
     # devices), and its degrees resolve on the survivors' devices to the plan's
-    again = config_from_dict(r.cfg.to_dict(), "<survivors>")
+    again = plan_request(config_from_dict(applied.to_dict(), "<survivors>"))
     survivors = load_mesh_topology(again)
     assert hosts(survivors) == hosts(r.topology) and gone[0] not in hosts(survivors)
-    shape = check_devices(again, survivors.num_devices)
+    shape = again.degrees(survivors.num_devices)
     lay = r.plan.layout
     assert (shape.replica, shape.stages, shape.data, shape.tensor) == (
         lay.replica,
@@ -79,18 +85,18 @@ def test_replan_keeps_the_global_batch_and_its_config_validates(gone):
     )
     assert shape.num_devices == survivors.num_devices
     assert r.plan.predicted_step_s == r.step_s  # the plan is priced as the trainer runs it
-    assert r.full_step_s == full_step(cfg, load_topology(TWO), sync_collectives=True)
+    assert r.full_step_s == full_step(plan_request(cfg), load_topology(TWO), sync_collectives=True)
     line = r.line()
     assert f"without {', '.join(gone)}" in line and f"{r.step_s:.3g} s" in line
 
 
 def test_replan_of_an_unknown_host_is_one_line():
     with pytest.raises(ConfigError, match=r"^parallel\.exclude_hosts=\['mars-0'\]: 'mars-0'"):
-        replan(quickstart(), load_topology(TWO), ["mars-0"])
+        replan(request(), load_topology(TWO), ["mars-0"])
 
 
 def test_failure_plans_cover_one_host_and_the_whole_of_each_island():
-    plans = failure_plans(quickstart(), load_topology(THREE), sync_collectives=True)
+    plans = failure_plans(request(), load_topology(THREE), sync_collectives=True)
     assert [failure_label(p) for p in plans] == [
         "one host of ib (ib-0)",
         "island ib (ib-0, ib-1)",
@@ -110,12 +116,12 @@ def test_failure_plans_cover_one_host_and_the_whole_of_each_island():
     # the config's own degrees (4 data ranks) do not fit the 2-device roce island
     assert d["relative_step"] is None and plans[1].replan.full_step_s is None
     one_host = load_topology(mesh_path("gpu8-one-host.yaml"))
-    assert failure_plans(quickstart(), one_host) == []
+    assert failure_plans(request(), one_host) == []
 
 
 def test_a_failure_the_survivors_cannot_run_says_why():
     big = ("model.hidden_size=1024", "model.num_layers=24", "model.num_heads=8")
-    plans = failure_plans(quickstart(*big), load_topology(TWO), sync_collectives=True)
+    plans = failure_plans(request(*big), load_topology(TWO), sync_collectives=True)
     by = {failure_label(p): p for p in plans}
     assert by["one host of ib (ib-0)"].replan is not None
     lost = by["island ib (ib-0, ib-1)"]

@@ -1,14 +1,15 @@
-"""The naive placement (``parallel.enforce_islands: false``) and ``predict_config``."""
+"""The naive placement (``parallel.enforce_islands: false``) and ``predict_run``."""
 
 import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec, plan_request
 from holmes_jax.core.spec import Degrees, Layout, ModelSpec
 from holmes_jax.planner.placement import Calibration, naive_hardware, stage_hardware
-from holmes_jax.planner.plans import make_plan, predict_config, specs_from_config
+from holmes_jax.planner.plans import make_plan, predict_run
 from holmes_jax.planner.search import plan_for_layout
-from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.stage_costs import stage_costs
 from holmes_jax.planner.topology import Link, load_topology, topology_from_dict
 from tests.common import config_path, mesh_path
 
@@ -63,7 +64,7 @@ def two_islands(inter_gbps, nic_gbps=1.0):
 
 
 def config(extra):
-    return load_config(None, MODEL + extra)
+    return plan_request(load_config(None, MODEL + extra))
 
 
 # --------------------------------------------------------------------------- the ring
@@ -162,7 +163,7 @@ def test_undefined_naive_placements_are_one_line_errors(layout, match):
 def test_multi_stage_naive_config_is_a_one_line_error():
     cfg = config(["parallel.stages=2", "parallel.data=2", "parallel.enforce_islands=false"])
     with pytest.raises(ConfigError, match="naive placement is one stage") as e:
-        predict_config(cfg, two_islands(1.0))
+        predict_run(cfg, two_islands(1.0))
     assert "\n" not in str(e.value)
 
 
@@ -171,57 +172,58 @@ def test_multi_stage_naive_config_is_a_one_line_error():
 
 def test_naive_step_is_slower_than_the_island_plan_on_a_slow_link():
     topo = two_islands(0.1)  # bench_islands.py's 100 Mbit/s between islands
-    naive = predict_config(config(NAIVE), topo).step_s
-    assert naive > 2 * predict_config(config(HOLMES), topo).step_s
+    naive = predict_run(config(NAIVE), topo).step_s
+    assert naive > 2 * predict_run(config(HOLMES), topo).step_s
     assert naive > 2 * make_plan(config(NAIVE), topo).predicted_step_s  # the searched plan
 
 
 def test_naive_step_speeds_up_with_the_link_until_the_nics_bound_it():
-    steps = [predict_config(config(NAIVE), two_islands(g)).step_s for g in (0.03, 0.1, 0.3, 1)]
+    steps = [predict_run(config(NAIVE), two_islands(g)).step_s for g in (0.03, 0.1, 0.3, 1)]
     assert all(a > b for a, b in zip(steps, steps[1:], strict=False))
     for faster in (3.0, 100.0):  # past the 1 Gbit/s NICs the inter-island link is no hop
-        assert predict_config(config(NAIVE), two_islands(faster)).step_s == steps[-1]
+        assert predict_run(config(NAIVE), two_islands(faster)).step_s == steps[-1]
 
 
 def test_naive_step_converges_to_one_island_when_the_link_is_as_fast():
     """Inter-island link as fast as the NICs: exactly data parallel inside one island."""
     one = topology([island("a", 1.0, hosts=4)])
     for sync in (False, True):
-        naive = predict_config(config(NAIVE), two_islands(1.0), sync_collectives=sync)
-        island_dp = predict_config(
+        naive = predict_run(config(NAIVE), two_islands(1.0), sync_collectives=sync)
+        island_dp = predict_run(
             config(["parallel.stages=1", "parallel.data=4"]), one, sync_collectives=sync
         )
         assert naive == island_dp
-        slower = predict_config(config(NAIVE), two_islands(0.5), sync_collectives=sync)
+        slower = predict_run(config(NAIVE), two_islands(0.5), sync_collectives=sync)
         assert slower.step_s > island_dp.step_s
 
 
-# --------------------------------------------------------------------------- predict_config
+# --------------------------------------------------------------------------- predict_run
 
 
 @pytest.mark.parametrize("mesh", ["cpu8-two-islands.yaml", "cpu8-three-islands-uneven.yaml"])
-def test_predict_config_with_islands_is_the_planners_prediction(mesh):
+def test_predict_run_with_islands_is_the_planners_prediction(mesh):
     topo = load_topology(mesh_path(mesh))
     extra = ["parallel.stages=4", "parallel.microbatches=4", "parallel.schedule=1f1b"]
-    auto = load_config(config_path("quickstart.yaml"), extra + ["parallel.layers_per_stage=auto"])
-    assert predict_config(auto, topo) == make_plan(auto, topo, keep_degrees=True).prediction
-    cfg = load_config(
-        config_path("quickstart.yaml"), extra + ["parallel.layers_per_stage=[1,3,2,2]"]
+    auto = plan_request(
+        load_config(config_path("quickstart.yaml"), extra + ["parallel.layers_per_stage=auto"])
+    )
+    assert predict_run(auto, topo) == make_plan(auto, topo, keep_degrees=True).prediction
+    cfg = plan_request(
+        load_config(config_path("quickstart.yaml"), extra + ["parallel.layers_per_stage=[1,3,2,2]"])
     )
     cal = Calibration(efficiency=0.3)
-    model, run = specs_from_config(cfg)
+    model, run = cfg.model, cfg.run
     layout = cfg.parallel.layout(Degrees(4, topo.num_devices // 4, 1))
     given = plan_for_layout(topo, model, run, layout, [1, 3, 2, 2], cal).prediction
-    assert predict_config(cfg, topo, cal) == given
+    assert predict_run(cfg, topo, cal) == given
     assert given.layers_per_stage == (1, 3, 2, 2)
 
 
-def test_predict_config_prices_zero1_and_sync_collectives():
+def test_predict_run_prices_zero1_and_sync_collectives():
     topo = two_islands(0.1)
-    base = predict_config(config(NAIVE), topo)
-    assert predict_config(config([*NAIVE, "optimizer.zero1=false"]), topo) != base
+    base = predict_run(config(NAIVE), topo)
+    assert predict_run(config([*NAIVE, "optimizer.zero1=false"]), topo) != base
     holmes = config(["parallel.stages=2", "parallel.data=2", "parallel.layers_per_stage=[2,2]"])
     assert (
-        predict_config(holmes, topo, sync_collectives=True).step_s
-        > predict_config(holmes, topo).step_s
+        predict_run(holmes, topo, sync_collectives=True).step_s > predict_run(holmes, topo).step_s
     )

@@ -15,11 +15,12 @@ import math
 import numpy as np
 import pytest
 
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner import exact
 from holmes_jax.planner.partition import optimal_split
 from holmes_jax.planner.placement import StageHardware
-from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.stage_costs import stage_costs
 from holmes_jax.planner.step_time import predict
 
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner.partition import (
     bottleneck_split,
@@ -26,7 +27,7 @@ from holmes_jax.planner.search import (
     search_plan,
     split_layers,
 )
-from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.stage_costs import stage_costs
 from holmes_jax.planner.step_time import predict
 from holmes_jax.planner.topology import load_topology, topology_from_dict
 from tests.common import ROOT

@@ -1,8 +1,9 @@
-"""The planner's front door (``planner.plans``): a config in, a plan out."""
+"""The planner's front door (``planner.plans``): a run's request in, a plan out."""
 
 import pytest
 
 from holmes_jax.core.config import load_config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.plans import make_plan
 from holmes_jax.planner.topology import load_topology
 from tests.common import TINY_MODEL, mesh_path
@@ -13,8 +14,8 @@ def test_keep_degrees_keeps_the_replica_degree():
     degree used to be dropped, and the degrees then did not cover the devices)."""
     topology = load_topology(mesh_path("cpu8-two-islands.yaml"))
     over = ["parallel.replica=2", "parallel.stages=2", "parallel.microbatches=2"]
-    cfg = load_config(None, [*TINY_MODEL, "train.global_batch_size=8", *over])
-    plan = make_plan(cfg, topology, keep_degrees=True)
+    req = plan_request(load_config(None, [*TINY_MODEL, "train.global_batch_size=8", *over]))
+    plan = make_plan(req, topology, keep_degrees=True)
     lay = plan.layout
     assert (lay.replica, lay.stages, lay.data, lay.tensor) == (2, 2, 2, 1)
     assert plan.stages_per_island == (2, 2)
@@ -24,27 +25,18 @@ def test_keep_degrees_keeps_the_replica_degree():
 def test_resolve_auto_splits_every_virtual_stage():
     """Interleaved: one entry per virtual stage, auto (optimal, even chunks) or unset
     (even); the search reports every schedule on the chosen degrees."""
-    from holmes_jax.core.config import check_devices
-    from holmes_jax.planner.plans import predict_config, resolve_auto
+    from holmes_jax.planner.plans import predict_run, resolve_auto
 
     topology = load_topology(mesh_path("cpu8-two-islands.yaml"))
     inter = ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]
     for lps in ("auto", "null"):
-        cfg = load_config(
-            None,
-            [
-                *TINY_MODEL,
-                "model.num_layers=6",
-                "parallel.stages=2",
-                *inter,
-                f"parallel.layers_per_stage={lps}",
-            ],
-        )
-        shape = check_devices(cfg, topology.num_devices)
-        split = resolve_auto(cfg, shape, topology).parallel.layers_per_stage
-        assert len(split) == 4 and sum(split) == cfg.model.num_layers
-        assert predict_config(cfg, topology).step_s > 0
-    plan = make_plan(cfg, topology, keep_degrees=True)
+        sets = [*TINY_MODEL, "model.num_layers=6", "parallel.stages=2", *inter]
+        req = plan_request(load_config(None, [*sets, f"parallel.layers_per_stage={lps}"]))
+        shape = req.degrees(topology.num_devices)
+        split = resolve_auto(req, shape, topology).layers_per_stage
+        assert len(split) == 4 and sum(split) == req.model.num_layers
+        assert predict_run(req, topology).step_s > 0
+    plan = make_plan(req, topology, keep_degrees=True)
     assert plan.layout.virtual_stages == 2 and set(plan.by_schedule) == {
         "gpipe",
         "1f1b",
@@ -56,9 +48,9 @@ def test_resolve_auto_splits_every_virtual_stage():
 def test_search_over_schedules():
     """search_plan with one schedule (interleaved: its v searched too) or all of them;
     the best of all is no slower than the best 1F1B plan."""
+    from holmes_jax.core.plan_request import RunSpec
     from holmes_jax.core.spec import SCHEDULES, ModelSpec
     from holmes_jax.planner.search import search_plan
-    from holmes_jax.planner.stage_costs import RunSpec
 
     topology = load_topology(mesh_path("cpu8-two-islands.yaml"))
     model, run = ModelSpec(8, 128, 4, 128, 256), RunSpec(32)
@@ -75,21 +67,20 @@ def test_schedule_auto_picks_the_fastest_schedule_that_fits():
     from holmes_jax.core.config import load_config
     from holmes_jax.core.errors import ConfigError
     from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
-    from holmes_jax.planner.plans import resolve_auto, schedule_alternatives, specs_from_config
+    from holmes_jax.planner.plans import resolve_auto, schedule_alternatives
     from holmes_jax.planner.search import plan_for_layout
     from tests.common import config_path
 
-    cfg = load_config(
-        config_path("quickstart.yaml"), ["parallel.schedule=auto", "parallel.microbatches=4"]
-    )
-    topology = load_mesh_topology(cfg)
-    shape = resolve_shape(cfg, 8, topology)
-    got = resolve_auto(cfg, shape, topology).parallel
+    sets = ["parallel.schedule=auto", "parallel.microbatches=4"]
+    req = plan_request(load_config(config_path("quickstart.yaml"), sets))
+    topology = load_mesh_topology(req)
+    shape = resolve_shape(req, 8, topology)
+    got = resolve_auto(req, shape, topology)
     assert got.schedule in ("gpipe", "1f1b", "interleaved", "zb")
     assert len(got.layers_per_stage) == shape.stages * got.virtual_stages
     # The pick is the fastest of the per-schedule alternatives on the same degrees.
-    model, run = specs_from_config(cfg)
-    base = plan_for_layout(topology, model, run, cfg.parallel.layout(shape), "optimal", None)
+    model, run = req.model, req.run
+    base = plan_for_layout(topology, model, run, req.parallel.layout(shape), "optimal", None)
     options = {k: v for k, v in schedule_alternatives(topology, model, run, base).items() if v}
     assert options[got.schedule]["predicted_step_s"] == min(
         v["predicted_step_s"] for v in options.values() if v["fits_in_memory"]
@@ -107,15 +98,16 @@ def test_blocking_collectives_plan_the_split_fastest_in_lockstep():
     that sends (:func:`~holmes_jax.planner.step_time.lockstep_pipeline`):
     ``sync_collectives=True`` keeps the searched degrees, prices the plan that way and
     takes the split fastest as trained (10 layers on 4 stages, roce at half ib's speed)."""
-    from holmes_jax.planner.plans import alternatives, plan_config, predict_config
+    from holmes_jax.planner.plans import alternatives, predict_run, with_plan
 
     topology = load_topology(mesh_path("emu-4host-2island-slow-compute.yaml"))
     model = ["model.num_layers=10", "model.hidden_size=256", "model.tied_embeddings=false"]
     run = ["train.global_batch_size=24", "parallel.grad_buckets=layer", "optimizer.zero1=true"]
-    cfg = load_config(None, [*TINY_MODEL, *model, *run])
+    cfg = plan_request(load_config(None, [*TINY_MODEL, *model, *run]))
 
     def lockstep(plan):
-        return predict_config(plan_config(cfg, plan), topology, sync_collectives=True).step_s
+        planned = cfg.with_parallel(with_plan(cfg.parallel, plan))
+        return predict_run(planned, topology, sync_collectives=True).step_s
 
     closed = make_plan(cfg, topology)
     assert closed.predicted_step_s != pytest.approx(lockstep(closed))  # the pricing differs

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import RunSpec
 from holmes_jax.core.spec import Layout, ModelSpec
 from holmes_jax.planner.draw import simulate_schedule, simulate_table
 from holmes_jax.planner.formulas import pipeline_terms
@@ -27,7 +28,7 @@ from holmes_jax.planner.memory import buffer_depth, deferred_weight_sets
 from holmes_jax.planner.placement import stage_hardware
 from holmes_jax.planner.schedule import BWD, FWD, WGT, make_schedule, simulate_makespan
 from holmes_jax.planner.search import plan_for_layout
-from holmes_jax.planner.stage_costs import RunSpec, stage_costs
+from holmes_jax.planner.stage_costs import stage_costs
 from holmes_jax.planner.step_time import predict, schedule_terms, stage_totals
 from holmes_jax.planner.topology import load_topology
 from tests.common import mesh_path

@@ -7,7 +7,7 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.planner.plans import specs_from_config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.strategy import (
     OUTER_BYTES,
     exposed_outer_s,
@@ -23,7 +23,7 @@ MID = load_topology(mesh_path("emu-4host-2island.yaml"))
 
 
 def cfg(*sets, name="quickstart"):
-    return load_config(config_path(name + ".yaml"), list(sets))
+    return plan_request(load_config(config_path(name + ".yaml"), list(sets)))
 
 
 def test_outer_sync_formula_by_hand():
@@ -43,7 +43,7 @@ def test_fragment_syncs_block_so_fragments_cut_the_pause_not_the_total():
 def test_diloco_price_matches_the_hand_computation():
     choice = price_strategies(cfg("diloco.enabled=true"), SLOW)
     d = choice.price("diloco")
-    model, run = specs_from_config(cfg())
+    model, run = cfg().model, cfg().run
     link = SLOW.inter_island("ib", "roce")
     hosts = 2
     sync = model.num_params * 4 / (hosts * link.bytes_per_s) + 2 * link.latency_s

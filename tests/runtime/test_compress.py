@@ -11,10 +11,11 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.formulas import wire_bytes
 from holmes_jax.planner.grid import load_mesh_topology
-from holmes_jax.planner.plans import predict_config
+from holmes_jax.planner.plans import predict_run
 from holmes_jax.runtime.compress import crossing_pairs, decode, encode
 from holmes_jax.runtime.mesh import build_mesh, device_islands
 from holmes_jax.runtime.program import Program
@@ -58,7 +59,7 @@ def test_crossing_pairs_follow_the_mesh():
     """Two islands, two stages: both directions of the one boundary cross; two replicas
     (one per island): the stage axis stays inside an island and nothing crosses."""
     cfg = load_config(None, [*TINY_RUN, TWO])
-    topology = load_mesh_topology(cfg)
+    topology = load_mesh_topology(plan_request(cfg))
     assert crossing_pairs(build_mesh(Degrees(2, 4, 1)), topology) == {(0, 1), (1, 0)}
     assert crossing_pairs(build_mesh(Degrees(2, 2, 1, replica=2)), topology) == frozenset()
     assert crossing_pairs(build_mesh(Degrees(2, 4, 1)), None) == frozenset()
@@ -130,7 +131,8 @@ def test_compressed_sends(exact, fmt, schedule, split, degrees, precision, tol):
     mb = cfg.train.global_batch_size // (degrees[1] * M)
     hops = {(0, 1): v, (1, 0): v}  # interleaved: wrap-around 1 -> 0 (and back) v-1 times
     hops = {k: n + (v - 1) for k, n in hops.items()}
-    islands = device_islands(mesh, load_mesh_topology(cfg))
+    req = plan_request(cfg)
+    islands = device_islands(mesh, load_mesh_topology(req))
     flat = [d.id for d in mesh.devices.flat]
     per_stage = degrees[1] * degrees[2]
     sent = permute_traffic(text)
@@ -143,7 +145,7 @@ def test_compressed_sends(exact, fmt, schedule, split, degrees, precision, tol):
         assert n / (M * hops[(0, 1)] * mb * T * H * 4) < 0.3
     # the planner's figure: both directions, all data ranks (each of the t tensor devices
     # of a rank sends its own copy in the program)
-    planned = sum(predict_config(cfg, load_mesh_topology(cfg)).p2p_bytes) * degrees[2]
+    planned = sum(predict_run(req, load_mesh_topology(req)).p2p_bytes) * degrees[2]
     assert planned <= sum(crossing.values()) <= planned * 1.05
     assert all(np.isfinite(losses))
     np.testing.assert_allclose(losses, exact, rtol=tol)

@@ -153,8 +153,9 @@ TWO_ISLANDS = [
 
 def test_plan_before_training_and_predicted_vs_measured_after(tiny_config, capsys):
     """On a topology the trainer prints the plan it runs, then predicted vs measured step."""
+    from holmes_jax.core.plan_request import plan_request
     from holmes_jax.planner.grid import load_mesh_topology
-    from holmes_jax.planner.plans import predict_config
+    from holmes_jax.planner.plans import predict_run
 
     cfg = tiny_config(
         *TWO_ISLANDS,
@@ -179,9 +180,10 @@ def test_plan_before_training_and_predicted_vs_measured_after(tiny_config, capsy
     assert any(x.split()[:3] == ["1", "roce", "1"] for x in lines)
 
     # The predicted step is the planner's with blocking collectives (CPU), not the GPU one.
-    topo = load_mesh_topology(cfg)
-    sync = predict_config(cfg, topo, sync_collectives=True).step_s
-    overlapped = predict_config(cfg, topo).step_s
+    req = plan_request(cfg)
+    topo = load_mesh_topology(req)
+    sync = predict_run(req, topo, sync_collectives=True).step_s
+    overlapped = predict_run(req, topo).step_s
     assert f"{sync:.3g}" != f"{overlapped:.3g}"
     assert f"  predicted step {sync:.3g} s (" in out
 
@@ -206,6 +208,7 @@ def test_plan_lines_without_a_topology_or_a_prediction(tiny_config):
     model cannot price (the naive one with two stages): one line saying why."""
     import jax
 
+    from holmes_jax.core.plan_request import plan_request
     from holmes_jax.planner.grid import load_mesh_topology
     from holmes_jax.planner.report import format_step_check
     from holmes_jax.runtime.setup import describe_plan
@@ -214,7 +217,7 @@ def test_plan_lines_without_a_topology_or_a_prediction(tiny_config):
     assert describe_plan(cfg, Degrees(2, 4, 1), None, jax.devices(), None) == ([], None)
     naive = tiny_config(*TWO_ISLANDS, "parallel.enforce_islands=false")
     lines, predicted = describe_plan(
-        naive, Degrees(2, 4, 1), load_mesh_topology(naive), jax.devices(), "auto"
+        naive, Degrees(2, 4, 1), load_mesh_topology(plan_request(naive)), jax.devices(), "auto"
     )
     assert predicted is None and len(lines) == 1
     assert lines[0].startswith("plan on topology cpu8-two-islands: no prediction (")

@@ -9,6 +9,7 @@ import pytest
 import holmes_jax.runtime.buffers as buffers
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.memory import (
     b_only_bytes,
@@ -17,7 +18,7 @@ from holmes_jax.planner.memory import (
     layer_residual_bytes,
     weight_stash_bytes,
 )
-from holmes_jax.planner.plans import memory_inputs_from_config
+from holmes_jax.planner.plans import memory_inputs_of
 from holmes_jax.runtime.mesh import build_mesh
 from holmes_jax.runtime.program import Program
 from tests.common import ROOT
@@ -150,7 +151,7 @@ def test_zero_bubble_keeps_1f1b_activation_memory(pipeline_temps):
 
 def test_model_within_15_percent_of_compiled(pipeline_temps):
     for remat, (cfg, measured) in pipeline_temps.items():
-        predicted = device_memory(memory_inputs_from_config(cfg, 2), 3).peak
+        predicted = device_memory(memory_inputs_of(plan_request(cfg), 2), 3).peak
         assert abs(predicted / measured["peak"] - 1) < 0.15, (remat, predicted, measured)
 
 
@@ -170,13 +171,13 @@ def test_llama_model_within_15_percent_of_compiled():
     ]
     cfg, program = _program(overrides, Degrees(2, 1, 2), SMALL)
     measured = program.compiled_memory()
-    predicted = device_memory(memory_inputs_from_config(cfg, 1), 3).peak
+    predicted = device_memory(memory_inputs_of(plan_request(cfg), 1), 3).peak
     assert abs(predicted / measured["peak"] - 1) < 0.15, (predicted, measured)
 
 
 def test_check_fits_names_stage_prediction_and_limit():
     cfg = load_config(None, TINY + ["parallel.stages=2", "parallel.microbatches=2"])
-    x = memory_inputs_from_config(cfg, 1)
+    x = memory_inputs_of(plan_request(cfg), 1)
     peaks = check_fits(x, (1, 3), 1e12)
     assert len(peaks) == 2 and peaks[1] >= peaks[0] > 0
     with pytest.raises(ConfigError) as err:
@@ -212,18 +213,20 @@ def test_remat_auto_resolves_to_a_policy_that_fits(tmp_path):
     cfg = load_config(None, SMALL + ["model.remat=auto", "parallel.data=8"])
     shape = Degrees(1, 8, 1)
     peaks = {
-        r: device_memory(memory_inputs_from_config(cfg.replace(model=_remat(cfg, r)), 8), 4).peak
+        r: device_memory(
+            memory_inputs_of(plan_request(cfg.replace(model=_remat(cfg, r))), 8), 4
+        ).peak
         for r in ("none", "selective", "full")
     }
     for island in raw["islands"]:  # usable (0.9) between full's and selective's peaks
         island["memory_gb"] = (peaks["full"] + peaks["selective"]) / 2 / 0.9 / 1e9
     from holmes_jax.planner.topology import topology_from_dict
 
-    resolved = resolve_auto(cfg, shape, topology_from_dict(raw))
-    assert resolved.model.remat == "full" and resolved.parallel.layers_per_stage == (4,)
+    resolved = resolve_auto(plan_request(cfg), shape, topology_from_dict(raw))
+    assert resolved.remat == "full" and resolved.layers_per_stage == (4,)
     for island in raw["islands"]:
         island["memory_gb"] = 1000
-    assert resolve_auto(cfg, shape, topology_from_dict(raw)).model.remat == "none"
+    assert resolve_auto(plan_request(cfg), shape, topology_from_dict(raw)).remat == "none"
 
 
 def _remat(cfg, remat):

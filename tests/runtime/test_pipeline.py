@@ -328,6 +328,7 @@ def test_show_mesh_and_placement_errors(capsys):
 
 
 def test_auto_split_comes_from_the_planner():
+    from holmes_jax.core.plan_request import plan_request
     from holmes_jax.planner.plans import resolve_auto
 
     two = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")
@@ -335,18 +336,17 @@ def test_auto_split_comes_from_the_planner():
         os.path.join(ROOT, "configs", "quickstart.yaml"),
         [f"parallel.mesh={two}", "parallel.stages=4", "parallel.layers_per_stage=auto"],
     )
-    topology = load_mesh_topology(cfg)
-    shape = resolve_shape(cfg, 8, topology)
-    split = resolve_auto(cfg, shape, topology).parallel.layers_per_stage
+    req = plan_request(cfg)
+    topology = load_mesh_topology(req)
+    shape = resolve_shape(req, 8, topology)
+    split = resolve_auto(req, shape, topology).layers_per_stage
     assert isinstance(split, tuple) and len(split) == 4
     assert sum(split) == 8 and min(split) >= 1
     # Unset means an even split; an explicit split is kept.
-    even = load_config(None, ["model.num_layers=7", "parallel.stages=3", "parallel.devices=6"])
-    assert resolve_auto(even, resolve_shape(even, 8, None), None).parallel.layers_per_stage == (
-        3,
-        2,
-        2,
+    even = plan_request(
+        load_config(None, ["model.num_layers=7", "parallel.stages=3", "parallel.devices=6"])
     )
+    assert resolve_auto(even, resolve_shape(even, 8, None), None).layers_per_stage == (3, 2, 2)
 
 
 def test_dropout_in_the_pipeline(tiny_config, make_program):

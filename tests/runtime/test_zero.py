@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from holmes_jax.core.config import load_config
+from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
 from holmes_jax.runtime.model import GPT
@@ -247,7 +248,8 @@ def test_replica_run_equals_single_device(make_program):
     cfg = load_config(
         None, base + [f"parallel.mesh={two}", "parallel.replica=2", "parallel.stages=2"]
     )
-    shape = resolve_shape(cfg, 8, load_mesh_topology(cfg))
+    req = plan_request(cfg)
+    shape = resolve_shape(req, 8, load_mesh_topology(req))
     assert (shape.replica, shape.stages, shape.data, shape.tensor) == (2, 2, 2, 1)
     _, losses, params = _train(make_program(cfg, shape), 3)
     ref_cfg = load_config(None, MODEL + ["optimizer.zero1=false"])
