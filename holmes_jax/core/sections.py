@@ -38,6 +38,7 @@ from holmes_jax.core.spec import (
     Layout,
     ModelSpec,
     check_pipeline,
+    check_split,
 )
 
 DATA_SOURCES = ("stdlib", "text", "tokens")
@@ -271,20 +272,7 @@ class ParallelConfig:
                 f"parallel.layers_per_stage='{lps}': must be a list of ints or 'auto'"
             )
         if isinstance(lps, tuple):
-            if len(lps) != chunks:
-                what = "stage" if self.virtual_stages == 1 else "stage x virtual stage"
-                raise ConfigError(
-                    f"parallel.layers_per_stage={list(lps)}: needs one entry per {what} ({chunks})"
-                )
-            if min(lps) < 1:
-                raise ConfigError(
-                    f"parallel.layers_per_stage={list(lps)}: every stage needs >= 1 layer"
-                )
-            if sum(lps) != model.num_layers:
-                raise ConfigError(
-                    f"parallel.layers_per_stage={list(lps)}: must sum to "
-                    f"model.num_layers={model.num_layers}"
-                )
+            check_split(lps, self.stages, model.num_layers, self.virtual_stages)
         elif chunks > model.num_layers:
             raise ConfigError(
                 f"parallel.stages={self.stages} x virtual_stages={self.virtual_stages}: more "
