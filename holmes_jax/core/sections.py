@@ -34,8 +34,6 @@ from holmes_jax.core.spec import (
     REMAT_CHOICES,
     SCHEDULE_CHOICES,
     STEPS,
-    Degrees,
-    Layout,
     ModelSpec,
     check_pipeline,
     check_split,
@@ -227,19 +225,6 @@ class ParallelConfig:
     # islands (same: the compute dtype; int8 / fp8: one fp32 scale per token row); auto: the
     # planner's pick, bf16 when it predicts a step >= 5% shorter, else same.
     cross_island_dtype: str = "same"
-
-    def layout(self, degrees: Degrees) -> Layout:
-        """The resolved degrees with this config's micro-batches and schedule (``auto``:
-        1F1B, the base the planner re-schedules; the trainer resolves ``auto`` first)."""
-        return Layout(
-            degrees.stages,
-            degrees.data,
-            degrees.tensor,
-            replica=degrees.replica,
-            microbatches=self.microbatches,
-            schedule="1f1b" if self.schedule == "auto" else self.schedule,
-            virtual_stages=self.virtual_stages,
-        )
 
     def validate(self, model: ModelConfig) -> None:
         if self.exclude_hosts and not self.mesh:
