@@ -210,25 +210,19 @@ class Server:
                 peer, 413, f"body too large: {size} bytes declared, {path} takes {most} at most"
             )
         keyed = self.verifier is not None
-        got = self._read(req, size, keyed)
-        trailer = self._read(req, TRAILER, False) if keyed and got is not None else None
-        if got is None or (keyed and trailer is None):
+        try:
+            got = read_signed(req.rfile.readinto, size, keyed)
+        except OSError:
+            got = None
+        if got is None:
             return self.refuse(peer, 400, f"truncated body: fewer than the {length} bytes declared")
-        body, dig = got
+        body, dig, trailer = got
         if keyed:
             try:
-                self.signer.check_trailer("req", req.headers["X-Nonce"], dig, trailer[0])
+                self.signer.check_trailer("req", req.headers["X-Nonce"], dig, trailer)
             except AuthError as err:
                 return self.refuse(peer, 401, f"authentication: {err} ({size} bytes, {path})")
         return self.handle(Request(method, path, query, sender, body, peer))
-
-    @staticmethod
-    def _read(req: BaseHTTPRequestHandler, size: int, hashed: bool):
-        """:func:`read_body` from the request, None if cut short."""
-        try:
-            return read_body(req.rfile.readinto, size, hashed)
-        except OSError:
-            return None
 
     def _reply(self, req: BaseHTTPRequestHandler, reply: Reply, nonce: str) -> None:
         """Send ``reply`` (signed for ``nonce`` with a key) in chunks, each within the
@@ -330,6 +324,17 @@ def read_body(readinto, size: int, hashed: bool) -> tuple[bytearray, str | None]
     return buf, (dig.hexdigest() if dig is not None else None)
 
 
+def read_signed(readinto, size: int, signed: bool) -> tuple[bytearray, str | None, bytes] | None:
+    """:func:`read_body` and, if ``signed``, the :data:`~holmes_jax.diloco.auth.TRAILER`
+    bytes after the body: ``(body, digest, trailer)`` (unsigned: ``(body, None, b"")``),
+    or None if the peer sent fewer."""
+    got = read_body(readinto, size, signed)
+    if got is None or not signed:
+        return None if got is None else (*got, b"")
+    trailer = read_body(readinto, TRAILER, False)
+    return None if trailer is None else (*got, bytes(trailer[0]))
+
+
 @dataclass(frozen=True)
 class Response:
     status: int
@@ -377,13 +382,12 @@ def request(
             length = signer.check_reply(headers["X-Nonce"], resp.status, resp.headers)
         if length is None or (limit is not None and length > limit):
             return None
-        got = read_body(resp.readinto, length, signer is not None)
-        trailer = read_body(resp.readinto, TRAILER, False) if signer is not None else (b"", None)
-        if got is None or trailer is None:
+        got = read_signed(resp.readinto, length, signer is not None)
+        if got is None:
             return None
-        data, dig = got
+        data, dig, trailer = got
         if signer is not None:
-            signer.check_trailer("rep", headers["X-Nonce"], dig, trailer[0])
+            signer.check_trailer("rep", headers["X-Nonce"], dig, trailer)
     except (OSError, http.client.HTTPException, AuthError):
         return None
     finally:
