@@ -8,7 +8,7 @@
 ``uint16`` / ``uint32`` token file that ``data.source=tokens`` reads (the dtype follows the
 vocabulary size), with a progress bar; it prints the ``--set`` flags that train on it. A bad
 path, tokenizer or token prints one line and exits with code 2. The work is done by
-:mod:`holmes_jax.runtime.prepare`.
+:mod:`holmes_jax.runtime.data.prepare`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from holmes_jax.runtime.prepare import prepare
+    from holmes_jax.runtime.data.prepare import prepare
 
     print(prepare(args.tokenizer, args.input, args.out, eos=args.eos, progress=not args.quiet))
     return 0

@@ -15,7 +15,7 @@ else ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json
 
 Both run on the host alone (no accelerator is touched: ``JAX_PLATFORMS=cpu`` unless set).
 An unsupported architecture, a missing tensor or one of another shape prints one line and
-exits with code 2. The work is done by :mod:`holmes_jax.runtime.hf`.
+exits with code 2. The work is done by :mod:`holmes_jax.runtime.hf.convert`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported (by the library)
-    from holmes_jax.runtime.hf import export_hf, import_hf
+    from holmes_jax.runtime.hf.convert import export_hf, import_hf
 
     if args.command == "import":
         print(import_hf(args.hf_dir, args.out_dir, args.set, progress=not args.quiet))

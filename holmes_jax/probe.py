@@ -10,7 +10,7 @@
 Writes a profile (the schema of :mod:`holmes_jax.planner.profiles`) that replaces the topology's
 analytic device speed and link figures in the planner, and prints what it measured.
 
-The measuring is :func:`holmes_jax.runtime.measure.measure`; this module only parses and
+The measuring is :func:`holmes_jax.runtime.probe.measure.measure`; this module only parses and
 writes. The entry point sets the simulated CPU device count (default: the topology's)
 before jax is imported.
 """
@@ -34,7 +34,7 @@ from holmes_jax.planner.measurements import (
     write_profile,
 )
 from holmes_jax.planner.topology import load_topology
-from holmes_jax.runtime.measure import measure
+from holmes_jax.runtime.probe.measure import measure
 
 DEFAULT_OUT = "runs/probe/profile.json"
 

@@ -8,7 +8,7 @@
 directory, of a run under any plan. Each sample is printed as the prompt and its
 continuation, followed by a ``---`` line; one line on stderr says what was loaded. A bad
 path or number prints one line and exits with code 2. The work is done by
-:mod:`holmes_jax.runtime.generate`.
+:mod:`holmes_jax.runtime.model.generate`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from holmes_jax.runtime.generate import Sampling, sample
+    from holmes_jax.runtime.model.generate import Sampling, sample
 
     sampling = Sampling(
         args.max_new_tokens, args.temperature, args.top_k, args.seed, args.num_samples

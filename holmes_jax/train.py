@@ -97,7 +97,7 @@ def print_config(cfg: Config) -> int:
     """``--print-config``: the resolved config on process 0's stdout."""
     import jax
 
-    from holmes_jax.runtime.rundir import config_yaml
+    from holmes_jax.runtime.rundir.paths import config_yaml
     from holmes_jax.runtime.setup import resolve
 
     resolved = resolve(cfg)

@@ -75,7 +75,7 @@ its quota's pace, minutes for each row, and a row whose program an earlier run c
 (the homogeneous row runs full's; a rerun with the same cache runs all of them) loads it
 instead. It is off by default, as ``train.compilation_cache`` is on CPUs, because XLA:CPU
 in jaxlib 0.10.2 aborts on some programs read back from the cache
-(:mod:`holmes_jax.runtime.compile_cache`). Compilation is never in the step times.
+(:mod:`holmes_jax.runtime.rundir.compile_cache`). Compilation is never in the step times.
 ``--reuse-profile`` prices the rows with the profile an earlier run's probe left in
 ``--keep-logs`` (``profile-<mesh>.json``), where there is one, instead of probing again
 (minutes under the quotas).

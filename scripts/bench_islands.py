@@ -17,7 +17,7 @@ where the gradient traffic flows decides the step time. Variants, a few steps ea
 - (d) zb: (a) with the ZB-H1 schedule.
 
 Each pipeline variant also reports the bytes per step that cross the island boundary, read
-from its compiled HLO (:mod:`holmes_jax.runtime.traffic`). Step times are medians of
+from its compiled HLO (:mod:`holmes_jax.runtime.engine.traffic`). Step times are medians of
 5-step logging windows after the first. Predictions are
 :func:`holmes_jax.planner.plans.predict_run` on a profile the probe measures through
 the same emulated launch (docs/multihost.md, "Benchmark"). A diagnostic runs (a)'s plan on
@@ -91,7 +91,7 @@ def calibrate(cfg, topology):
     """Device speed from the probe in this process: one layer on every device at once."""
     from holmes_jax.planner.measurements import profile_dict
     from holmes_jax.planner.profiles import profile_from_dict
-    from holmes_jax.runtime.measure import measure
+    from holmes_jax.runtime.probe.measure import measure
 
     m = measure(cfg, topology, repeats=10, sizes=(4096, 65536))
     profile = profile_dict(m)
@@ -133,9 +133,9 @@ def island_bytes(cfg, topology) -> int:
     """Point-to-point bytes per step crossing islands in ``cfg``'s compiled train step (this
     process's 4 simulated devices stand in for the 4 hosts; the program is the same)."""
     from holmes_jax.core.spec import Degrees
-    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.engine.mesh import build_mesh
+    from holmes_jax.runtime.engine.traffic import cross_island_bytes
     from holmes_jax.runtime.program import Program
-    from holmes_jax.runtime.traffic import cross_island_bytes
 
     par = cfg.parallel
     mesh = build_mesh(Degrees(par.stages, par.data, par.tensor))

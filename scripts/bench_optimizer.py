@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from holmes_jax.core.config import load_config  # noqa: E402
 from holmes_jax.core.spec import Degrees  # noqa: E402
-from holmes_jax.runtime.mesh import build_mesh  # noqa: E402
+from holmes_jax.runtime.engine.mesh import build_mesh  # noqa: E402
 from holmes_jax.runtime.program import Program  # noqa: E402
 
 SHAPE = Degrees(stages=2, data=4, tensor=1)

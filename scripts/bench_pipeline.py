@@ -77,7 +77,7 @@ def padded_slots(steps, rounds):
 
 
 def temp_memory():
-    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.engine.mesh import build_mesh
     from holmes_jax.runtime.program import Program
 
     out = {}
@@ -131,9 +131,9 @@ def sched_cfg(schedule, microbatches, batch):
 def schedules(steps, rounds):
     """(d): tables, memory, HLO bytes and measured time per schedule."""
     from holmes_jax.planner.schedule import make_schedule
-    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.engine.mesh import build_mesh
+    from holmes_jax.runtime.engine.traffic import permute_traffic
     from holmes_jax.runtime.program import Program
-    from holmes_jax.runtime.traffic import permute_traffic
 
     shape = Degrees(4, 2, 1)
     mesh = build_mesh(shape)

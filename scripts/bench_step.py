@@ -35,10 +35,10 @@ from holmes_jax.core.spec import (
     Degrees,  # noqa: E402
     flops_per_token,  # noqa: E402
 )
-from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch  # noqa: E402
-from holmes_jax.runtime.mesh import build_mesh  # noqa: E402
-from holmes_jax.runtime.model import GPT  # noqa: E402
-from holmes_jax.runtime.optim import make_optimizer  # noqa: E402
+from holmes_jax.runtime.data.loader import BatchSampler, load_corpus, make_batch  # noqa: E402
+from holmes_jax.runtime.engine.mesh import build_mesh  # noqa: E402
+from holmes_jax.runtime.model.decoder import GPT  # noqa: E402
+from holmes_jax.runtime.model.optim import make_optimizer  # noqa: E402
 from holmes_jax.runtime.program import Program  # noqa: E402
 
 ROOT = benchlib.ROOT

@@ -54,7 +54,7 @@ def program_runner(cfg, shape, batch_rows: Callable[[int], object] | None = None
     import jax
     import numpy as np
 
-    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.engine.mesh import build_mesh
     from holmes_jax.runtime.program import Program
 
     program = Program(cfg, build_mesh(shape))

@@ -20,7 +20,7 @@ its own), in the same process with ``--cpu-smoke``:
   two devices and is reported as skipped on one.
 
 Each row prints one JSON line: step time (median over rounds), tokens/s, model TFLOP/s,
-MFU against the device kind's datasheet peak (``holmes_jax.runtime.devices``), compile
+MFU against the device kind's datasheet peak (``holmes_jax.runtime.rundir.devices``), compile
 seconds, peak device memory (allocator high-water mark where the backend reports one)
 and XLA's compiled estimate, first and last loss; ``status`` is ok, skipped (with
 ``why``) or error (with the error's last line). A table follows. Exit status 1 when a
@@ -146,8 +146,8 @@ def plain_step(cfg):
     import jax.numpy as jnp
     import optax
 
-    from holmes_jax.runtime.model import GPT, init_model
-    from holmes_jax.runtime.optim import make_optimizer
+    from holmes_jax.runtime.model.decoder import GPT, init_model
+    from holmes_jax.runtime.model.optim import make_optimizer
     from holmes_jax.runtime.program import compute_dtype
 
     model = GPT(cfg.model)
@@ -180,7 +180,7 @@ def ours_step(cfg):
     """(init, lower, batch sharding) of holmes_jax's Program on the first ``stages``
     devices; the train step is the trainer's, compiled ahead of time."""
     from holmes_jax.core.spec import Degrees
-    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.engine.mesh import build_mesh
     from holmes_jax.runtime.program import Program
 
     program = Program(cfg, build_mesh(Degrees(cfg.parallel.stages, 1, 1)))
@@ -232,9 +232,9 @@ def measure_step(spec: dict[str, Any], args) -> dict[str, Any]:
     import numpy as np
 
     from holmes_jax.core.spec import flops_per_token
-    from holmes_jax.runtime.devices import peak_tflops
-    from holmes_jax.runtime.model import attention_kernel
+    from holmes_jax.runtime.model.decoder import attention_kernel
     from holmes_jax.runtime.program import compute_dtype
+    from holmes_jax.runtime.rundir.devices import peak_tflops
 
     stages = spec.get("stages", 1)
     if len(jax.devices()) < stages:
@@ -328,7 +328,7 @@ def environment() -> dict[str, Any]:
 
     import jax
 
-    from holmes_jax.runtime.devices import peak_tflops
+    from holmes_jax.runtime.rundir.devices import peak_tflops
 
     versions = {}
     for name in ("jax", "jaxlib", "flax", "optax", "numpy"):

@@ -87,7 +87,7 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def make_program():
     """Builder: ``make_program(cfg, Degrees(2, 4, 1))`` -> a Program on that mesh."""
-    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.engine.mesh import build_mesh
     from holmes_jax.runtime.program import Program
 
     def build(cfg, degrees, **kwargs):

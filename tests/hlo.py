@@ -12,9 +12,9 @@ import numpy as np
 
 from holmes_jax.core.plan_request import plan_request
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
-from holmes_jax.runtime.mesh import build_mesh, device_islands
+from holmes_jax.runtime.engine.mesh import build_mesh, device_islands
+from holmes_jax.runtime.engine.traffic import permute_traffic  # noqa: F401  (tests read it here)
 from holmes_jax.runtime.program import Program
-from holmes_jax.runtime.traffic import permute_traffic  # noqa: F401  (tests read it here)
 
 REDUCTIONS = r" (all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\("
 

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.data import main
-from holmes_jax.runtime import prepare as prepare_module
-from holmes_jax.runtime.data import load_corpus
+from holmes_jax.runtime.data import prepare as prepare_module
+from holmes_jax.runtime.data.loader import load_corpus
 
 TEXT = (
     "def f(x):\n    return x * 2\n\nclass A:\n    pass\n"

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from holmes_jax.hf import main
-from holmes_jax.runtime.hf_mapping import hf_config
+from holmes_jax.runtime.hf.mapping import hf_config
 
 H, HEADS, KV, F, V, T = 16, 4, 2, 24, 40, 8
 
@@ -283,8 +283,8 @@ def test_sharded_export_follows_huggingface_hubs_rule_and_imports_back(tmp_path,
     from huggingface_hub import split_state_dict_into_shards_factory
 
     from holmes_jax.core.config import config_from_dict
-    from holmes_jax.runtime.checkpoint import find_step, read_params
-    from holmes_jax.runtime.hf_files import export_tensors
+    from holmes_jax.runtime.hf.files import export_tensors
+    from holmes_jax.runtime.rundir.checkpoint import find_step, read_params
 
     config, tensors = llama_files(layers=3, dtype=np.float32)
     hf = write_hf(tmp_path / "hf", config, tensors)
@@ -351,7 +351,7 @@ def test_bad_shard_sizes_are_one_line(tmp_path, capsys, size, rule):
 
 
 def test_shard_sizes_parse_like_transformers():
-    from holmes_jax.runtime.hf_files import parse_size
+    from holmes_jax.runtime.hf.files import parse_size
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 500 * 10**6
     assert parse_size("2GiB") == 2 * 2**30 and parse_size("1mib") == 2**20

@@ -52,7 +52,7 @@ from holmes_jax.planner.profiles import (
 )
 from holmes_jax.planner.stage_costs import stage_costs
 from holmes_jax.planner.topology import load_topology
-from holmes_jax.runtime import measure
+from holmes_jax.runtime.probe import measure
 from tests.common import ROOT, TINY_MODEL, as_flags
 
 TWO = os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")

@@ -12,7 +12,7 @@ worker fails, runs it again, up to ``max_restarts`` times:
   checkpoint of its run: a restart gets ``HOLMES_CONTINUE_RUN_DIR`` set to the run
   directory the first attempt printed (``run dir <path>: ...``), so it continues that
   run even when it died before its first checkpoint
-  (:mod:`holmes_jax.runtime.rundir`).
+  (:mod:`holmes_jax.runtime.rundir.paths`).
 - It reads the job's progress from process 0's lines: ``step N | ...`` (the last step
   reached), ``resumed from ... at step N`` (the checkpoint a restart resumes from) and
   ``compiled in ...``. So it needs ``logging.progress`` ``auto`` or ``plain`` (a worker's
@@ -73,7 +73,7 @@ NOT_RETRIED = {
     USAGE_EXIT: "exit code 2 is a config or usage error",
     NONFINITE_EXIT: "exit code 4 is a stop for non-finite steps, which a restart replays",
 }
-# holmes_jax.runtime.rundir.CONTINUE_VAR (not imported: the launcher's process runs no jax)
+# holmes_jax.runtime.rundir.paths.CONTINUE_VAR (not imported: the launcher's process runs no jax)
 CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
 
 # Process 0's lines the supervisor reads (holmes_jax.runtime.loop and .metrics print them).

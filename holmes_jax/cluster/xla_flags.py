@@ -1,8 +1,8 @@
 """XLA flags set by entry points before jax is imported: simulated CPU devices, and the
 flags that overlap collectives with compute on GPUs (validated before use).
 
-ZeRO-1's per-layer reduce-scatters (:mod:`holmes_jax.runtime.zero`) only overlap the remaining
-backward work when XLA schedules collectives asynchronously: the latency-hiding
+ZeRO-1's per-layer reduce-scatters (:mod:`holmes_jax.runtime.engine.zero`) only overlap
+the remaining backward work when XLA schedules collectives asynchronously: the latency-hiding
 scheduler and pipelined (async) reduce-scatter / all-gather / all-reduce. XLA *aborts the
 process* on an XLA_FLAGS entry it does not know, and flag names move between jaxlib
 releases, so each candidate is tried in a throwaway subprocess first (all together, then

@@ -75,7 +75,7 @@ class RunSpec:
     tp_overlap: bool = False
     sequence_parallel: bool = False
     # parallel.cross_island_dtype (resolved): the wire format of the sends between stages
-    # on two islands (holmes_jax.runtime.compress).
+    # on two islands (holmes_jax.runtime.engine.compress).
     cross_island_dtype: str = "same"
 
     def __post_init__(self):
@@ -246,7 +246,7 @@ def plan_request(cfg: Config, attention: str = "xla") -> PlanRequest:
     weights and activations, fp32 gradients, fp32 master + Adam); ``optimizer.zero1``
     shards the optimizer state over ``data``; ``parallel.grad_buckets`` goes as it is
     (``auto`` resolves with ``sync_collectives``). ``attention`` is the resolved kernel
-    (:func:`holmes_jax.runtime.model.attention_kernel`).
+    (:func:`holmes_jax.runtime.model.decoder.attention_kernel`).
     """
     m, p, d = cfg.model, cfg.parallel, cfg.diloco
     act, param, grad, opt = _BYTES.get(cfg.train.precision, _BYTES["fp32"])

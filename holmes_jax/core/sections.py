@@ -185,8 +185,8 @@ class DataConfig:
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes={self.max_bytes}: must be >= 0 (0 = no cap)")
         if self.source in ("text", "tokens"):
-            # Existence is checked when the corpus is loaded (holmes_jax.runtime.data), so configs
-            # for clusters validate on machines that do not hold their data.
+            # Existence is checked when the corpus is loaded (runtime/data/loader.py), so
+            # configs for clusters validate on machines that do not hold their data.
             if not self.path:
                 raise ConfigError(f"data.path=None: required when data.source='{self.source}'")
         elif self.path:

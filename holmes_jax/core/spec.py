@@ -39,15 +39,15 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")  # auto: the planner picks schedule, v a
 REMAT_POLICIES = ("none", "full", "selective")  # what the model runs
 REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fits
 ATTENTION_KERNELS = ("auto", "xla", "cudnn")
-ARCHS = ("gpt2", "llama")  # model.arch (holmes_jax.runtime.model)
+ARCHS = ("gpt2", "llama")  # model.arch (holmes_jax.runtime.model.decoder)
 PRECISIONS = ("fp32", "bf16")
 # What crosses the link at a DiLoCo outer step (the outer state itself stays fp32).
 OUTER_DTYPES = ("fp32", "bf16", "int8")
 DILOCO_CHOICES = (True, False, "auto")  # diloco.enabled; auto: the planner decides
-# parallel.grad_buckets: when the data-parallel gradient reduction runs (runtime.zero).
+# parallel.grad_buckets: when the data-parallel gradient reduction runs (runtime.engine.zero).
 GRAD_BUCKETS = ("layer", "step")
 GRAD_BUCKET_CHOICES = (*GRAD_BUCKETS, "auto")
-# Wire formats of the pipeline sends that cross islands (holmes_jax.runtime.compress).
+# Wire formats of the pipeline sends that cross islands (holmes_jax.runtime.engine.compress).
 CROSS_ISLAND_DTYPES = ("same", "bf16", "int8", "fp8")
 CROSS_ISLAND_CHOICES = (*CROSS_ISLAND_DTYPES, "auto")
 
@@ -243,7 +243,7 @@ class ModelSpec:
         return self.num_layers * self.layer_params + self.embedding_params + self.head_params
 
     # Parameter leaves (one collective call each in the trainer's gradient reduction and
-    # parameter all-gather), as runtime.model builds them. gpt2: QKV, attention output, MLP
+    # parameter all-gather), as runtime.model.decoder builds them. gpt2: QKV, attention output, MLP
     # in and out kernels, their biases, LayerNorm scale+bias x2 (12); token + position
     # embeddings; final LayerNorm (+ untied head). llama: q, k, v, output, gate, up, down,
     # two norm scales (9); token embedding; final norm scale (+ untied head).

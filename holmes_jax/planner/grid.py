@@ -5,7 +5,7 @@
 topology's placement rules (:func:`holmes_jax.planner.placement.stage_blocks`: tensor
 groups inside a host, data groups and stages inside an island); :func:`describe_grid`
 prints which island, host and device each stage and data rank lands on (``python -m
-holmes_jax.plan --show-mesh``). :func:`holmes_jax.runtime.mesh.build_mesh` then lays the
+holmes_jax.plan --show-mesh``). :func:`holmes_jax.runtime.engine.mesh.build_mesh` then lays the
 devices out in that order. Pure Python; no jax import.
 """
 

@@ -1,6 +1,6 @@
 """What a probe measured, fitted to the cost model's terms, and written as a profile.
 
-:mod:`holmes_jax.runtime.measure` times the devices and links and returns a
+:mod:`holmes_jax.runtime.probe.measure` times the devices and links and returns a
 :class:`Measurement`; this module holds the results, fits each link to
 ``time = latency + bytes / bandwidth`` (:func:`fit_link`) in the cost model's ring terms
 (:meth:`LinkTiming.path`), chooses the shapes the probe runs (:func:`pair_shape`,

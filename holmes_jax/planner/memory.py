@@ -106,7 +106,7 @@ def layer_residual_bytes(
 ) -> float:
     """Bytes one layer keeps per device for its backward, per microbatch.
 
-    What ``jax.vjp`` of :class:`holmes_jax.runtime.model.Block` keeps (the engine buffers
+    What ``jax.vjp`` of :class:`holmes_jax.runtime.model.decoder.Block` keeps (the engine buffers
     exactly these; ``tests/runtime/test_memory.py`` compares this formula with the traced
     residuals of both archs). ``kv``: the key/value width k (None: h); ``gated``: the
     SwiGLU MLP of llama (gate and up, two ``[b, s, f/t]`` matmul outputs, where GELU has one).
@@ -141,7 +141,7 @@ def deferred_weight_sets(stages: int, microbatches: int) -> int:
 
 def weight_stash_bytes(m: ModelSpec, b: int, t: int, act_bytes: int, remat: str = "none") -> float:
     """What zb's B keeps of one layer for its deferred W, per microbatch, ``[b, s, ·]`` in
-    the compute dtype (``holmes_jax.runtime.wgrad``'s stash):
+    the compute dtype (``holmes_jax.runtime.engine.wgrad``'s stash):
 
     - the output cotangents of the weight matmuls (gpt2: qkv ``3h/t``, attention
       projection ``h``, fc ``f/t``, its projection ``h``; llama: q ``h/t``, k and v
@@ -160,7 +160,7 @@ def weight_stash_bytes(m: ModelSpec, b: int, t: int, act_bytes: int, remat: str 
 def b_only_bytes(m: ModelSpec, b: int, t: int, act_bytes: int, remat: str = "none") -> float:
     """Residual bytes of one layer that only zb's B reads (W reads the rest), per
     microbatch: after B they are dead, and the engine writes the stash there
-    (``holmes_jax.runtime.buffers.StashLayout``).
+    (``holmes_jax.runtime.engine.buffers.StashLayout``).
 
     - ``none``: all but the two norms' fp32 normalised values, their ``β`` casts, the
       attention output ``h/t`` and the MLP's activated value ``f/t``.

@@ -190,7 +190,7 @@ def with_plan(parallel: ParallelSpec, plan: Plan) -> ParallelSpec:
 def platform_blocks(platform: str) -> bool:
     """Whether collectives block the devices of ``platform`` until done: ``cpu`` (the CPU
     runtimes, gloo across processes). The one rule for the trainer, which asks its first
-    device (:func:`holmes_jax.runtime.mesh.collectives_block`), and the planner, which
+    device (:func:`holmes_jax.runtime.engine.mesh.collectives_block`), and the planner, which
     asks the topology (:func:`topology_blocks`)."""
     return platform.lower() == "cpu"
 

@@ -1,6 +1,6 @@
 """Pipeline schedules as tables: for every tick and stage, which op on which micro-batch.
 
-The engine (:mod:`holmes_jax.runtime.pipeline`) runs one tick loop for every schedule and
+The engine (:mod:`holmes_jax.runtime.engine.pipeline`) runs one tick loop for every schedule and
 only looks up these tables; the planner prices the same tables. One tick is at most one
 op per stage:
 

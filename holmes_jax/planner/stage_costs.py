@@ -231,7 +231,7 @@ def stage_costs(
     gather_calls = np.full_like(calls, leaves)
     if run.sync_collectives and run.engine == "holmes_jax":
         # Where collectives block, the trainer reduces a bucket as one buffer
-        # (runtime.zero): per layer and one for embedding and head, or one per step.
+        # (runtime.engine.zero): per layer and one for embedding and head, or one per step.
         calls = np.zeros_like(calls) + (n + 1.0 if run.buckets == "layer" else 1.0)
     if run.engine == "megatron":  # one contiguous gradient buffer
         calls = gather_calls = np.ones_like(calls)

@@ -1,6 +1,8 @@
-"""The runtime: model, mesh, schedules, pipeline engine, ZeRO-1, optimizer, compiled
-program, data, checkpoints, metrics, the training loop and the probe's measuring half.
+"""The runtime: the training loop and its compiled program, and the packages they use.
 
-The only layer that builds jax programs. Imports :mod:`holmes_jax.core`,
-:mod:`holmes_jax.planner` and :mod:`holmes_jax.cluster`.
+- ``loop``, ``setup``, ``each_step``, ``program``, ``nonfinite``: the loop, what it does
+  before the first step and around each step, the jitted train step, non-finite steps.
+- ``engine/``: the pipeline engine. ``model/``: the decoder and its optimizer.
+- ``data/``: batches. ``rundir/``: checkpoints, metrics and everything else a run writes.
+- ``hf/``: Hugging Face interop. ``probe/``: measurements on the real devices.
 """

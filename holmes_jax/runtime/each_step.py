@@ -38,9 +38,9 @@ from holmes_jax.cluster.distributed import (
 )
 from holmes_jax.core.config import Config
 from holmes_jax.planner.report import format_step_check
-from holmes_jax.runtime import compile_cache
-from holmes_jax.runtime.devices import peak_memory_gb
 from holmes_jax.runtime.nonfinite import SKIPPED, SkipGuard
+from holmes_jax.runtime.rundir import compile_cache
+from holmes_jax.runtime.rundir.devices import peak_memory_gb
 
 # Several processes: how long the others wait for the slowest to compile the train step
 # (a dead one is named by the watchdog's heartbeats long before).

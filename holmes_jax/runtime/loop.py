@@ -6,7 +6,7 @@ the non-finite guard and the first compile (:class:`~holmes_jax.runtime.each_ste
 Stepper`), the cross-island outer step, whatever the mode (:mod:`holmes_jax.diloco.modes`),
 the stop every process agrees on (``Stops``), the log and the evaluation (``Logbook``),
 the checkpoint (``Saves``) and the profiler's window
-(:class:`~holmes_jax.runtime.profiling.StepProfiler`). The step, evaluation, checkpoint
+(:class:`~holmes_jax.runtime.rundir.profiling.StepProfiler`). The step, evaluation, checkpoint
 saves, DiLoCo outer syncs and metric fetches are annotated for the trace viewer.
 
 ``run`` returns the history: one dict per logged step (the same records as the JSON lines).
@@ -21,14 +21,14 @@ import jax
 from holmes_jax.core.config import Config
 from holmes_jax.diloco.modes import outer_steps
 from holmes_jax.diloco.scope import island_outputs
-from holmes_jax.runtime import compile_cache
-from holmes_jax.runtime.checkpoint import Checkpointer
 from holmes_jax.runtime.each_step import Logbook, Saves, Stepper, Stops
-from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.engine.mesh import build_mesh
 from holmes_jax.runtime.nonfinite import SkipGuard
-from holmes_jax.runtime.profiling import StepProfiler
 from holmes_jax.runtime.program import Program
-from holmes_jax.runtime.rundir import choose_run_dir, write_config
+from holmes_jax.runtime.rundir import compile_cache
+from holmes_jax.runtime.rundir.checkpoint import Checkpointer
+from holmes_jax.runtime.rundir.paths import choose_run_dir, write_config
+from holmes_jax.runtime.rundir.profiling import StepProfiler
 from holmes_jax.runtime.setup import (
     Data,
     announce,

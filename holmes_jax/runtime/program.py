@@ -3,7 +3,7 @@
 A :class:`Program` is built once per (config, mesh). It owns
 
 - the shardings of every parameter and optimizer-state leaf, derived from the logical
-  axis names on the parameters and :data:`holmes_jax.runtime.model.LOGICAL_RULES`;
+  axis names on the parameters and :data:`holmes_jax.runtime.model.decoder.LOGICAL_RULES`;
 - ``init(seed)``: parameters and optimizer state created by one jitted function whose
   outputs are already sharded, so nothing is ever materialised whole on one device;
 - ``train_step(state, batch)``: loss, gradients, AdamW update, in one jit with
@@ -45,9 +45,18 @@ from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import resolve_grad_buckets
 from holmes_jax.diloco.outer_step import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.planner.grid import load_mesh_topology
-from holmes_jax.runtime.compress import crossing_pairs
-from holmes_jax.runtime.mesh import batch_sharding, collectives_block, replicated
-from holmes_jax.runtime.model import GPT, LOGICAL_RULES, init_model
+from holmes_jax.runtime.engine.compress import crossing_pairs
+from holmes_jax.runtime.engine.mesh import batch_sharding, collectives_block, replicated
+from holmes_jax.runtime.engine.pipeline import PipelineEngine
+from holmes_jax.runtime.engine.stages import layout_from_config, pipeline_shardings
+from holmes_jax.runtime.engine.zero import shard_dim, sharded_spec, zero1_split
+from holmes_jax.runtime.model.decoder import GPT, LOGICAL_RULES, init_model
+from holmes_jax.runtime.model.optim import (
+    clip_by_global_norm,
+    learning_rate_schedule,
+    make_optimizer,
+    step_count,
+)
 from holmes_jax.runtime.nonfinite import (
     count_skips,
     fresh_skips,
@@ -55,15 +64,6 @@ from holmes_jax.runtime.nonfinite import (
     keep_finite,
     skip_metrics,
 )
-from holmes_jax.runtime.optim import (
-    clip_by_global_norm,
-    learning_rate_schedule,
-    make_optimizer,
-    step_count,
-)
-from holmes_jax.runtime.pipeline import PipelineEngine
-from holmes_jax.runtime.stages import layout_from_config, pipeline_shardings
-from holmes_jax.runtime.zero import shard_dim, sharded_spec, zero1_split
 
 
 @flax.struct.dataclass
@@ -82,14 +82,14 @@ class TrainState:
 class Program:
     """Jitted, sharded functions for one config on one mesh.
 
-    The loss and gradients come from the :class:`~holmes_jax.runtime.pipeline.PipelineEngine`
+    The loss and gradients come from the :class:`~holmes_jax.runtime.engine.pipeline.PipelineEngine`
     (state in the pipeline layout, a single stage included) whenever there is a pipeline,
     microbatching, ZeRO-1, a cross-island replica, bf16, or data parallelism where
     collectives block the device (CPU); only with all of them off does GSPMD run the whole
     model (the plain reference). Either way checkpoints use the logical
     layout: :meth:`to_logical` / :meth:`from_logical` convert. With ZeRO-1 the optimizer
     state (and the gradients leaving the engine) are sharded over ``data``
-    (:mod:`holmes_jax.runtime.zero`).
+    (:mod:`holmes_jax.runtime.engine.zero`).
     """
 
     def __init__(self, cfg: Config, mesh: Mesh, *, nan_bubbles: bool = False):

@@ -36,14 +36,20 @@ from holmes_jax.planner.plans import memory_inputs_of, predict_run, resolve_auto
 from holmes_jax.planner.report import format_preference, format_run_plan
 from holmes_jax.planner.strategy import predict_diloco, resolve_diloco
 from holmes_jax.planner.topology import Topology
-from holmes_jax.runtime.checkpoint import init_state_from
-from holmes_jax.runtime.data import BatchSampler, eval_batches, load_corpus, local_rows, make_batch
-from holmes_jax.runtime.devices import peak_tflops
-from holmes_jax.runtime.mesh import collectives_block
-from holmes_jax.runtime.metrics import MetricsLogger
-from holmes_jax.runtime.model import attention_kernel
+from holmes_jax.runtime.data.loader import (
+    BatchSampler,
+    eval_batches,
+    load_corpus,
+    local_rows,
+    make_batch,
+)
+from holmes_jax.runtime.engine.mesh import collectives_block
+from holmes_jax.runtime.model.decoder import attention_kernel
 from holmes_jax.runtime.program import compute_dtype
-from holmes_jax.runtime.rundir import (
+from holmes_jax.runtime.rundir.checkpoint import init_state_from
+from holmes_jax.runtime.rundir.devices import peak_tflops
+from holmes_jax.runtime.rundir.metrics import MetricsLogger
+from holmes_jax.runtime.rundir.paths import (
     CHECKPOINTS_NAME,
     RunDir,
     choose_run_dir,
@@ -61,7 +67,7 @@ class Resolved:
     Attributes:
       cfg: what the run trains: outputs in the run directory, DiLoCo decided, and the
         planner's ``auto`` (schedule, split, remat) resolved for ``shape``.
-      outputs: the run directory chosen (:func:`~holmes_jax.runtime.rundir.choose_run_dir`).
+      outputs: the run directory chosen (:func:`~holmes_jax.runtime.rundir.paths.choose_run_dir`).
       devices: the devices the run sees (``jax.devices()``).
       topology: the cluster (``parallel.mesh``, without ``parallel.exclude_hosts``), or None.
       shape: the mesh degrees.

@@ -17,7 +17,7 @@ import pytest
 from holmes_jax import launch
 from holmes_jax.cluster import local_launch, supervisor
 from holmes_jax.cluster.launcher import Worker
-from holmes_jax.runtime import rundir
+from holmes_jax.runtime.rundir import paths as rundir
 from tests.common import ROOT
 
 # A job of FAKE_HOSTS processes in FAKE_DIR, attempt FAKE_ATTEMPT.

@@ -29,18 +29,18 @@ from holmes_jax.diloco.outer_step import (
     fragment_slots,
     in_warmup,
 )
-from holmes_jax.runtime.checkpoint import (
+from holmes_jax.runtime.engine.mesh import build_mesh
+from holmes_jax.runtime.loop import run
+from holmes_jax.runtime.model.decoder import GPT
+from holmes_jax.runtime.model.optim import make_optimizer
+from holmes_jax.runtime.program import Program
+from holmes_jax.runtime.rundir.checkpoint import (
     Checkpointer,
     find_step,
     init_state_from,
     read_params,
     save_params,
 )
-from holmes_jax.runtime.loop import run
-from holmes_jax.runtime.mesh import build_mesh
-from holmes_jax.runtime.model import GPT
-from holmes_jax.runtime.optim import make_optimizer
-from holmes_jax.runtime.program import Program
 from tests import hlo
 from tests.cluster.procs import TINY
 from tests.common import ROOT, as_flags

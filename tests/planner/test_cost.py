@@ -355,7 +355,7 @@ def test_fidelity_is_sensitive():
 
 def test_hardware_flops_follow_the_remat_policy():
     """none = model FLOPs < selective (+ q·kᵀ per layer) < full (+ a forward per layer);
-    the trainer's per-token count (holmes_jax.runtime.model) agrees with the planner's."""
+    the trainer's per-token count (holmes_jax.runtime.model.decoder) agrees with the planner's."""
     from holmes_jax.core.config import ModelConfig
     from holmes_jax.core.spec import flops_per_token
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from holmes_jax.runtime.buffers import StashLayout, to_bits
+from holmes_jax.runtime.engine.buffers import StashLayout, to_bits
 
 S = jax.ShapeDtypeStruct
 

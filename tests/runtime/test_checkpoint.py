@@ -18,10 +18,10 @@ import pytest
 from holmes_jax.core.config import CheckpointConfig, load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
-from holmes_jax.runtime import checkpoint as checkpoint_module
-from holmes_jax.runtime.checkpoint import Checkpointer, find_step, read_params
 from holmes_jax.runtime.loop import run
-from holmes_jax.runtime.storage import committed_steps
+from holmes_jax.runtime.rundir import checkpoint as checkpoint_module
+from holmes_jax.runtime.rundir.checkpoint import Checkpointer, find_step, read_params
+from holmes_jax.runtime.rundir.storage import committed_steps
 from tests.common import TINY_MODEL, TINY_RUN
 
 

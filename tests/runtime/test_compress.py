@@ -1,4 +1,4 @@
-"""Compressed sends across islands (parallel.cross_island_dtype, runtime/compress.py).
+"""Compressed sends across islands (parallel.cross_island_dtype, runtime/engine/compress.py).
 
 One compile per case: each format once and each schedule once (not their product); the
 compiled train step is both read (the bytes crossing the islands) and run (two steps).
@@ -16,10 +16,10 @@ from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.formulas import wire_bytes
 from holmes_jax.planner.grid import load_mesh_topology
 from holmes_jax.planner.plans import predict_run
-from holmes_jax.runtime.compress import crossing_pairs, decode, encode
-from holmes_jax.runtime.mesh import build_mesh, device_islands
+from holmes_jax.runtime.engine.compress import crossing_pairs, decode, encode
+from holmes_jax.runtime.engine.mesh import build_mesh, device_islands
+from holmes_jax.runtime.engine.traffic import permute_traffic
 from holmes_jax.runtime.program import Program
-from holmes_jax.runtime.traffic import permute_traffic
 from tests.common import TINY_RUN, mesh_path
 
 BIGGER = ("model.num_layers=4", "train.global_batch_size=16")  # 4 virtual stages, data 4

@@ -1,4 +1,4 @@
-"""Tests for holmes_jax.runtime.data: tokenizer, corpora, deterministic sampling, batches."""
+"""Tests for holmes_jax.runtime.data.loader: tokenizer, corpora, deterministic sampling, batches."""
 
 import sysconfig
 import zlib
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.runtime import data
+from holmes_jax.runtime.data import loader as data
 
 
 @dataclass(frozen=True)

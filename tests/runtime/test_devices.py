@@ -3,7 +3,7 @@ units the progress line gives achieved FLOP/s in."""
 
 import pytest
 
-from holmes_jax.runtime.devices import peak_tflops
+from holmes_jax.runtime.rundir.devices import peak_tflops
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def test_peak_by_device_kind(kind, precision, want):
 
 
 def test_the_progress_line_gives_gflops_on_cpus_and_tflops_on_accelerators():
-    from holmes_jax.runtime.metrics import format_record
+    from holmes_jax.runtime.rundir.metrics import format_record
 
     rec = {"step": 3, "loss": 2.0, "step_time_s": 0.5, "tokens_per_s": 1000.0}
     assert "| 8.79 GFLOP/s/dev" in format_record({**rec, "tflops_per_device": 0.00879})

@@ -1,4 +1,4 @@
-"""Text generation (``holmes_jax.runtime.generate``, ``python -m holmes_jax.sample``).
+"""Text generation (``holmes_jax.runtime.model.generate``, ``python -m holmes_jax.sample``).
 
 Greedy decoding must equal the argmax of the model's own forward pass over the unpadded,
 growing (then sliding) sequence; sampling must be a function of the seed; the command must
@@ -15,17 +15,17 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.runtime.checkpoint import save_params
-from holmes_jax.runtime.generate import (
+from holmes_jax.runtime.data.prepare import prepare
+from holmes_jax.runtime.loop import run
+from holmes_jax.runtime.model.decoder import GPT, init_model
+from holmes_jax.runtime.model.generate import (
     Generator,
     HFTokenizer,
     Sampling,
     _choose,
     text_tokenizer,
 )
-from holmes_jax.runtime.loop import run
-from holmes_jax.runtime.model import GPT, init_model
-from holmes_jax.runtime.prepare import prepare
+from holmes_jax.runtime.rundir.checkpoint import save_params
 from holmes_jax.sample import SEPARATOR, main
 from tests.common import TINY_MODEL, TINY_RUN
 from tests.test_data_prepare import TEXT, bpe_tokenizer

@@ -31,15 +31,15 @@ transformers = pytest.importorskip(
 from holmes_jax.core.config import CheckpointConfig, config_from_dict, load_config  # noqa: E402
 from holmes_jax.core.errors import ConfigError  # noqa: E402
 from holmes_jax.core.spec import Degrees  # noqa: E402
-from holmes_jax.runtime.checkpoint import (  # noqa: E402
+from holmes_jax.runtime.data.loader import BatchSampler, load_corpus  # noqa: E402
+from holmes_jax.runtime.hf.convert import export_hf, import_hf  # noqa: E402
+from holmes_jax.runtime.model.decoder import GPT  # noqa: E402
+from holmes_jax.runtime.rundir.checkpoint import (  # noqa: E402
     Checkpointer,
     find_step,
     init_state_from,
     read_params,
 )
-from holmes_jax.runtime.data import BatchSampler, load_corpus  # noqa: E402
-from holmes_jax.runtime.hf import export_hf, import_hf  # noqa: E402
-from holmes_jax.runtime.model import GPT  # noqa: E402
 
 VOCAB, SEQ = 63, 16  # 63: not a multiple of tensor 2, so imports pad it (to 128)
 TOL = 1e-4  # the bar; the measured differences are printed (pytest -s)

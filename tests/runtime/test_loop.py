@@ -9,9 +9,9 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.spec import Degrees
-from holmes_jax.runtime.checkpoint import Checkpointer
-from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch
+from holmes_jax.runtime.data.loader import BatchSampler, load_corpus, make_batch
 from holmes_jax.runtime.loop import run
+from holmes_jax.runtime.rundir.checkpoint import Checkpointer
 from tests.common import ROOT, TINY_RUN, as_flags, mesh_path
 
 # A tiny model with every feature that changes the math: untied head, weight decay, clipping

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-import holmes_jax.runtime.buffers as buffers
+import holmes_jax.runtime.engine.buffers as buffers
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.plan_request import plan_request
@@ -19,7 +19,7 @@ from holmes_jax.planner.memory import (
     weight_stash_bytes,
 )
 from holmes_jax.planner.plans import memory_inputs_of
-from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.engine.mesh import build_mesh
 from holmes_jax.runtime.program import Program
 from tests.common import ROOT
 

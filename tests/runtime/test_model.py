@@ -13,9 +13,9 @@ import pytest
 from holmes_jax.core.config import config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
-from holmes_jax.runtime.layers import Rope, inv_freq, rope
-from holmes_jax.runtime.mesh import build_mesh
-from holmes_jax.runtime.model import GPT, attention, attention_kernel, init_model
+from holmes_jax.runtime.engine.mesh import build_mesh
+from holmes_jax.runtime.model.decoder import GPT, attention, attention_kernel, init_model
+from holmes_jax.runtime.model.layers import Rope, inv_freq, rope
 from holmes_jax.runtime.program import Program
 from tests.common import TINY_MODEL
 

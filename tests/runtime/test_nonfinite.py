@@ -17,11 +17,11 @@ from holmes_jax.core.config import CheckpointConfig, load_config
 from holmes_jax.core.errors import NONFINITE_EXIT, ConfigError, NonFiniteError
 from holmes_jax.core.spec import Degrees
 from holmes_jax.runtime import nonfinite
-from holmes_jax.runtime.checkpoint import Checkpointer
-from holmes_jax.runtime.data import BatchSampler, load_corpus, make_batch
+from holmes_jax.runtime.data.loader import BatchSampler, load_corpus, make_batch
 from holmes_jax.runtime.each_step import fetch_metrics
 from holmes_jax.runtime.loop import run
 from holmes_jax.runtime.nonfinite import SkipGuard
+from holmes_jax.runtime.rundir.checkpoint import Checkpointer
 from holmes_jax.train import main
 from tests.common import TINY_RUN, as_flags
 

@@ -75,7 +75,7 @@ def test_schedule_tables(schedule, stages, microbatches):
 def test_tick_loop_length_is_flat_in_microbatches(schedule, stages, v):
     """The traced program (unrolled ticks + one body per scan) stops growing once the
     steady state repeats; interleaved's repeats every 2·S·v ticks (wrap-around sends)."""
-    from holmes_jax.runtime.pipeline import tick_segments
+    from holmes_jax.runtime.engine.pipeline import tick_segments
 
     traced = {}
     for m in (4 * stages, 8 * stages, 16 * stages):

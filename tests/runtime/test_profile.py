@@ -14,10 +14,10 @@ from holmes_jax import train
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import flops_per_token
-from holmes_jax.runtime.devices import peak_memory_gb
-from holmes_jax.runtime.metrics import MetricsLogger
-from holmes_jax.runtime.profiling import trace_name
-from holmes_jax.runtime.rundir import resolve_outputs
+from holmes_jax.runtime.rundir.devices import peak_memory_gb
+from holmes_jax.runtime.rundir.metrics import MetricsLogger
+from holmes_jax.runtime.rundir.paths import resolve_outputs
+from holmes_jax.runtime.rundir.profiling import trace_name
 from tests.common import TINY_RUN, as_flags
 
 # Four steps of the tiny model as two DiLoCo replicas syncing and evaluating every second

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from holmes_jax.core.config import load_config
-from holmes_jax.runtime import rundir
 from holmes_jax.runtime.loop import run
 from holmes_jax.runtime.program import Program
-from holmes_jax.runtime.rundir import choose_run_dir, outputs_line, resolve_outputs
+from holmes_jax.runtime.rundir import paths as rundir
+from holmes_jax.runtime.rundir.paths import choose_run_dir, outputs_line, resolve_outputs
 from tests.common import TINY_RUN, config_path
 
 # -- unit tests: resolution and the choice of directory ---------------------------------
@@ -131,7 +131,7 @@ def test_the_compilation_cache_dir_and_its_precedence():
     """A path wins on any platform; then JAX_COMPILATION_CACHE_DIR (auto sets nothing);
     auto is <run_dir>/compile_cache on accelerators and nothing on CPU devices; null and no
     run dir set nothing."""
-    from holmes_jax.runtime.compile_cache import cache_dir
+    from holmes_jax.runtime.rundir.compile_cache import cache_dir
 
     env, jax_env = {}, {"JAX_COMPILATION_CACHE_DIR": "/j"}
     auto = load_config(None, ["train.run_dir=r"])

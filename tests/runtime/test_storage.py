@@ -29,9 +29,9 @@ from orbax.checkpoint._src.path import gcs_utils
 
 from holmes_jax.core.config import CheckpointConfig, load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.runtime.checkpoint import Checkpointer, find_step, read_params
-from holmes_jax.runtime.rundir import choose_run_dir, newest_step
-from holmes_jax.runtime.storage import storage_path
+from holmes_jax.runtime.rundir.checkpoint import Checkpointer, find_step, read_params
+from holmes_jax.runtime.rundir.paths import choose_run_dir, newest_step
+from holmes_jax.runtime.rundir.storage import storage_path
 from tests.common import TINY_RUN
 
 BUCKET = "gs://holmes-test"
@@ -119,7 +119,7 @@ def test_a_run_in_a_bucket_resumes_and_exports(bucket, capsys, tmp_path):
     """The trainer with checkpoint.dir=gs://...: it saves there; run again, it finds the
     step through epath, keeps its (local) run directory and has nothing to train; the
     export reads the step back from the bucket."""
-    from holmes_jax.runtime.hf import export_hf
+    from holmes_jax.runtime.hf.convert import export_hf
     from holmes_jax.runtime.loop import run
 
     where = f"{BUCKET}/tiny"

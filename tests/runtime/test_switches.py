@@ -26,7 +26,7 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.spec import Degrees
-from holmes_jax.runtime.mesh import build_mesh
+from holmes_jax.runtime.engine.mesh import build_mesh
 from holmes_jax.runtime.program import Program
 
 # The switches and their values, in the order a row lists them.

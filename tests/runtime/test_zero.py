@@ -12,8 +12,8 @@ from holmes_jax.core.config import load_config
 from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import Degrees
 from holmes_jax.planner.grid import load_mesh_topology, resolve_shape
-from holmes_jax.runtime.model import GPT
-from holmes_jax.runtime.optim import make_optimizer
+from holmes_jax.runtime.model.decoder import GPT
+from holmes_jax.runtime.model.optim import make_optimizer
 from tests import hlo
 from tests.common import ROOT
 
@@ -267,7 +267,7 @@ def test_flat_buckets_reduce_as_one_call_per_leaf():
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     from holmes_jax.core.axes import DATA, REPLICA
-    from holmes_jax.runtime.zero import reduce_bucket
+    from holmes_jax.runtime.engine.zero import reduce_bucket
 
     mesh = jax.make_mesh((2, 4), (REPLICA, DATA), axis_types=(AxisType.Explicit,) * 2)
     shapes = {"a": (8, 6), "b": (3, 8, 5), "c": (7,), "d": (4,), "e": (2, 3)}

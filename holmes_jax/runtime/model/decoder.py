@@ -23,7 +23,7 @@ biases, head untied by default. Parameters (every ``blocks`` leaf stacked ``[L, 
 applies one layer with :func:`block_apply`. :data:`LOGICAL_RULES`, the one table from
 logical axis names to mesh axes, puts heads, key-value heads, MLP width and vocabulary on
 ``tensor`` and the batch on ``data``. Norms, rotary embedding and attention kernels live
-in :mod:`holmes_jax.runtime.layers`; shape, parameter and FLOP counts in
+in :mod:`holmes_jax.runtime.model.layers`; shape, parameter and FLOP counts in
 :class:`holmes_jax.core.spec.ModelSpec`.
 """
 
@@ -41,7 +41,7 @@ from holmes_jax.core.axes import BATCH_AXES, TENSOR
 from holmes_jax.core.config import ModelConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import REMAT_CHOICES
-from holmes_jax.runtime.layers import (
+from holmes_jax.runtime.model.layers import (
     LayerNorm,
     RMSNorm,
     Rope,

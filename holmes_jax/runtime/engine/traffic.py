@@ -102,9 +102,9 @@ def cross_island_bytes(text: str, mesh, topology) -> int:
     """Point-to-point bytes per step whose source and target sit on different islands.
 
     HLO device n is ``mesh.devices.flat[n]``; islands from
-    :func:`holmes_jax.runtime.mesh.device_islands`.
+    :func:`holmes_jax.runtime.engine.mesh.device_islands`.
     """
-    from holmes_jax.runtime.mesh import device_islands
+    from holmes_jax.runtime.engine.mesh import device_islands
 
     islands = device_islands(mesh, topology)
     position = [d.id for d in mesh.devices.flat]

@@ -21,7 +21,7 @@ With several processes a step is used only if every process read it.
 starts a run from it. :func:`read_params` reads the parameters alone from either kind.
 
 The directory may be local or ``gs://``: every path goes through ``etils.epath``
-(:mod:`holmes_jax.runtime.storage`). ``checkpoint.init_from`` may also name a Hugging Face
+(:mod:`holmes_jax.runtime.rundir.storage`). ``checkpoint.init_from`` may also name a Hugging Face
 model directory, read on the fly (:func:`init_state_from`).
 
 Why restore never falls back to a fresh run, and how processes agree on a step:
@@ -47,9 +47,9 @@ from etils import epath
 from holmes_jax.core.config import CheckpointConfig, Config, ModelConfig
 from holmes_jax.core.errors import ConfigError, one_line
 from holmes_jax.core.yamlio import plain
-from holmes_jax.runtime.hf_files import is_hf_dir, read_hf_for_run
+from holmes_jax.runtime.hf.files import is_hf_dir, read_hf_for_run
 from holmes_jax.runtime.program import Program, TrainState
-from holmes_jax.runtime.storage import committed_steps, storage_path
+from holmes_jax.runtime.rundir.storage import committed_steps, storage_path
 
 _OK, _UNUSABLE, _WRONG_MODEL = 0, 1, 2  # outcome of reading one step on one process
 # The model keys that decide parameter shapes (and the architecture); a checkpoint must
@@ -449,7 +449,7 @@ def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
     A checkpoint's parameters are restored straight into the logical parameters' shardings
     in fp32. A Hugging Face directory (``config.json`` + safetensors, sharded or not) is
     imported on the fly as ``python -m holmes_jax.hf import`` does
-    (:func:`~holmes_jax.runtime.hf_files.read_hf_for_run`, the whole model once in host
+    (:func:`~holmes_jax.runtime.hf.files.read_hf_for_run`, the whole model once in host
     memory), after its ``config.json`` is checked against the run's model section, and put
     into the same shardings. Then one jitted function builds the logical state
     (compute-dtype copies, optimizer moments, fp32 master for bf16) with its shardings, and
@@ -462,7 +462,7 @@ def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
 
     Raises:
       ConfigError: see :func:`find_step`, :func:`read_params` and
-        :func:`~holmes_jax.runtime.hf_files.read_hf_for_run`.
+        :func:`~holmes_jax.runtime.hf.files.read_hf_for_run`.
     """
     key = "checkpoint.init_from"
     logical = program.abstract_logical_state

@@ -19,7 +19,7 @@ adjacent-stage ``ppermute`` only (the engine's per-tick sends name their pairs),
 nothing but point-to-point traffic between neighbouring stages ever crosses an island
 boundary.
 
-The engine itself is :mod:`holmes_jax.runtime.pipeline`.
+The engine itself is :mod:`holmes_jax.runtime.engine.pipeline`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :class:`TickOps` holds them, with the three model parts they call (embedding, one layer,
 head and loss) as pure functions of their parameters.
-:class:`~holmes_jax.runtime.pipeline.PipelineEngine` inherits them and runs them from its
+:class:`~holmes_jax.runtime.engine.pipeline.PipelineEngine` inherits them and runs them from its
 tick loop, one op per stage and tick, each under a ``when`` guard. :class:`StageLocal` is
 what one stage holds inside the ``shard_map`` (traced once per step, read by every op).
 
@@ -13,14 +13,14 @@ what one stage holds inside the ``shard_map`` (traced once per step, read by eve
   gradient right away.
 - BWD: walk the chunk's layers backwards from the stored residuals, accumulating fp32
   parameter gradients. With per-layer buckets the op that completes a layer's gradient
-  (the table's ``last``) reduces it over ``data`` (:mod:`holmes_jax.runtime.zero` phase 1).
+  (the table's ``last``) reduces it over ``data`` (:mod:`holmes_jax.runtime.engine.zero` phase 1).
   The first virtual stage then runs the embedding backward.
 - Under ``zb`` BWD is the input gradient only, and WGT, later, the weight gradient
-  (:mod:`holmes_jax.runtime.wgrad`). What WGT needs from BWD waits in the micro-batch's
+  (:mod:`holmes_jax.runtime.engine.wgrad`). What WGT needs from BWD waits in the micro-batch's
   residual slot, over the residuals only BWD read, and what does not fit in the stash.
 
 Every op returns the loop carry with its buffers updated in place
-(:mod:`holmes_jax.runtime.buffers`).
+(:mod:`holmes_jax.runtime.engine.buffers`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from holmes_jax.core.config import ModelConfig
-from holmes_jax.runtime.buffers import (
+from holmes_jax.runtime.engine.buffers import (
     Residuals,
     StashLayout,
     dyn_index,
@@ -45,10 +45,10 @@ from holmes_jax.runtime.buffers import (
     to_bits,
     when,
 )
-from holmes_jax.runtime.model import GPT
-from holmes_jax.runtime.stages import PipelineLayout
-from holmes_jax.runtime.wgrad import SplitBackward
-from holmes_jax.runtime.zero import reduce_bucket
+from holmes_jax.runtime.engine.stages import PipelineLayout
+from holmes_jax.runtime.engine.wgrad import SplitBackward
+from holmes_jax.runtime.engine.zero import reduce_bucket
+from holmes_jax.runtime.model.decoder import GPT
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +115,7 @@ def layer_key(base_key, i, layer):
 class TickOps:
     """FWD, BWD and WGT of one stage, on the tick loop's carry ``c`` (a dict of buffers).
 
-    Mixed into :class:`~holmes_jax.runtime.pipeline.PipelineEngine`, which sets these
+    Mixed into :class:`~holmes_jax.runtime.engine.pipeline.PipelineEngine`, which sets these
     attributes in its constructor.
     """
 

@@ -27,7 +27,7 @@ import os
 import threading
 
 from holmes_jax.core.config import Config
-from holmes_jax.runtime.rundir import AUTO, COMPILE_CACHE_NAME
+from holmes_jax.runtime.rundir.paths import AUTO, COMPILE_CACHE_NAME
 
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"

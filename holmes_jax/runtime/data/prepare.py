@@ -11,7 +11,7 @@
   given (GPT-2's documents are usually separated by ``<|endoftext|>``).
 - **Output**: raw ids, native little-endian, ``uint16`` when the vocabulary (added tokens
   included) has at most 65536 ids, else ``uint32``
-  (:func:`holmes_jax.runtime.data.token_dtype_for`), written to ``FILE.tmp`` and renamed
+  (:func:`holmes_jax.runtime.data.loader.token_dtype_for`), written to ``FILE.tmp`` and renamed
   when complete; and ``FILE.json`` (dtype, token and file counts, vocabulary size,
   tokenizer), which the reader checks against ``data.token_dtype``.
 
@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from holmes_jax.core.errors import ConfigError, one_line
-from holmes_jax.runtime.data import TOKENS_SIDECAR, text_files, token_dtype_for
+from holmes_jax.runtime.data.loader import TOKENS_SIDECAR, text_files, token_dtype_for
 
 PIECE_BYTES = 1 << 18  # text per encoded piece (256 KiB)
 BATCH_PIECES = 16  # pieces per encode_batch call

@@ -2,7 +2,7 @@
 
 ``parallel.cross_island_dtype`` picks the wire format of the engine's sends between two
 stages on different islands (:meth:`PipelineEngine._send
-<holmes_jax.runtime.pipeline.PipelineEngine._send>`); sends inside an island stay in the
+<holmes_jax.runtime.engine.pipeline.PipelineEngine._send>`); sends inside an island stay in the
 compute dtype. The sender encodes just before the ``ppermute``, the receiver decodes right
 after; nothing is kept between steps (resume needs nothing).
 
@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from holmes_jax.core.spec import CROSS_ISLAND_DTYPES
 from holmes_jax.planner.formulas import SCALE_BYTES
-from holmes_jax.runtime.buffers import from_bits, to_bits
+from holmes_jax.runtime.engine.buffers import from_bits, to_bits
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 
@@ -72,12 +72,12 @@ def decode(wire: jax.Array, fmt: str, dtype) -> jax.Array:
 def crossing_pairs(mesh: Mesh, topology) -> frozenset[tuple[int, int]]:
     """Stage pairs ``(a, b)`` (either direction, wrap-around included) some of whose
     devices sit on different islands, from the mesh's own placement (its devices in
-    topology order, :func:`holmes_jax.runtime.mesh.device_islands`). Empty without a
+    topology order, :func:`holmes_jax.runtime.engine.mesh.device_islands`). Empty without a
     topology. Replicas' stage axes never cross, so with replica > 1 this is usually empty.
     """
     if topology is None:
         return frozenset()
-    from holmes_jax.runtime.mesh import device_islands
+    from holmes_jax.runtime.engine.mesh import device_islands
 
     islands = device_islands(mesh, topology)
     grid = np.vectorize(lambda d: islands[d.id], otypes=[object])(mesh.devices)

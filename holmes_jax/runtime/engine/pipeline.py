@@ -1,10 +1,11 @@
 """Pipeline parallelism over the ``stage`` axis: uneven stages, four schedules, one program.
 
-Parameters arrive in the pipeline layout of :mod:`holmes_jax.runtime.stages`: a leading
+Parameters arrive in the pipeline layout of :mod:`holmes_jax.runtime.engine.stages`: a leading
 stage axis, ``blocks [S, v·slots, ...]``, chunk c of stage s in slots c·slots ..
 c·slots + layers - 1. The schedules' tables (GPipe, 1F1B, interleaved 1F1B, ZB-H1) come from
 :mod:`holmes_jax.planner.schedule`, the loop's in-place buffers from
-:mod:`holmes_jax.runtime.buffers`, the per-tick ops from :mod:`holmes_jax.runtime.tick_ops`.
+:mod:`holmes_jax.runtime.engine.buffers`, the per-tick ops from
+:mod:`holmes_jax.runtime.engine.tick_ops`.
 
 The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``replica``,
 ``stage`` and ``data``. ``tensor`` stays automatic: GSPMD does tensor parallelism in a stage.
@@ -15,7 +16,7 @@ The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over `
    exactly the stage pairs that send at this tick (``Schedule.fwd_pairs`` / ``bwd_pairs``).
    Each micro-batch so crosses each (virtual) stage boundary once forward and once backward.
 3. ``_reduce``: embedding and head gradients (with ``grad_buckets="step"`` every block leaf
-   too) reduced over ``data`` and ``replica`` (:mod:`holmes_jax.runtime.zero` phases 1–3).
+   too) reduced over ``data`` and ``replica`` (:mod:`holmes_jax.runtime.engine.zero` phases 1–3).
 4. Sums across stages (loss, squared gradient norm, tied-embedding gradient) go through
    ``stages.chain_sum``. Only neighbour-to-neighbour sends ever cross an island boundary.
 
@@ -41,19 +42,19 @@ from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA, STAGE
 from holmes_jax.core.config import ModelConfig
 from holmes_jax.core.spec import GRAD_BUCKETS
 from holmes_jax.planner.schedule import BWD, FWD, IDLE, WGT, Schedule, make_schedule
-from holmes_jax.runtime.buffers import (
+from holmes_jax.runtime.engine.buffers import (
     Residuals,
     StashLayout,
     dyn_index,
     to_bits,
     when,
 )
-from holmes_jax.runtime.compress import check_format, decode, encode
-from holmes_jax.runtime.model import GPT, LOGICAL_RULES, remat_block
-from holmes_jax.runtime.stages import PipelineLayout, chain_sum
-from holmes_jax.runtime.tick_ops import StageLocal, TickOps, layer_key
-from holmes_jax.runtime.wgrad import split_backward
-from holmes_jax.runtime.zero import reduce_bucket, shard_shape, sharded_spec, squared_norm
+from holmes_jax.runtime.engine.compress import check_format, decode, encode
+from holmes_jax.runtime.engine.stages import PipelineLayout, chain_sum
+from holmes_jax.runtime.engine.tick_ops import StageLocal, TickOps, layer_key
+from holmes_jax.runtime.engine.wgrad import split_backward
+from holmes_jax.runtime.engine.zero import reduce_bucket, shard_shape, sharded_spec, squared_norm
+from holmes_jax.runtime.model.decoder import GPT, LOGICAL_RULES, remat_block
 
 # Inside the pipeline ``data`` is a manual axis: the batch is already split, so the
 # activation constraints map ``batch`` to nothing; tensor rules stay.
@@ -63,7 +64,7 @@ PIPELINE_RULES = tuple((name, None if name == "batch" else axis) for name, axis 
 class PipelineEngine(TickOps):
     """Loss and gradients of the GPT over a (stage, data, tensor) mesh.
 
-    The per-tick ops (FWD, BWD, WGT) come from :class:`~holmes_jax.runtime.tick_ops.TickOps`.
+    The per-tick ops (FWD, BWD, WGT) come from :class:`~holmes_jax.runtime.engine.tick_ops.TickOps`.
     """
 
     def __init__(
@@ -112,7 +113,7 @@ class PipelineEngine(TickOps):
         self.flat = flat_buckets
         self.nan_bubbles = nan_bubbles
         # Stage pairs (src, dst) on two islands, whose sends go in ``wire`` format
-        # (holmes_jax.runtime.compress); none under "same": the program is unchanged.
+        # (holmes_jax.runtime.engine.compress); none under "same": the program is unchanged.
         self.wire = check_format(cross_island_dtype)
         self.crossing = frozenset() if self.wire == "same" else frozenset(crossing)
         self.gpt = GPT(model_cfg, deterministic=model_cfg.dropout == 0.0)

@@ -235,7 +235,7 @@ def _time_layers(
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from holmes_jax.runtime.model import Block, block_apply
+    from holmes_jax.runtime.model.decoder import Block, block_apply
 
     det = model.dropout == 0.0
     rng = None if det else jax.random.key(0)
@@ -460,7 +460,7 @@ def _shared_times(calls: Sequence[Callable[[], Any]], repeats: int) -> list[floa
 
 
 def _mesh(shape: Degrees, devices):
-    from holmes_jax.runtime.mesh import build_mesh
+    from holmes_jax.runtime.engine.mesh import build_mesh
 
     return build_mesh(shape, devices)
 

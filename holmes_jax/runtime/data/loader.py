@@ -10,7 +10,7 @@ Three sources, chosen by ``data.source``:
 - ``tokens``: a pre-tokenized raw ``uint16`` / ``uint32`` file (native little-endian ids,
   nothing else), opened with ``np.memmap`` and never read whole into memory; eval is its
   last ``eval_fraction`` of tokens. ``python -m holmes_jax.data prepare`` writes one from
-  a Hugging Face tokenizer (:mod:`holmes_jax.runtime.prepare`), with a sidecar
+  a Hugging Face tokenizer (:mod:`holmes_jax.runtime.data.prepare`), with a sidecar
   ``<file>.json``. The sidecar's ``dtype`` must equal ``data.token_dtype``, because a
   uint32 file read as uint16 passes every other check. A file without a sidecar is read as
   ``data.token_dtype``.

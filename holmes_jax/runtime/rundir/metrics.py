@@ -118,7 +118,7 @@ class MetricsLogger:
         """Open the metrics file (appended to when ``start_step`` > 0, a resumed run, or
         ``append``, a restart; else created or truncated), the TensorBoard writer and the
         wandb run (a new one each time a run starts or resumes). ``cfg``'s outputs are
-        resolved paths (:func:`holmes_jax.runtime.rundir.resolve_outputs`)."""
+        resolved paths (:func:`holmes_jax.runtime.rundir.paths.resolve_outputs`)."""
         if not self.is_main:
             return
         path = self.cfg.train.metrics_path

@@ -1,7 +1,7 @@
 """ZeRO-1: the optimizer state sharded over ``data``, gradients reduce-scattered into it.
 
 Each data-parallel rank owns 1/d of every gradient, of the AdamW moments and, with bf16
-parameters, of the fp32 master copy. The engine (:mod:`holmes_jax.runtime.pipeline`)
+parameters, of the fp32 master copy. The engine (:mod:`holmes_jax.runtime.engine.pipeline`)
 runs these phases in order:
 
 1. Per-layer buckets, during the backward of a stage's last micro-batch: layer j's

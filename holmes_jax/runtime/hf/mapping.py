@@ -1,6 +1,6 @@
 """Hugging Face names, layouts and config.json fields <-> the logical parameter tree.
 
-The one home of the mapping :mod:`holmes_jax.runtime.hf` reads and writes with:
+The one home of the mapping :mod:`holmes_jax.runtime.hf.convert` reads and writes with:
 
 - one :class:`Rule` per HF tensor: its name, its HF shape, the layout functions both ways;
 - :func:`model_from_hf`: config.json -> the ``model`` section;

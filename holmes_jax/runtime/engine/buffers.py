@@ -1,6 +1,6 @@
 """The pipeline tick loop's buffers: in-place guards, 16-bit bit patterns, slot access, residuals.
 
-The engine (:mod:`holmes_jax.runtime.pipeline`) carries its big buffers through a
+The engine (:mod:`holmes_jax.runtime.engine.pipeline`) carries its big buffers through a
 tick loop; per stage, with K = ``Schedule.buffer_slots`` and an activation
 ``[mb, T, H]``:
 

@@ -14,7 +14,7 @@ An explicit path overrides ``auto``, and null turns that output off. With ``run_
 the ``auto`` outputs are off and no config is written.
 
 The run directory is local; ``checkpoint.dir`` may be a ``gs://`` bucket
-(:mod:`holmes_jax.runtime.storage`), listed through ``etils.epath`` like a local one.
+(:mod:`holmes_jax.runtime.rundir.storage`), listed through ``etils.epath`` like a local one.
 
 A run never writes over another run's records. A run that will not resume (checkpoints
 off, ``checkpoint.resume: false``, or no step in its checkpoint directory) and whose run
@@ -44,7 +44,7 @@ import numpy as np
 import yaml
 
 from holmes_jax.core.config import Config, DistributedConfig
-from holmes_jax.runtime.storage import committed_steps, storage_path
+from holmes_jax.runtime.rundir.storage import committed_steps, storage_path
 
 AUTO = "auto"  # the value of an output that goes into the run directory
 CONFIG_NAME = "config.yaml"
@@ -90,7 +90,7 @@ def resolve_outputs(cfg: Config) -> Config:
 
 def newest_step(directory: str | None) -> int | None:
     """The newest step orbax has committed in a checkpoint directory (local or ``gs://``,
-    :func:`~holmes_jax.runtime.storage.committed_steps`), None when it holds none (or is
+    :func:`~holmes_jax.runtime.rundir.storage.committed_steps`), None when it holds none (or is
     missing)."""
     if not directory:
         return None

@@ -15,8 +15,8 @@ checkpoint.save_params`) with the matching run config; a run starts from it with
 ``model.safetensors``, or shards of at most ``max_shard_size`` and their index.
 
 The mapping (which HF tensor becomes which leaf, in which layout; config.json fields) is
-:mod:`holmes_jax.runtime.hf_mapping`; the files are read and written by
-:mod:`holmes_jax.runtime.hf_files`. Before any tensor is read, the import checks them
+:mod:`holmes_jax.runtime.hf.mapping`; the files are read and written by
+:mod:`holmes_jax.runtime.hf.files`. Before any tensor is read, the import checks them
 all: a missing tensor, one of another shape and one nothing maps (buffers such as GPT-2's
 causal mask and ``inv_freq`` are skipped) are one-line :class:`ConfigError` s naming it.
 Tensors keep their dtype (float32 or bfloat16; float16 and float64 become float32);
@@ -40,9 +40,8 @@ import yaml
 from holmes_jax.core.config import Config, config_from_dict
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.yamlio import apply_override, plain
-from holmes_jax.runtime.checkpoint import find_step, read_params, save_params
-from holmes_jax.runtime.data import token_dtype_for
-from holmes_jax.runtime.hf_files import (
+from holmes_jax.runtime.data.loader import token_dtype_for
+from holmes_jax.runtime.hf.files import (
     existing_weights,
     export_tensors,
     is_hf_dir,
@@ -51,7 +50,8 @@ from holmes_jax.runtime.hf_files import (
     read_json,
     write_safetensors,
 )
-from holmes_jax.runtime.hf_mapping import HF_NAMES, hf_config, model_from_hf
+from holmes_jax.runtime.hf.mapping import HF_NAMES, hf_config, model_from_hf
+from holmes_jax.runtime.rundir.checkpoint import find_step, read_params, save_params
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 MAX_SHARD_SIZE = "5GB"  # export's default, as huggingface_hub's
@@ -128,7 +128,7 @@ def export_hf(
     The weights are ``model.safetensors`` when they fit in one shard of
     ``max_shard_size``; else ``model-00001-of-0000N.safetensors`` ... and
     ``model.safetensors.index.json``, as ``save_pretrained`` writes them
-    (:func:`~holmes_jax.runtime.hf_files.write_safetensors`, one shard in memory at a time).
+    (:func:`~holmes_jax.runtime.hf.files.write_safetensors`, one shard in memory at a time).
     When the checkpoint descends from an import or an HF directory (itself, or a run
     started from it through ``checkpoint.init_from`` links) whose files are still there,
     ``config.json`` keeps the original's fields that the model does not set (token ids,
@@ -141,7 +141,7 @@ def export_hf(
       hf_dir: new or empty local directory (no ``config.json`` or weights yet).
       dtype: ``float32`` or ``bfloat16``. The fp32 master weights of a bf16 run are read.
       max_shard_size: bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``
-        (:func:`~holmes_jax.runtime.hf_files.parse_size`).
+        (:func:`~holmes_jax.runtime.hf.files.parse_size`).
 
     Returns:
       One line saying what was written.

@@ -5,7 +5,7 @@
 - **Checkpoint** (:func:`find_checkpoint`): a run directory (its ``checkpoints/``), a
   checkpoint directory (its newest step) or one step directory. Every plan saves the same
   logical layout, so a checkpoint of any plan (pipeline, tensor, ZeRO-1, bf16, DiLoCo)
-  loads here. :func:`~holmes_jax.runtime.checkpoint.read_params` reads the parameters
+  loads here. :func:`~holmes_jax.runtime.rundir.checkpoint.read_params` reads the parameters
   alone onto one device in fp32: a bf16 run's fp32 master, a DiLoCo run's global model.
 - **Config**: ``--config`` when given, else the run directory's ``config.yaml``, else the
   config stored with the step (the same config; every step directory carries it).
@@ -42,12 +42,12 @@ import numpy as np
 
 from holmes_jax.core.config import Config, ModelConfig, config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.runtime.checkpoint import find_step, read_params
-from holmes_jax.runtime.data import TOKENS_SIDECAR, ByteTokenizer
-from holmes_jax.runtime.hf import import_origin
-from holmes_jax.runtime.model import GPT, init_model
-from holmes_jax.runtime.prepare import load_tokenizer, wrap_ids
-from holmes_jax.runtime.rundir import CHECKPOINTS_NAME, CONFIG_NAME
+from holmes_jax.runtime.data.loader import TOKENS_SIDECAR, ByteTokenizer
+from holmes_jax.runtime.data.prepare import load_tokenizer, wrap_ids
+from holmes_jax.runtime.hf.convert import import_origin
+from holmes_jax.runtime.model.decoder import GPT, init_model
+from holmes_jax.runtime.rundir.checkpoint import find_step, read_params
+from holmes_jax.runtime.rundir.paths import CHECKPOINTS_NAME, CONFIG_NAME
 
 KEY = "--checkpoint"  # what the checkpoint path is called in messages
 _TOKENIZER_HINT = "pass --tokenizer PATH (a local Hugging Face model directory or tokenizer.json)"

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from holmes_jax.core.config import ModelConfig
 from holmes_jax.core.errors import ConfigError, one_line
-from holmes_jax.runtime.hf_mapping import (
+from holmes_jax.runtime.hf.mapping import (
     HF_NAMES,
     PREFIX,
     Rule,
@@ -49,7 +49,7 @@ from holmes_jax.runtime.hf_mapping import (
     model_from_hf,
     rules,
 )
-from holmes_jax.runtime.storage import is_remote
+from holmes_jax.runtime.rundir.storage import is_remote
 
 # Buffers some checkpoints carry that are not parameters (GPT-2's causal mask, rotary
 # frequencies): skipped on import.
