@@ -46,6 +46,7 @@ from typing import IO
 from holmes_jax.cluster.host_memory import with_huge_pages
 from holmes_jax.cluster.transport import host_environment
 from holmes_jax.cluster.xla_flags import CPU_DEVICES_FLAG
+from holmes_jax.core import status as status_channel
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import Topology
 
@@ -231,7 +232,9 @@ class Launch:
       grace_s: how long the others may take to exit after the first failure.
       out: where prefixed lines go (default stdout).
       verbose: pass library chatter through (default: :func:`quiet` drops it).
-      watch: called with each shown output line (worker, line), outside the output lock.
+      status: called with each event a worker reports on its status channel (worker,
+        event; :mod:`holmes_jax.core.status`), outside the output lock. Without it the
+        workers get no channel.
       failure_line: (worker, exit code) -> the line said on the first failure; default
         ``<host> (process <i>) exited with <code or signal>; stopping the others ...``.
       grace_for: (worker, exit code) -> the others' time to exit after that failure
@@ -250,7 +253,7 @@ class Launch:
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
-        watch: Callable[[Worker, str], None] | None = None,
+        status: Callable[[Worker, dict], None] | None = None,
         failure_line: Callable[[Worker, int], str] | None = None,
         grace_for: Callable[[Worker, int], float] | None = None,
         count_hidden: bool = True,
@@ -259,7 +262,7 @@ class Launch:
         self.grace_s = grace_s
         self.out: IO[str] = out or sys.stdout
         self.verbose = verbose
-        self.watch = watch
+        self.status = status
         self.failure_line = failure_line
         self.grace_for = grace_for
         self.count_hidden = count_hidden
@@ -292,8 +295,22 @@ class Launch:
                     continue
                 self.out.write(tag + line + "\n")
                 self.out.flush()
-            if self.watch is not None:
-                self.watch(worker, line)
+
+    def _read_status(self, worker: Worker, stream: IO[str]) -> None:
+        limit = status_channel.MAX_LINE
+        with stream:
+            while line := stream.readline(limit + 1):
+                whole = line.endswith("\n")
+                while not line.endswith("\n") and (more := stream.readline(limit + 1)):
+                    line = more  # the rest of an over-long line: dropped with it
+                event, problem = status_channel.parse(line.rstrip("\n"))
+                if not whole:
+                    problem = f"a line over {limit} characters"
+                if event is None:
+                    who = f"{worker.host} (process {worker.process_id})"
+                    self.say(f"{who}: status line ignored: {problem}")
+                else:
+                    self.status(worker, event)
 
     def _on_signal(self, signum, frame) -> None:
         self._signals += 1
@@ -339,9 +356,14 @@ class Launch:
 
     def _start(self, index: int) -> None:
         w = self.workers[index]
+        env, keep = w.env, ()
+        if self.status is not None:  # the worker writes, a thread here reads
+            read_end, write_end = os.pipe()
+            env, keep = {**w.env, status_channel.STATUS_FD_VAR: str(write_end)}, (write_end,)
         p = subprocess.Popen(
             w.command,
-            env=w.env,
+            env=env,
+            pass_fds=keep,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -351,9 +373,14 @@ class Launch:
             preexec_fn=self._die_with_parent,
         )
         self.procs[index] = p
-        t = threading.Thread(target=self._pump, args=(w, p.stdout), daemon=True)
-        t.start()
-        self._readers.append(t)
+        readers = [(self._pump, p.stdout)]
+        if self.status is not None:
+            os.close(write_end)  # the worker holds the only write end: its exit ends the stream
+            readers.append((self._read_status, open(read_end, encoding="utf-8", errors="replace")))
+        for target, stream in readers:
+            t = threading.Thread(target=target, args=(w, stream), daemon=True)
+            t.start()
+            self._readers.append(t)
 
     def run(self) -> int:
         """Start every worker and wait; returns the launch's exit code.

@@ -13,10 +13,9 @@ worker fails, runs it again, up to ``max_restarts`` times:
   directory the first attempt printed (``run dir <path>: ...``), so it continues that
   run even when it died before its first checkpoint
   (:mod:`holmes_jax.runtime.rundir.paths`).
-- It reads the job's progress from process 0's lines: ``step N | ...`` (the last step
-  reached), ``resumed from ... at step N`` (the checkpoint a restart resumes from) and
-  ``compiled in ...``. So it needs ``logging.progress`` ``auto`` or ``plain`` (a worker's
-  output is a pipe, so ``auto`` is ``plain``).
+- It learns the job's progress from process 0's status channel
+  (:mod:`holmes_jax.core.status`): the run directory, the checkpoint step a restart
+  resumed from, the first compile, and each logged step, whatever ``logging.progress``.
 
 One line per event: the failure (host, process, exit code or signal, the last step the
 job reached, what happens next), and after a restart, once its first step is done, the
@@ -32,7 +31,7 @@ diloco.inject_abstain_steps=[STEP, ...]`` (``:abstain``, independent islands: th
 sends nothing in the round after STEP) (:func:`fault_args`; all of a job's processes run
 one program, so all of them must be told). It is in the workers'
 arguments, so it fires again in a restart that resumes from before STEP. ``on_step`` sees
-every step line too (``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
+every reported step too (``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
 
 Hosts that stay away (``rejoin_timeout_s``, ``--rejoin-timeout``): before a restart the
 supervisor waits up to that long for every away host to come back. Those still away are
@@ -76,11 +75,6 @@ NOT_RETRIED = {
 # holmes_jax.runtime.rundir.paths.CONTINUE_VAR (not imported: the launcher's process runs no jax)
 CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
 
-# Process 0's lines the supervisor reads (holmes_jax.runtime.loop and .metrics print them).
-_STEP = re.compile(r"step (\d+)(?: \||$)")
-_RESUMED = re.compile(r"resumed from .* at step (\d+)$")
-_RUN_DIR = re.compile(r"run dir (.+?): ")
-_COMPILED = re.compile(r"compiled in ([0-9.]+) s(?: \((.*)\))?$")
 # the faults told to a job rather than done to it: kind -> the key that tells it
 INJECTED = {"nan": "train.inject_nonfinite_steps", "abstain": "diloco.inject_abstain_steps"}
 _FAULT = re.compile(r"([^@\s]+)@([^:\s]+)(?::(.*))?")
@@ -215,16 +209,20 @@ class Supervisor:
 
     # -- the job's output -------------------------------------------------------
 
-    def _watch(self, worker: Worker, line: str) -> None:
+    def _on_status(self, worker: Worker, event: dict) -> None:
+        if worker.process_id != 0:  # process 0 speaks for the job
+            return
         with self._lock:
-            if m := _STEP.match(line):
-                self._on_step(int(m[1]))
-            elif m := _RESUMED.search(line):
-                self._resumed_from = int(m[1])
-            elif m := _COMPILED.search(line):
-                self._compiled = f"compile {m[1]} s" + (f", {m[2]}" if m[2] else "")
-            elif self.run_dir is None and (m := _RUN_DIR.match(line)):
-                self.run_dir = m[1]
+            kind = event["event"]
+            if kind == "step":
+                self._on_step(event["step"])
+            elif kind == "resumed":
+                self._resumed_from = event["step"]
+            elif kind == "compiled":
+                detail = f", {event['detail']}" if event["detail"] else ""
+                self._compiled = f"compile {event['seconds']:.1f} s{detail}"
+            elif kind == "run_dir" and self.run_dir is None:
+                self.run_dir = event["path"]
 
     def _on_step(self, step: int) -> None:
         self.step = step
@@ -346,7 +344,7 @@ class Supervisor:
                     grace_s=self.grace_s,
                     out=self.out,
                     verbose=self.verbose,
-                    watch=self._watch,
+                    status=self._on_status,
                     failure_line=self._failure_line,
                     grace_for=self._grace_for,
                     count_hidden=False,

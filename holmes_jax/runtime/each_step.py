@@ -81,6 +81,7 @@ class Stepper:
             self.logger.message(
                 f"compiled in {self.compile_s:.1f} s" + (f" ({how})" if how else "")
             )
+            self.logger.report("compiled", seconds=self.compile_s, detail=how)
             self.logger.start_progress(step)  # the bar's rate and ETA leave the compile out
             self.began = time.perf_counter()
         if self.wait:

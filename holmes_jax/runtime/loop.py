@@ -88,7 +88,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     if jax.process_index() == 0:
         write_config(cfg)
     logger.open(start, append=outputs.continued)
-    announce(logger.message, r, data, plan_lines, outer.lines(), resumed, start, started_from)
+    announce(logger, r, data, plan_lines, outer.lines(), resumed, start, started_from)
     outer.prepare()
 
     # 3. the loop

@@ -187,10 +187,10 @@ def make_logger(cfg: Config, r: Resolved) -> MetricsLogger:
     )  # fmt: skip
 
 
-def announce(say, r: Resolved, data: Data, plan_lines, outer_lines, resumed, start, started_from):
+def announce(log, r: Resolved, data: Data, plan_lines, outer_lines, resumed, start, started_from):
     """The lines before training: model, mesh and data; where the outputs go; the plan
     (or the pipeline as configured); DiLoCo; remat's choice; what the run starts from."""
-    cfg, shape, devices = r.cfg, r.shape, r.devices
+    cfg, shape, devices, say = r.cfg, r.shape, r.devices, log.message
     say(
         f"holmes_jax: {cfg.model.spec.num_params / 1e6:.2f}M params | mesh "
         + (f"replica={shape.replica} " if shape.replica > 1 else "")
@@ -223,6 +223,10 @@ def announce(say, r: Resolved, data: Data, plan_lines, outer_lines, resumed, sta
     for line in lines:
         if line:
             say(line)
+    if cfg.train.run_dir:
+        log.report("run_dir", path=cfg.train.run_dir)
+    if resumed:
+        log.report("resumed", step=start)
 
 
 def nothing_to_train(cfg: Config, held: int) -> str:

@@ -2,9 +2,9 @@
 
 Each stand-in is a small Python process that behaves like a trainer of a job as the
 supervisor sees it: every process of an attempt waits for the others to join (and fails
-with exit 1 after a timeout), process 0 prints ``run dir``, ``resumed from`` and ``step``
-lines and saves a "checkpoint" every 2 steps, and a process whose peer died exits 3. The
-real trainer under the same supervisor: ``test_faults.py``.
+with exit 1 after a timeout), process 0 reports ``run_dir``, ``resumed``, ``compiled`` and
+``step`` on its status channel and saves a "checkpoint" every 2 steps, and a process whose
+peer died exits 3. The real trainer under the same supervisor: ``test_faults.py``.
 """
 
 import io
@@ -23,6 +23,7 @@ from tests.common import ROOT
 # A job of FAKE_HOSTS processes in FAKE_DIR, attempt FAKE_ATTEMPT.
 FAKE = r"""
 import os, signal, sys, time, pathlib
+from holmes_jax.core.status import report
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 d, pid = pathlib.Path(os.environ["FAKE_DIR"]), int(os.environ["FAKE_PID"])
@@ -49,10 +50,10 @@ def alive(p):  # running, or finished its steps
         return False
 start = int((d / "ckpt").read_text()) if (d / "ckpt").exists() else 0
 if pid == 0:
-    print(f"run dir {d}/run: checkpoints/, metrics.jsonl", flush=True)
+    report("run_dir", path=f"{d}/run")
     if start:
-        print(f"resumed from {d}/run/checkpoints at step {start}", flush=True)
-    print("compiled in 0.5 s (compilation cache: hit)", flush=True)
+        report("resumed", step=start)
+    report("compiled", seconds=0.5, detail="compilation cache: hit")
     if code:
         sys.exit(code)
 for step in range(start + 1, steps + 1):
@@ -61,7 +62,8 @@ for step in range(start + 1, steps + 1):
         print("error: lost peer", flush=True)
         sys.exit(3)
     if pid == 0:
-        print(f"step {step} | loss 1.0", flush=True)
+        print(f"step {step} | loss 1.0", flush=True)  # for the user; the supervisor reads:
+        report("step", step=step)
         if step % 2 == 0 or stop:
             put("ckpt", str(step))
     if stop:  # as the trainer: checkpoint, then exit 0
@@ -125,7 +127,7 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path):
         "compilation cache: hit)"
     )
     assert len(lines) == 3, out
-    # The restart continues the run directory the first attempt printed.
+    # The restart continues the run directory the first attempt reported.
     assert attempts == [{}, {rundir.CONTINUE_VAR: f"{tmp_path}/run"}]
     assert (tmp_path / "env-2-1").read_text() == f"{tmp_path}/run"
     steps = [line.split()[2] for line in out.splitlines() if line.startswith("[a] step ")]

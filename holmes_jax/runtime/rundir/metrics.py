@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from holmes_jax.core import status
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import FlopsPerToken
@@ -196,6 +197,12 @@ class MetricsLogger:
             self._bar.set_postfix(post)
         elif self.mode == "plain":
             print(format_record(rec), flush=True)
+        status.report("step", step=rec["step"])
+
+    def report(self, event: str, **fields) -> None:
+        """One event on the launcher's status channel (:mod:`holmes_jax.core.status`)."""
+        if self.is_main:
+            status.report(event, **fields)
 
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""

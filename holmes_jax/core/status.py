@@ -1,0 +1,104 @@
+"""The status channel: what a training process tells the launcher that started it.
+
+The launcher (:class:`holmes_jax.cluster.launcher.Launch`) gives each worker the write end
+of a pipe and its number in ``HOLMES_STATUS_FD``. The main process writes one JSON object
+per line to it; the launcher reads them beside the human-readable output, so what
+restarts and fault injection act on does not depend on ``logging.progress`` or on the
+wording of a progress line. Without ``HOLMES_STATUS_FD`` (a run not under the launcher),
+:func:`report` does nothing.
+
+The events, with the fields each must carry:
+
+======== ======================================= =====================================
+event    fields                                  when
+======== ======================================= =====================================
+run_dir  ``path`` (str)                          the run directory is chosen
+resumed  ``step`` (int >= 0)                     a checkpoint was restored
+compiled ``seconds`` (float >= 0), ``detail``    the first train step compiled
+         (str: cache hits, or "")
+step     ``step`` (int >= 1)                     a logged step's metrics were fetched
+======== ======================================= =====================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import IO, Any
+
+STATUS_FD_VAR = "HOLMES_STATUS_FD"
+# event -> {field: the types it may hold}
+EVENTS: dict[str, dict[str, tuple[type, ...]]] = {
+    "run_dir": {"path": (str,)},
+    "resumed": {"step": (int,)},
+    "compiled": {"seconds": (int, float), "detail": (str,)},
+    "step": {"step": (int,)},
+}
+MAX_LINE = 64 * 1024  # a longer line is not a status line
+
+_channel: IO[str] | None = None
+_closed = False
+
+
+def report(event: str, **fields: Any) -> None:
+    """Write one event to the launcher's channel, if this process has one.
+
+    Raises:
+      ValueError: ``event`` or its fields do not match :data:`EVENTS` (a bug in the caller).
+    """
+    global _channel, _closed
+    record = {"event": event, **fields}
+    problem = check(record)
+    if problem:
+        raise ValueError(f"status event {record}: {problem}")
+    if _closed:
+        return
+    if _channel is None:
+        fd = os.environ.get(STATUS_FD_VAR)
+        if not fd:
+            _closed = True
+            return
+        try:
+            _channel = os.fdopen(int(fd), "w", buffering=1, closefd=True)
+        except (OSError, ValueError):  # not ours (a copied environment): stay silent
+            _closed = True
+            return
+    try:
+        _channel.write(json.dumps(record) + "\n")
+    except OSError:  # the launcher is gone; the process goes on without it
+        _closed = True
+
+
+def check(record: Any) -> str:
+    """What is wrong with ``record`` as a status event, or "" when nothing is."""
+    if not isinstance(record, dict):
+        return f"must be a JSON object, not {type(record).__name__}"
+    event = record.get("event")
+    if event not in EVENTS:
+        return f"event {event!r} is not one of {sorted(EVENTS)}"
+    want = EVENTS[event]
+    extra = set(record) - set(want) - {"event"}
+    if extra:
+        return f"unknown field(s) {sorted(extra)} for event {event!r}"
+    for name, types in want.items():
+        value = record.get(name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"{event}.{name}={value!r}: must be {' or '.join(t.__name__ for t in types)}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{event}.{name}={value!r}: must be finite"
+        if name in ("step", "seconds") and value < (1 if event == "step" else 0):
+            return f"{event}.{name}={value!r}: must be >= {1 if event == 'step' else 0}"
+    return ""
+
+
+def parse(line: str) -> tuple[dict[str, Any] | None, str]:
+    """One line read from a channel -> (the event, "") or (None, what was wrong)."""
+    if len(line) > MAX_LINE:
+        return None, f"a line of {len(line)} characters (at most {MAX_LINE})"
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        return None, f"not JSON ({e})"
+    problem = check(record)
+    return (None, problem) if problem else (record, "")
