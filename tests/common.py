@@ -8,6 +8,10 @@ import glob
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+# How long a test waits for a process it started to do what it must (reach a step, finish,
+# exit): a guard against a hang, not a time the test expects. A test waits on the event
+# itself (a file written, a process exit), so a loaded machine only makes it slower.
+HANG_S = 1800
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 MESHES = sorted(glob.glob(os.path.join(ROOT, "meshes", "*.yaml")))
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from holmes_jax.cluster.launcher import free_port
-from tests.common import ROOT, TINY_RUN, as_flags
+from tests.common import HANG_S, ROOT, TINY_RUN, as_flags
 
 TINY = [
     *TINY_RUN,
@@ -68,7 +68,7 @@ def start_job(count, overrides, tmp_path, name, env):
     ]
 
 
-def wait(procs, timeout=180):
+def wait(procs, timeout=HANG_S):
     """Exit codes of ``procs`` (killing any still running after ``timeout`` s)."""
     deadline = time.time() + timeout
     try:
@@ -85,16 +85,20 @@ def losses(path):
     return {r["step"]: r["loss"] for r in map(json.loads, open(path))}
 
 
-def wait_for_step(procs, metrics, step, timeout=120):
-    """Return once ``metrics`` logs ``step`` (or later); fail if a process exits first."""
+def wait_for_step(procs, metrics, step, timeout=HANG_S):
+    """Return once ``metrics`` logs ``step`` (or later); fail if a process exits first.
+
+    Reads only whole lines: the trainer may be writing the last one."""
     deadline = time.time() + timeout
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        if metrics.exists() and any(
-            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
-        ):
+    while time.time() < deadline:
+        text = metrics.read_text() if metrics.exists() else ""
+        whole = text[: text.rfind("\n") + 1].splitlines()
+        if any(json.loads(line)["step"] >= step for line in whole):
             return
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} never logged in {metrics}")
+        if exited := [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]:
+            raise AssertionError(f"step {step} never logged in {metrics}: exited {exited}")
+        time.sleep(0.1)  # the poll interval; the wait ends on the file or an exit
+    raise AssertionError(f"step {step} never logged in {metrics} after {timeout} s (hung)")
 
 
 def compare(got, reference, atol=1e-5):

@@ -30,7 +30,7 @@ from tests.cluster.procs import (
     wait,
     wait_for_step,
 )
-from tests.common import ROOT, as_flags
+from tests.common import HANG_S, ROOT, as_flags
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_a_killed_coordinator_is_named_in_one_line(tmp_path, proc_env):
 
     coordinator, member = run(COORDINATOR, tmp_path / "coordinator.log"), run(MEMBER, log)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + HANG_S
         while "joined" not in log.read_text() and member.poll() is None:
             assert time.time() < deadline, log.read_text()
             time.sleep(0.1)
@@ -106,7 +106,7 @@ def test_killing_process_0_names_it_on_every_survivor(tmp_path, proc_env):
     ]
     procs = start_job(4, job, tmp_path, "p", proc_env)
     try:
-        wait_for_step(procs, metrics, 2, timeout=240)
+        wait_for_step(procs, metrics, 2)
         procs[0].kill()
         killed = time.time()
         codes = wait(procs[1:], timeout=60)
@@ -147,7 +147,7 @@ def launch(mesh, env, run_dir, flags, overrides=()):
     """``launch`` of JOB on ``mesh``'s two hosts into ``run_dir``; its stdout (it must exit 0)."""
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
     cmd += [*flags, "--", *as_flags([*JOB, f"train.run_dir={run_dir}", *overrides])]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done.stdout
 
@@ -194,7 +194,7 @@ def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, straig
                 wait_for_step(procs, metrics, kill_at[attempt])
                 for p in procs if victims[attempt] == "all" else [procs[victims[attempt]]]:
                     p.kill()
-                codes = wait(procs, timeout=60)
+                codes = wait(procs)
             finally:
                 wait(procs, timeout=1)
             assert all(c != 0 for c in codes), (attempt, codes)
@@ -287,7 +287,7 @@ def test_nan_faults_stop_every_worker_with_exit_4_and_no_restart(tmp_path, strai
     cmd += ["--grace", "1", "--fail-host", "roce-0@3:nan", "--fail-host", "ib-0@2:nan", "--"]
     cmd += as_flags([*JOB, f"train.run_dir={run_dir}", "train.max_skipped_steps=1"])
     done = subprocess.run(cmd, cwd=ROOT, env=straight.env, capture_output=True, text=True,
-                          timeout=480)  # fmt: skip
+                          timeout=HANG_S)  # fmt: skip
     out = done.stdout
     assert done.returncode == 4, out[-4000:] + done.stderr[-2000:]
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]

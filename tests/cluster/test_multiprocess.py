@@ -18,7 +18,7 @@ import pytest
 from holmes_jax.core.config import load_config
 from holmes_jax.runtime.loop import run
 from tests.cluster.procs import FOUR, TINY, TWO, compare, losses, start_job, wait, wait_for_step
-from tests.common import ROOT, as_flags
+from tests.common import HANG_S, ROOT, as_flags
 
 EMULATED = TINY + [
     "parallel.mesh=meshes/emu-4host-2island.yaml",
@@ -58,7 +58,7 @@ def test_four_processes_through_the_launcher_match_one(tmp_path, env):
     cmd += ["--mesh", os.path.join(ROOT, "meshes", ".", "cpu8-two-islands.yaml")]
     train = [o for o in FOUR if not o.startswith("parallel.mesh")]
     cmd += as_flags(train + [f"train.metrics_path={metrics}"])
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[ib-0  ] distributed: 4 processes" in done.stdout
     # Only process 0 speaks (the others' lines were gloo's), one prefixed line per event.
@@ -86,7 +86,7 @@ def test_two_processes_stop_lose_a_peer_and_resume(tmp_path, two_reference, env)
     try:
         wait_for_step(procs, metrics, 2)
         procs[1].send_signal(signal.SIGTERM)
-        codes = wait(procs, timeout=90)
+        codes = wait(procs)
     finally:
         wait(procs, timeout=1)
     log0 = (tmp_path / "term-0.log").read_text()
@@ -136,7 +136,7 @@ def test_emulated_islands_match_one(tmp_path, env):
     cmd += ["--mesh", "meshes/emu-4host-2island.yaml"]
     train = [o for o in EMULATED if not o.startswith("parallel.mesh")]
     cmd += ["--emulate", "--", *as_flags(train + [f"train.metrics_path={metrics}"])]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "between islands 100 Mbit/s" in done.stdout
     # Everything it created is gone. The launcher also removes namespaces left by dead

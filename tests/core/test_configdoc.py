@@ -11,8 +11,7 @@ import pytest
 import yaml
 
 from holmes_jax.core import configdoc
-from holmes_jax.core.config import Config, config_from_dict
-from holmes_jax.core.sections import CONFIG_CHOICES
+from holmes_jax.core.config import CONFIG_CHOICES, Config, config_from_dict
 from holmes_jax.core.spec import CONFIG_LIMITS
 from tests.common import ROOT
 

@@ -39,7 +39,7 @@ from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology, without_hosts
 from holmes_jax.runtime.loop import run
 from tests.cluster.procs import two_host_mesh
-from tests.common import ROOT, TINY_RUN, as_flags
+from tests.common import HANG_S, ROOT, TINY_RUN, as_flags
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +55,10 @@ DILOCO = [
     "train.eval_every=4",
     "train.steps=8",
 ]
+# The launched island jobs wait for each other's deltas as long as a test waits for anything
+# (an island restarted on a loaded machine may take minutes to come back): the tests that
+# drop a peer set their own timeout.
+PATIENT = f"diloco.quorum_timeout_s={HANG_S}"
 ROUND = re.compile(r"diloco: outer step after step (\d+): round (\d+), islands \[([\d, ]+)\]")
 
 
@@ -259,9 +263,9 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
     cmd += ["--independent-islands", "--max-restarts", "1", "--fail-host", "roce-1@4"]
-    job = [*DILOCO, f"train.run_dir={run_dir}", "checkpoint.every=2", cache]
+    job = [*DILOCO, PATIENT, f"train.run_dir={run_dir}", "checkpoint.every=2", cache]
     cmd += ["--", *as_flags(job)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
     assert "in 2 lanes, 2 per process" in out and "in 2 lanes, 1 per process" in out
@@ -438,9 +442,11 @@ def test_a_nan_island_abstains_and_the_others_train_as_if_it_missed_the_round(tm
     def launch(fault: str, run_dir):
         cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
         cmd += ["--independent-islands", "--fail-host", fault]
-        job = [*DILOCO, *memoryless, f"train.run_dir={run_dir}", "checkpoint.every=4"]
+        job = [*DILOCO, *memoryless, PATIENT, f"train.run_dir={run_dir}", "checkpoint.every=4"]
         cmd += ["--", *as_flags(job)]
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S
+        )
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
         runs = (records(run_dir / island / "metrics.jsonl") for island in ("ib", "roce"))
         return done.stdout, *runs

@@ -43,7 +43,7 @@ from holmes_jax.runtime.rundir.checkpoint import (
 )
 from tests import hlo
 from tests.cluster.procs import TINY
-from tests.common import ROOT, as_flags
+from tests.common import HANG_S, ROOT, as_flags
 
 DEGREES = Degrees(stages=1, data=2, tensor=1, replica=2)
 # H = 1, outer lr 1, no momentum: every replica restarts from the mean of their AdamW steps.
@@ -482,7 +482,7 @@ def test_four_processes_through_the_launcher_match_one(tmp_path):
     cmd += ["--mesh", "meshes/cpu8-two-islands.yaml"]
     train = [o for o in overrides if not o.startswith("parallel.mesh")]
     cmd += ["--", *as_flags([*train, f"train.metrics_path={metrics}"])]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "diloco: outer step of fragment 0/1 after step 4" in done.stdout
     got = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -17,6 +17,7 @@ from holmes_jax.diloco.rounds import SyncConfig
 from holmes_jax.diloco.sync import OuterSync
 from holmes_jax.diloco.transport import request
 from holmes_jax.diloco.wire import pack, unpack
+from tests.common import HANG_S
 
 TIMEOUT = 1.0
 CFG = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=TIMEOUT, probe_s=0.3)
@@ -132,14 +133,14 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
     t0 = time.monotonic()
     sync_all(nodes[:2], thetas, [1, 1])
     first = time.monotonic() - t0
-    assert first < TIMEOUT + 1.0  # waited for the dead one at most the quorum timeout
+    assert first >= TIMEOUT  # waited for the dead one: the quorum timeout, then dropped it
+    assert nodes[0].members == nodes[1].members == {0, 1}
     want_g, _ = expected(glob, mom, thetas, [1, 1])
     np.testing.assert_allclose(nodes[0].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6)
-    # the survivors keep stepping, without waiting for the dropped island again
-    t0 = time.monotonic()
+    # the survivors keep stepping: a non-member is not waited for
     for r in range(2):
         sync_all(nodes[:2], [inner(n, 20 + r) for n in nodes[:2]], [1, 1])
-    assert time.monotonic() - t0 < TIMEOUT and nodes[1].round == 3
+    assert nodes[1].round == 3 and nodes[0].members == {0, 1}
     # restart island 2 without state: registered for the round open at its join (no delta),
     # it adopts that round's global and momentum from the leader, in step with it
     back = OuterSync(2, peers, CFG, None, shapes=SHAPES)
@@ -249,13 +250,12 @@ def test_a_reply_that_stalls_ends_after_the_timeout(islands):
     glob = {k: np.zeros((1024, 512), np.float32) for k in KEYS}
     leader = OuterSync(0, free_ports(2), cfg, (glob, dict(glob)))
     islands[1].append(leader)
-    began = time.monotonic()
     thread = threading.Thread(target=leader.sync, args=(glob, 1), daemon=True)
     thread.start()
     stalled = stalled_participant(leader, 1)
-    thread.join(timeout=10)
+    thread.join(timeout=HANG_S)  # ends by the socket's timeout, not by the close below
     stalled.close()
-    assert not thread.is_alive() and time.monotonic() - began < 3 * 0.5 + 1.0
+    assert not thread.is_alive()
     assert leader.r.took[1] == {1} and not leader.r.fetched.get(1)
 
 
@@ -336,8 +336,9 @@ def test_a_late_member_skips_a_round_and_is_in_step_after(islands):
 
 def test_a_member_restarted_between_rounds_is_not_waited_for(islands):
     # Island 1 dies after round 1 and is back before round 2: still a member, but it sends
-    # no delta for the round open at its join, so the leader must not wait 5 s for one.
-    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=5.0, probe_s=0.3)
+    # no delta for the round open at its join, so the leader must not wait for one (the
+    # quorum timeout is long enough that waiting could not pass for a slow machine).
+    cfg = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=120.0, probe_s=0.3)
     (a, b), peers = islands[0](2, cfg)
     sync_all([a, b], [inner(a, 1), inner(b, 2)], [1, 1])
     b.close()
@@ -349,8 +350,8 @@ def test_a_member_restarted_between_rounds_is_not_waited_for(islands):
             time.sleep(0.01)
         began = time.monotonic()
         a.sync(inner(a, 3), 1)
-        assert time.monotonic() - began < 2.0
-        joining.result(timeout=10)
+        assert time.monotonic() - began < 60.0
+        joining.result(timeout=HANG_S)
     assert back.round == a.round == 2 and same(back.glob, a.glob) and a.members == {0, 1}
 
 
@@ -359,10 +360,8 @@ def test_leader_death_survivors_agree(islands):
     sync_all(nodes, [inner(n, i) for i, n in enumerate(nodes)], [1, 1, 1])
     nodes[0].close()  # the leader dies
     live = nodes[1:]
-    t0 = time.monotonic()
     for r in range(2):
         sync_all(live, [inner(n, 40 + r + i) for i, n in enumerate(live)], [1, 1])
-    assert time.monotonic() - t0 < 2 * TIMEOUT + 2.0
     assert same(live[0].glob, live[1].glob) and live[0].leader == live[1].leader == 1
 
 
@@ -401,15 +400,16 @@ def test_a_probe_behind_a_cut_link_costs_a_round_nothing(islands):
     silent.listen()  # connections queue, no reply
     peers = free_ports(2)
     peers[0] = silent.getsockname()
-    cfg = SyncConfig(quorum_timeout_s=TIMEOUT, probe_s=2.0)
+    cfg = SyncConfig(quorum_timeout_s=TIMEOUT, probe_s=120.0)  # the probe never times out here
     b = OuterSync(1, peers, cfg, start_state())
     try:
         b.r.leader, b.r.members = 1, {1}
         began = time.monotonic()
         b._heal_if_split()
         took = time.monotonic() - began
-        assert outer_sync.PROBE_WAIT_S <= took < cfg.probe_s and b.prober.is_alive()
-        b.prober.join(cfg.probe_s + 1)  # the probe times out in the background
+        assert outer_sync.PROBE_WAIT_S <= took < 60.0 and b.prober.is_alive()
+        silent.close()  # the hanging connection is reset: the background probe ends
+        b.prober.join(HANG_S)
         b._heal_if_split()
         assert b.prober is None and b.lineage == "root"
     finally:

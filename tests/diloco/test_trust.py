@@ -8,6 +8,7 @@ its reason; then an honest round runs and every island's model equals the round 
 by hand from the state before the attack, so the attack changed nothing.
 """
 
+import dataclasses
 import http.client
 import os
 import socket
@@ -42,6 +43,8 @@ KEY = b"0123456789abcdef0123456789abcdef"
 CFG = SyncConfig(
     outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=1.0, probe_s=0.3, round_tokens=1000
 )
+# The trio's: a round that waited for its quorum timeout could not pass for a slow machine.
+PATIENT = dataclasses.replace(CFG, quorum_timeout_s=120.0)
 
 
 @pytest.fixture
@@ -50,7 +53,7 @@ def trio():
     peers = free_ports(3)
     said = [[], [], []]
     nodes = [
-        OuterSync(i, peers, CFG, start_state(), security=Security(KEY), say=said[i].append)
+        OuterSync(i, peers, PATIENT, start_state(), security=Security(KEY), say=said[i].append)
         for i in range(3)
     ]
     yield nodes, peers, said
@@ -351,7 +354,7 @@ def test_a_member_s_nan_delta_leaves_it_out_of_the_round(trio):
             time.sleep(0.001)
         futures.append(pool.submit(nodes[2].sync_delta, delta, 300))
         [f.result(timeout=30) for f in futures]
-    assert time.monotonic() - began < CFG.quorum_timeout_s  # not waited for
+    assert time.monotonic() - began < PATIENT.quorum_timeout_s / 2  # not waited for
     want_g, want_m = expected(glob, mom, thetas[:2], [100, 200])
     for n in nodes:
         assert same(n.glob, nodes[0].glob) and n.round == 1
@@ -373,7 +376,7 @@ def test_an_abstaining_island_equals_an_absent_one(trio):
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(n.sync, t, 100) for n, t in zip(nodes, thetas, strict=True)]
         [f.result(timeout=30) for f in futures]
-    assert time.monotonic() - began < CFG.quorum_timeout_s
+    assert time.monotonic() - began < PATIENT.quorum_timeout_s / 2
     want_g, _ = expected(glob, mom, [thetas[0], thetas[2]], [100, 100])
     for n in nodes:
         assert same(n.glob, nodes[0].glob) and same(n.mom, nodes[0].mom)
