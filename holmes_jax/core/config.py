@@ -27,7 +27,6 @@ from typing import Any
 from holmes_jax.core.diloco_config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.sections import (
-    CONFIG_CHOICES,
     DATA_SOURCES,
     PROGRESS_MODES,
     TOKEN_DTYPES,
@@ -41,7 +40,7 @@ from holmes_jax.core.sections import (
     TrainConfig,
 )
 from holmes_jax.core.spec import CONFIG_LIMITS, check_batch, check_choice
-from holmes_jax.core.yamlio import apply_override, build_dataclass, plain, read_yaml
+from holmes_jax.core.yamlio import apply_override, build_dataclass, choices, plain, read_yaml
 
 __all__ = [
     "CONFIG_CHOICES",
@@ -117,6 +116,10 @@ class Config:
 
 
 # --------------------------------------------------------------------------- loading
+
+
+# The config keys with a fixed set of values (a Literal type), and that set.
+CONFIG_CHOICES: dict[str, tuple[Any, ...]] = choices(Config)
 
 
 def load_config(path: str | os.PathLike | None, overrides: typing.Sequence[str] = ()) -> Config:

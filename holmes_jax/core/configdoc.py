@@ -6,7 +6,7 @@ One table per section of :class:`~holmes_jax.core.config.Config`, in field order
 section class's docstring. Each key's row holds:
 
 - its type, from the field's type hint, and its default;
-- what it may take: the values of :data:`~holmes_jax.core.sections.CONFIG_CHOICES` or the
+- what it may take: the values of :data:`~holmes_jax.core.config.CONFIG_CHOICES` or the
   bound of :data:`~holmes_jax.core.spec.CONFIG_LIMITS`;
 - its meaning: the field's comment in the source, that is the comment lines directly above
   the field and the comment on its line, in that order.
@@ -30,8 +30,7 @@ import types
 import typing
 from typing import Any
 
-from holmes_jax.core.config import Config
-from holmes_jax.core.sections import CONFIG_CHOICES
+from holmes_jax.core.config import CONFIG_CHOICES, Config
 from holmes_jax.core.spec import CONFIG_LIMITS, Bound
 
 COMMAND = "python -m holmes_jax.core.configdoc > docs/configuration.md"
@@ -80,6 +79,9 @@ def type_text(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
         (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
         return f"list[{type_text(item)}]"
+    if typing.get_origin(hint) is typing.Literal:  # its values are in their own column
+        kinds = dict.fromkeys(type(a) for a in typing.get_args(hint))
+        return " \\| ".join(type_text(k) for k in kinds)
     return "null" if hint is type(None) else hint.__name__
 
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.keyfile import read_key
 from holmes_jax.core.sections import ModelConfig, ParallelConfig, _positive
-from holmes_jax.core.spec import STEPS
+from holmes_jax.core.spec import STEPS, DilocoEnabled, OuterDtype
+
+# spmd: one jax job, islands are the replica axis; independent: one job per island, the outer
+# sync between jobs over the host-level protocol (holmes_jax.diloco.sync).
+DilocoMode = Literal["spmd", "independent"]
 
 
 def is_loopback(host: str) -> bool:
@@ -39,17 +44,18 @@ class DilocoConfig:
     the nearest thing across a slow link), and the H-step rounds start after step K.
     """
 
-    enabled: bool | str = False  # DiLoCo on, off, or auto (the planner decides)
+    enabled: DilocoEnabled = False  # DiLoCo on, off, or auto (the planner decides)
     inner_steps: int = 50  # H: inner steps per outer step
     outer_lr: float = 0.7  # learning rate of the outer Nesterov SGD
     outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD
     fragments: int = 1  # streaming DiLoCo above 1; at most inner_steps and num_layers
-    outer_dtype: str = "fp32"  # what crosses the link (the outer state stays fp32)
+    outer_dtype: OuterDtype = "fp32"  # what crosses the link (the outer state stays fp32)
     auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
     # K: the first K steps each end with plain averaging of the replicas (every fragment,
     # outer lr 1, momentum untouched); then rounds of H steps.
     warmup_steps: int = 0
-    mode: str = "spmd"  # spmd: one job, islands are replicas; independent: one job per island
+    # spmd: one job, islands are replicas; independent: one job per island
+    mode: DilocoMode = "spmd"
     # independent: an island whose round delta is not in within this many seconds is
     # dropped from that outer step (the others average among themselves and go on)
     quorum_timeout_s: float = 60.0

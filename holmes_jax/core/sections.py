@@ -6,7 +6,8 @@ Each field is documented once, where it is defined:
 - its meaning is its comment: the ``#`` lines directly above the field, then the ``#``
   comment on its line;
 - its upper bound is in :data:`holmes_jax.core.spec.CONFIG_LIMITS`;
-- its allowed values, where it has a fixed set, are in :data:`CONFIG_CHOICES`.
+- its allowed values, where it has a fixed set, are its type: a ``Literal`` of
+  :mod:`holmes_jax.core.spec` (collected in :data:`holmes_jax.core.config.CONFIG_CHOICES`).
 
 ``docs/configuration.md`` is generated from these (:mod:`holmes_jax.core.configdoc`).
 
@@ -19,49 +20,29 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import (
-    ARCHS,
-    ATTENTION_KERNELS,
-    CROSS_ISLAND_CHOICES,
-    DILOCO_CHOICES,
-    GRAD_BUCKET_CHOICES,
     INJECTED,
-    OUTER_DTYPES,
-    PRECISIONS,
-    REMAT_CHOICES,
-    SCHEDULE_CHOICES,
     STEPS,
+    Arch,
+    AttentionKernel,
+    CrossIslandChoice,
+    GradBucketChoice,
     ModelSpec,
+    Precision,
+    RematChoice,
+    ScheduleChoice,
     check_pipeline,
     check_split,
 )
 
-DATA_SOURCES = ("stdlib", "text", "tokens")
-TOKEN_DTYPES = ("uint16", "uint32")
-PROGRESS_MODES = ("auto", "bar", "plain", "none")
-# diloco.mode: spmd = one jax job, islands are the replica axis; independent = one job per
-# island, outer sync between jobs over the host-level protocol (holmes_jax.diloco.sync).
-DILOCO_MODES = ("spmd", "independent")
-
-# The config keys with a fixed set of values, and that set.
-CONFIG_CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.arch": ARCHS,
-    "model.remat": REMAT_CHOICES,
-    "model.attention": ATTENTION_KERNELS,
-    "data.source": DATA_SOURCES,
-    "data.token_dtype": TOKEN_DTYPES,
-    "parallel.schedule": SCHEDULE_CHOICES,
-    "parallel.grad_buckets": GRAD_BUCKET_CHOICES,
-    "parallel.cross_island_dtype": CROSS_ISLAND_CHOICES,
-    "diloco.enabled": DILOCO_CHOICES,
-    "diloco.outer_dtype": OUTER_DTYPES,
-    "diloco.mode": DILOCO_MODES,
-    "train.precision": PRECISIONS,
-    "logging.progress": PROGRESS_MODES,
-}
+DataSource = Literal["stdlib", "text", "tokens"]
+TokenDtype = Literal["uint16", "uint32"]
+ProgressMode = Literal["auto", "bar", "plain", "none"]
+DATA_SOURCES, TOKEN_DTYPES = get_args(DataSource), get_args(TokenDtype)
+PROGRESS_MODES = get_args(ProgressMode)
 
 
 @dataclass(frozen=True)
@@ -71,7 +52,7 @@ class ModelConfig:
     biases). ``num_kv_heads`` 0, ``mlp_size`` 0 and ``tied_embeddings`` null are resolved
     at construction (to num_heads, mlp_ratio x hidden_size and the arch's default)."""
 
-    arch: str = "gpt2"  # the decoder family (see above)
+    arch: Arch = "gpt2"  # the decoder family (see above)
     vocab_size: int = 256  # token ids are 0 .. vocab_size - 1
     # Embedding and head rows are padded to a multiple of this; 1 = no padding. The padded
     # logits are masked out. GPT-2's 50257 with 128 gives 50304, which tensor 2, 4 or 8 divides.
@@ -96,8 +77,9 @@ class ModelConfig:
     # forward is recomputed) or selective (matmul and attention outputs; norms, GELU and
     # softmax are recomputed); auto lets the planner pick the fastest that fits. YAML
     # true / false are read as full / none.
-    remat: str | bool = "none"
-    attention: str = "auto"  # attention kernel; auto = cuDNN on a CUDA device where it can run
+    remat: RematChoice | bool = "none"
+    # attention kernel; auto = cuDNN on a CUDA device where it can run
+    attention: AttentionKernel = "auto"
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # YAML true / false
@@ -173,9 +155,9 @@ class DataConfig:
     byte-tokenized); or ``tokens``, a raw token file that ``python -m holmes_jax.data
     prepare`` writes."""
 
-    source: str = "stdlib"  # the corpus (see above)
+    source: DataSource = "stdlib"  # the corpus (see above)
     path: str | None = None  # text file or directory (text), raw token file (tokens)
-    token_dtype: str = "uint16"  # dtype of a raw token file
+    token_dtype: TokenDtype = "uint16"  # dtype of a raw token file
     eval_fraction: float = 0.05  # share of the corpus held out for evaluation
     max_bytes: int = 16_000_000  # bytes of text read (stdlib, text); 0 = no cap
 
@@ -209,7 +191,7 @@ class ParallelConfig:
     # split; auto = the planner's split.
     layers_per_stage: tuple[int, ...] | str | None = None
     microbatches: int = 1  # micro-batches per step and data-parallel rank (the pipeline's)
-    schedule: str = "gpipe"  # pipeline schedule; auto = the planner picks it
+    schedule: ScheduleChoice = "gpipe"  # pipeline schedule; auto = the planner picks it
     virtual_stages: int = 1  # model chunks per device (interleaved only, >= 2)
     replica: int = 1  # data-parallel copies across islands (hierarchical reduction)
     enforce_islands: bool = True  # false: allow data groups across islands (naive baseline)
@@ -220,11 +202,11 @@ class ParallelConfig:
     # its last backward completes (overlaps the backward with asynchronous collectives),
     # "step" every leaf once, all layers at a time, after the backward (a few collectives
     # per step); auto: step where collectives block (CPU), else layer.
-    grad_buckets: str = "auto"
+    grad_buckets: GradBucketChoice = "auto"
     # Wire format of pipeline activations and their gradients sent between stages on two
     # islands (same: the compute dtype; int8 / fp8: one fp32 scale per token row); auto: the
     # planner's pick, bf16 when it predicts a step >= 5% shorter, else same.
-    cross_island_dtype: str = "same"
+    cross_island_dtype: CrossIslandChoice = "same"
 
     def validate(self, model: ModelConfig) -> None:
         if self.exclude_hosts and not self.mesh:
@@ -323,7 +305,7 @@ class TrainConfig:
     steps: int = 1000  # the step the run ends at; a resumed run trains up to it
     global_batch_size: int = 32  # sequences per optimizer step, all devices
     seed: int = 0  # seeds the initial parameters and the batches; >= 0
-    precision: str = "fp32"  # bf16: bf16 params and compute, fp32 master and reduction
+    precision: Precision = "fp32"  # bf16: bf16 params and compute, fp32 master and reduction
     eval_every: int = 100  # steps between evaluations; 0 = only at the end
     eval_batches: int = 8  # batches per evaluation
     # The run's directory: checkpoints, metrics, TensorBoard events and config.yaml go
@@ -407,7 +389,7 @@ class LoggingConfig:
     START >= 1 keeps the compiling first step out)."""
 
     log_every: int = 10  # steps between printed and recorded metrics
-    progress: str = "auto"  # how progress prints; auto = a bar on a terminal, else plain
+    progress: ProgressMode = "auto"  # how progress prints; auto = a bar on a terminal, else plain
     tensorboard_dir: str | None = "auto"  # event files; auto = <train.run_dir>/tb; null = none
     peak_tflops: float | None = None  # per device, for MFU; null = the device kind's datasheet peak
     # A jax.profiler trace of N steps after step START, as "START:N" (e.g. 2:2: steps 3 and

@@ -29,27 +29,40 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from holmes_jax.core.errors import ConfigError
 
-# pipeline schedules (holmes_jax.planner.schedule)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-SCHEDULE_CHOICES = (*SCHEDULES, "auto")  # auto: the planner picks schedule, v and split
-REMAT_POLICIES = ("none", "full", "selective")  # what the model runs
-REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: the planner picks one that fits
-ATTENTION_KERNELS = ("auto", "xla", "cudnn")
-ARCHS = ("gpt2", "llama")  # model.arch (holmes_jax.runtime.model.decoder)
-PRECISIONS = ("fp32", "bf16")
+# The value sets, as types: a config field annotated with one takes only its values (the
+# YAML reader checks them, holmes_jax.core.yamlio), and each tuple is the same set.
+# pipeline schedules (holmes_jax.planner.schedule); auto: the planner picks schedule, v, split
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
+ScheduleChoice = Literal[Schedule, "auto"]
+RematPolicy = Literal["none", "full", "selective"]  # what the model runs
+RematChoice = Literal[RematPolicy, "auto"]  # auto: the planner picks one that fits
+AttentionKernel = Literal["auto", "xla", "cudnn"]
+Arch = Literal["gpt2", "llama"]  # model.arch (holmes_jax.runtime.model.decoder)
+Precision = Literal["fp32", "bf16"]
 # What crosses the link at a DiLoCo outer step (the outer state itself stays fp32).
-OUTER_DTYPES = ("fp32", "bf16", "int8")
-DILOCO_CHOICES = (True, False, "auto")  # diloco.enabled; auto: the planner decides
+OuterDtype = Literal["fp32", "bf16", "int8"]
+DilocoEnabled = Literal[True, False, "auto"]  # auto: the planner decides
 # parallel.grad_buckets: when the data-parallel gradient reduction runs (runtime.engine.zero).
-GRAD_BUCKETS = ("layer", "step")
-GRAD_BUCKET_CHOICES = (*GRAD_BUCKETS, "auto")
+GradBuckets = Literal["layer", "step"]
+GradBucketChoice = Literal[GradBuckets, "auto"]
 # Wire formats of the pipeline sends that cross islands (holmes_jax.runtime.engine.compress).
-CROSS_ISLAND_DTYPES = ("same", "bf16", "int8", "fp8")
-CROSS_ISLAND_CHOICES = (*CROSS_ISLAND_DTYPES, "auto")
+CrossIslandDtype = Literal["same", "bf16", "int8", "fp8"]
+CrossIslandChoice = Literal[CrossIslandDtype, "auto"]
+
+SCHEDULES, SCHEDULE_CHOICES = get_args(Schedule), get_args(ScheduleChoice)
+REMAT_POLICIES, REMAT_CHOICES = get_args(RematPolicy), get_args(RematChoice)
+ATTENTION_KERNELS, ARCHS, PRECISIONS = (
+    get_args(AttentionKernel),
+    get_args(Arch),
+    get_args(Precision),
+)
+OUTER_DTYPES, DILOCO_CHOICES = get_args(OuterDtype), get_args(DilocoEnabled)
+GRAD_BUCKETS, GRAD_BUCKET_CHOICES = get_args(GradBuckets), get_args(GradBucketChoice)
+CROSS_ISLAND_DTYPES, CROSS_ISLAND_CHOICES = get_args(CrossIslandDtype), get_args(CrossIslandChoice)
 
 
 def resolve_grad_buckets(value: str, blocking: bool) -> str:
@@ -72,8 +85,13 @@ def check_positive(key: str, value) -> None:
 def check_choice(value: Any, key: str, allowed: tuple[Any, ...]) -> None:
     """Raise a one-line :class:`ConfigError` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
-        names = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)
-        raise ConfigError(f"{key}={value!r}: must be one of {names}")
+        raise ConfigError(not_one_of(value, key, allowed))
+
+
+def not_one_of(value: Any, key: str, allowed: tuple[Any, ...]) -> str:
+    """The line that says ``value`` is not one of ``allowed``."""
+    names = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)
+    return f"{key}={value!r}: must be one of {names}"
 
 
 def check_pipeline(schedule: str, stages: int, virtual_stages: int) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from holmes_jax.core.errors import ConfigError, one_line
-from holmes_jax.core.spec import DEPTH, FILE_BYTES, Bound
+from holmes_jax.core.spec import DEPTH, FILE_BYTES, Bound, not_one_of
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
@@ -284,9 +284,31 @@ class _ValueRule(ConfigError):
     """A value of the right type that breaks a rule (NaN for a float, a newline in a str)."""
 
 
+def choices(cls: type, prefix: str = "") -> dict[str, tuple[Any, ...]]:
+    """``{key: values}`` of every field of the dataclass ``cls`` (and its sections) whose
+    type is a ``Literal`` (or a union holding one)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            out.update(choices(hint, f"{prefix}{name}."))
+            continue
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        for option in typing.get_args(hint) if union else (hint,):
+            if typing.get_origin(option) is typing.Literal:
+                out[prefix + name] = typing.get_args(option)
+    return out
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check ``value`` against a type hint; accept ints for floats and '1e-3' strings."""
     origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        allowed = typing.get_args(hint)
+        if any(type(value) is type(a) and value == a for a in allowed):
+            return value
+        if any(type(value) is type(a) for a in allowed):  # the right type, a wrong value
+            raise _ValueRule(not_one_of(value, key, allowed))
+        raise ConfigError(f"{key}={short(value)}: expected {_type_name(hint)}")
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
         if value is None and type(None) in options:
@@ -337,6 +359,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
         return "list"
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(sorted({type(a).__name__ for a in typing.get_args(hint)}))
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
