@@ -47,7 +47,7 @@ from holmes_jax.diloco.outer_step import OuterStep, due_fragments, in_warmup, st
 from holmes_jax.planner.grid import load_mesh_topology
 from holmes_jax.runtime.engine.compress import crossing_pairs
 from holmes_jax.runtime.engine.mesh import batch_sharding, collectives_block, replicated
-from holmes_jax.runtime.engine.pipeline import PipelineEngine
+from holmes_jax.runtime.engine.pipeline import EngineOptions, PipelineEngine
 from holmes_jax.runtime.engine.stages import layout_from_config, pipeline_shardings
 from holmes_jax.runtime.engine.zero import shard_dim, sharded_spec, zero1_split
 from holmes_jax.runtime.model.decoder import GPT, LOGICAL_RULES, init_model
@@ -146,25 +146,22 @@ class Program:
             self.grad_dims, opt_param_sharding = zero1_split(
                 abstract_params, self.param_sharding, mesh, self.zero1
             )
-            self.engine = PipelineEngine(
-                m,
-                self.layout,
-                mesh,
+            options = EngineOptions(
                 microbatches=par.microbatches,
                 schedule=par.schedule,
                 seed=cfg.train.seed,
-                grad_dims=self.grad_dims,
-                nan_bubbles=nan_bubbles,
-                independent_replicas=self.diloco,
                 grad_buckets=self.grad_buckets,
+                flat_buckets=blocking,
+                independent_replicas=self.diloco,
                 cross_island_dtype=par.cross_island_dtype,
                 crossing=(
                     frozenset()
                     if par.cross_island_dtype == "same"
                     else crossing_pairs(mesh, load_mesh_topology(plan_request(cfg)))
                 ),
-                flat_buckets=blocking,
+                nan_bubbles=nan_bubbles,
             )
+            self.engine = PipelineEngine(m, self.layout, mesh, options, self.grad_dims)
         else:
             self.param_sharding = logical_sharding
             abstract_params = abstract_logical

@@ -299,5 +299,5 @@ def test_plain_data_parallel_on_cpu_runs_through_the_engine(make_program):
     stays the plain GSPMD reference."""
     cfg = load_config(None, MODEL + ["optimizer.zero1=false"])
     program = make_program(cfg, Degrees(stages=1, data=4, tensor=1))
-    assert program.pipelined and program.engine.flat
+    assert program.pipelined and program.engine.options.flat_buckets
     assert not make_program(cfg, Degrees(1, 1, 1)).pipelined

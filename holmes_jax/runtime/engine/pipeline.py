@@ -61,10 +61,38 @@ from holmes_jax.runtime.model.decoder import GPT, LOGICAL_RULES, remat_block
 PIPELINE_RULES = tuple((name, None if name == "batch" else axis) for name, axis in LOGICAL_RULES)
 
 
-class PipelineEngine(TickOps):
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs a step, beyond the model, the layout and the mesh."""
+
+    microbatches: int  # M per step
+    schedule: str  # gpipe, 1f1b, interleaved or zb (holmes_jax.planner.schedule)
+    seed: int  # dropout keys come from (seed, step, micro-batch, layer)
+    # "layer": each layer's gradient reduced by the op that completes it; "step": all of
+    # them after the tick loop, one collective per leaf (zero.py phase 1).
+    grad_buckets: str = "layer"
+    # One collective per bucket (its leaves in one buffer) instead of one per leaf: for
+    # runtimes that pay a rendezvous per call (zero.reduce_bucket).
+    flat_buckets: bool = False
+    # DiLoCo: every replica has its own parameters ([R, S, ...]) and nothing is reduced
+    # over replica; loss and grad norm come back per replica.
+    independent_replicas: bool = False
+    # The wire format of sends between the stage pairs (src, dst) on two islands
+    # (holmes_jax.runtime.engine.compress); "same" leaves the program unchanged.
+    cross_island_dtype: str = "same"
+    crossing: frozenset = frozenset()
+    nan_bubbles: bool = False  # tests: bubble buffers hold NaN, so a leak poisons the loss
+
+
+class PipelineEngine:
     """Loss and gradients of the GPT over a (stage, data, tensor) mesh.
 
-    The per-tick ops (FWD, BWD, WGT) come from :class:`~holmes_jax.runtime.engine.tick_ops.TickOps`.
+    Args:
+      model_cfg: the model section.
+      layout: which stage holds which layers (:mod:`holmes_jax.runtime.engine.stages`).
+      mesh: the ``[replica, stage, data, tensor]`` mesh; its stage axis matches ``layout``.
+      options: the schedule and the reduction, crossing and DiLoCo choices.
+      grad_dims: per leaf, the (pipeline-layout) dim ZeRO-1 scatters over data, or -1.
     """
 
     def __init__(
@@ -72,54 +100,42 @@ class PipelineEngine(TickOps):
         model_cfg: ModelConfig,
         layout: PipelineLayout,
         mesh: Mesh,
-        *,
-        microbatches: int,
-        schedule: str,
-        seed: int,
+        options: EngineOptions,
         grad_dims: Any = None,
-        nan_bubbles: bool = False,
-        independent_replicas: bool = False,
-        grad_buckets: str = "layer",
-        cross_island_dtype: str = "same",
-        crossing: frozenset = frozenset(),
-        flat_buckets: bool = False,
     ):
         if layout.stages != mesh.shape[STAGE]:
             raise ValueError(
                 f"layout has {layout.stages} stages, mesh stage axis {mesh.shape[STAGE]}"
             )
-        self.cfg = model_cfg
-        self.layout = layout
-        self.mesh = mesh
-        self.M = microbatches
-        self.v = layout.virtual
-        self.schedule: Schedule = make_schedule(schedule, layout.stages, microbatches, self.v)
+        if options.grad_buckets not in GRAD_BUCKETS:
+            raise ValueError(
+                f"grad_buckets={options.grad_buckets!r}: must be one of {GRAD_BUCKETS}"
+            )
+        self.cfg, self.layout, self.mesh, self.options = model_cfg, layout, mesh, options
+        self.M, self.v = options.microbatches, layout.virtual
+        self.schedule: Schedule = make_schedule(options.schedule, layout.stages, self.M, self.v)
         self.segments = tick_segments(self.schedule)
-        self.seed = seed
         self.data = mesh.shape[DATA]
-        # DiLoCo: every replica has its own parameters ([R, S, ...]) and nothing is reduced
-        # over replica; loss and grad norm come back per replica.
-        self.independent = independent_replicas and mesh.shape[REPLICA] > 1
+        self.independent = options.independent_replicas and mesh.shape[REPLICA] > 1
         self.replica = 1 if self.independent else mesh.shape[REPLICA]  # reduced over
-        # Per leaf, the (pipeline-layout) dim that ZeRO-1 scatters over data, or -1.
         self.grad_dims = grad_dims
-        # "layer": each layer's gradient reduced by the op that completes it; "step": all
-        # of them after the tick loop, one collective per leaf (zero.py phase 1).
-        if grad_buckets not in GRAD_BUCKETS:
-            raise ValueError(f"grad_buckets={grad_buckets!r}: must be one of {GRAD_BUCKETS}")
-        self.per_layer = grad_buckets == "layer"
-        # One collective per bucket (its leaves in one buffer) instead of one per leaf:
-        # for runtimes that pay a rendezvous per call (zero.reduce_bucket).
-        self.flat = flat_buckets
-        self.nan_bubbles = nan_bubbles
-        # Stage pairs (src, dst) on two islands, whose sends go in ``wire`` format
-        # (holmes_jax.runtime.engine.compress); none under "same": the program is unchanged.
-        self.wire = check_format(cross_island_dtype)
-        self.crossing = frozenset() if self.wire == "same" else frozenset(crossing)
-        self.gpt = GPT(model_cfg, deterministic=model_cfg.dropout == 0.0)
+        self.per_layer = options.grad_buckets == "layer"
+        self.wire = check_format(options.cross_island_dtype)
+        self.crossing = frozenset() if self.wire == "same" else frozenset(options.crossing)
         # The layer under the config's remat policy: its jax.vjp residuals, which the engine
         # buffers per layer and micro-batch, are exactly what the policy saves.
-        self.block = remat_block(model_cfg)(model_cfg, deterministic=model_cfg.dropout == 0.0)
+        deterministic = model_cfg.dropout == 0.0
+        self.ops = TickOps(
+            cfg=model_cfg,
+            layout=layout,
+            M=self.M,
+            data=self.data,
+            replica=self.replica,
+            per_layer=self.per_layer,
+            flat=options.flat_buckets,
+            gpt=GPT(model_cfg, deterministic=deterministic),
+            block=remat_block(model_cfg)(model_cfg, deterministic=deterministic),
+        )
 
     def loss_and_grads(self, params, batch, step):
         """Returns ``(loss, grads, grad_norm)``: mean loss, reduced (unclipped) gradients in
@@ -200,12 +216,12 @@ class PipelineEngine(TickOps):
         tokens, targets = local[:, :, :-1], local[:, :, 1:]  # [M, mb, T]
         mb, T, H = tokens.shape[1], tokens.shape[2], self.cfg.hidden_size
         act = jax.ShapeDtypeStruct((mb, T, H), p["embed"]["wte"].dtype)  # compute dtype
-        base_key = jax.random.fold_in(jax.random.key(self.seed + 1), step)
+        base_key = jax.random.fold_in(jax.random.key(self.options.seed + 1), step)
 
         # One trace of a layer's vjp fixes the residual layout (XLA drops this dead code).
         w0 = dyn_index(p["blocks"], 0)
         _, vjp0 = jax.vjp(
-            lambda w, x: self._layer(w, x, layer_key(base_key, 0, 0)),
+            lambda w, x: self.ops.layer(w, x, layer_key(base_key, 0, 0)),
             w0,
             jnp.zeros(act.shape, act.dtype),
         )
@@ -234,7 +250,7 @@ class PipelineEngine(TickOps):
             res=res,
             split=split,
             stash=stash,
-            fill=jnp.nan if self.nan_bubbles else 0.0,
+            fill=jnp.nan if self.options.nan_bubbles else 0.0,
             tables={k: jnp.asarray(getattr(sched, k)) for k in names},
         )
 
@@ -286,11 +302,11 @@ class PipelineEngine(TickOps):
 
         def run(c):
             if shape.forward:
-                c = when(op == FWD, lambda c: self._forward(st, c, t), c)
+                c = when(op == FWD, lambda c: self.ops.forward(st, c, t), c)
             if shape.backward:
-                c = when(op == BWD, lambda c: self._backward(st, c, t), c)
+                c = when(op == BWD, lambda c: self.ops.backward(st, c, t), c)
             if shape.weights:
-                c = when(op == WGT, lambda c: self._weights(st, c, t), c)
+                c = when(op == WGT, lambda c: self.ops.weights(st, c, t), c)
             return c
 
         # One guard around the tick's op carries the residual buffers a FWD writes, so the
@@ -346,7 +362,7 @@ class PipelineEngine(TickOps):
         g = c["grads"]
         parts = ("embed", "head") if self.per_layer else ("embed", "blocks", "head")
         grads = reduce_bucket(
-            {p: g[p] for p in parts}, {p: dims[p] for p in parts}, d, r, self.flat
+            {p: g[p] for p in parts}, {p: dims[p] for p in parts}, d, r, self.options.flat_buckets
         )
         if self.per_layer:
             grads = dict(grads, blocks=c["shards"])

@@ -2,9 +2,9 @@
 
 :class:`TickOps` holds them, with the three model parts they call (embedding, one layer,
 head and loss) as pure functions of their parameters.
-:class:`~holmes_jax.runtime.engine.pipeline.PipelineEngine` inherits them and runs them from its
-tick loop, one op per stage and tick, each under a ``when`` guard. :class:`StageLocal` is
-what one stage holds inside the ``shard_map`` (traced once per step, read by every op).
+:class:`~holmes_jax.runtime.engine.pipeline.PipelineEngine` builds one and runs its ops from
+the tick loop, one op per stage and tick, each under a ``when`` guard. :class:`StageLocal`
+is what one stage holds inside the ``shard_map`` (traced once per step, read by every op).
 
 - FWD: embed (first virtual stage) or take the activation from the inbox. Run the chunk's
   layers with a ``fori_loop`` whose trip count is the chunk's layer count (padded slots
@@ -112,22 +112,25 @@ def layer_key(base_key, i, layer):
     return jax.random.fold_in(jax.random.fold_in(base_key, i), layer)
 
 
+@dataclass(frozen=True, eq=False)
 class TickOps:
-    """FWD, BWD and WGT of one stage, on the tick loop's carry ``c`` (a dict of buffers).
-
-    Mixed into :class:`~holmes_jax.runtime.engine.pipeline.PipelineEngine`, which sets these
-    attributes in its constructor.
-    """
+    """FWD (:meth:`forward`), BWD (:meth:`backward`) and WGT (:meth:`weights`) of one stage,
+    each on the tick loop's carry ``c`` (a dict of buffers), returning it updated."""
 
     cfg: ModelConfig
     layout: PipelineLayout
     M: int  # micro-batches per step
-    v: int  # model chunks per device
     data: int  # data-parallel ranks a gradient is reduced over
     replica: int  # replicas a gradient is reduced over (1 under DiLoCo)
     per_layer: bool  # per-layer gradient buckets: the op that completes a layer reduces it
+    flat: bool  # a bucket's leaves reduced as one buffer (zero.reduce_bucket)
     gpt: GPT  # the whole model: embedding and head
     block: nn.Module  # one layer under the remat policy
+
+    @property
+    def v(self) -> int:
+        """Model chunks per device."""
+        return self.layout.virtual
 
     # The three model parts as pure functions of their parameters.
 
@@ -136,7 +139,7 @@ class TickOps:
         variables = {"params": {"embed": embed_params}}
         return self.gpt.apply(variables, tokens, method=GPT.embed_tokens, rngs=rngs)
 
-    def _layer(self, weights, x, key):
+    def layer(self, weights, x, key):
         rngs = {"dropout": key} if self.cfg.dropout > 0 else None
         y, _ = self.block.apply({"params": weights}, x, rngs=rngs)
         return y
@@ -147,7 +150,7 @@ class TickOps:
 
     # --------------------------------------------------------------- forward
 
-    def _forward(self, st: StageLocal, c: dict, t) -> dict:
+    def forward(self, st: StageLocal, c: dict, t) -> dict:
         """FWD of (micro-batch, chunk) at tick t: layers (residuals to their slot), then the
         head on the last virtual stage."""
         i, ch, k = st.at("mb", t), st.at("chunk", t), st.at("slot", t)
@@ -172,7 +175,7 @@ class TickOps:
         x, bufs = state
         w = dyn_index(st.blocks, ch * self.layout.slots + j)
         layer = st.first_layer[ch] + j
-        y, vjp_fn = jax.vjp(lambda w, x: self._layer(w, x, st.key(i, layer)), w, x)
+        y, vjp_fn = jax.vjp(lambda w, x: self.layer(w, x, st.key(i, layer)), w, x)
         saved = st.res.split(vjp_fn, w)
         return y, [put(b, r, k, j) for b, r in zip(bufs, saved, strict=True)]
 
@@ -195,7 +198,7 @@ class TickOps:
 
     # --------------------------------------------------------------- backward
 
-    def _backward(self, st: StageLocal, c: dict, t) -> dict:
+    def backward(self, st: StageLocal, c: dict, t) -> dict:
         """BWD of (micro-batch, chunk) at tick t from its residuals; embedding backward on
         the first virtual stage. Under zb only the input gradient (the rest to the stash)."""
         i, ch, k = st.at("mb", t), st.at("chunk", t), st.at("slot", t)
@@ -274,7 +277,7 @@ class TickOps:
         res, stash = st.stash.store(res, stash, kept, k, kw, j)
         return dx, res, stash
 
-    def _weights(self, st: StageLocal, c: dict, t) -> dict:
+    def weights(self, st: StageLocal, c: dict, t) -> dict:
         """zb W of (micro-batch, chunk) at tick t: every layer's weight gradient from its
         residuals and stash."""
         ch, k, kw = st.at("chunk", t), st.at("slot", t), st.at("wslot", t)
