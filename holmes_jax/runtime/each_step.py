@@ -111,12 +111,12 @@ class Logbook:
         t = self.cfg.train
         return step == t.steps or bool(t.eval_every and step % t.eval_every == 0)
 
-    def after_step(self, step: int, state, metrics: dict, force: bool = False) -> None:
-        """Note step ``step``; on a log step (or ``force``: a stop) record it."""
+    def after_step(self, step: int, state, metrics: dict, log: bool) -> None:
+        """Note step ``step``; record it when ``log`` (:meth:`due`, or a stop)."""
         if self.window_start is None:
             self.window_start = self.stepper.began
         self.window_steps += 1
-        if not (force or self.due(step)):
+        if not log:
             return
         self.stepper.guard.settle()  # waits for this step, as the metrics do
         with jax.profiler.TraceAnnotation("metrics"):
@@ -164,10 +164,11 @@ class Saves:
     """Checkpoints into ``ckpt`` (None: none), each with ``outer``'s state beside it
     (module doc). ``settle`` runs before every save (the non-finite guard's)."""
 
-    def __init__(self, cfg: Config, ckpt, program, outer, say, last_saved: int | None):
+    def __init__(
+        self, cfg: Config, ckpt, program, outer, say, last_saved: int | None, settle: Callable
+    ):
         self.cfg, self.ckpt, self.program, self.outer, self.say = cfg, ckpt, program, outer, say
-        self.last_saved = last_saved
-        self.settle: Callable[[], None] = lambda: None
+        self.last_saved, self.settle = last_saved, settle
 
     def newest(self) -> tuple[int | None, str | None]:
         """The last saved step and the checkpoint directory (None: no checkpoints)."""

@@ -92,13 +92,13 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     outer.prepare()
 
     # 3. the loop
-    saves = Saves(cfg, ckpt, program, outer, logger.message, start if resumed else None)
     several = jax.process_count() > 1  # a DiLoCo program's [R] counters differ by process
     guard = SkipGuard(
-        cfg.train.max_skipped_steps, logger.message, saves.newest,
+        cfg.train.max_skipped_steps, logger.message, lambda: saves.newest(),
         agree=several and program.diloco, outer_sync=outer.syncs,
     )  # fmt: skip
-    saves.settle = guard.settle  # never save past train.max_skipped_steps in a row
+    last_saved = start if resumed else None  # never save past max_skipped_steps in a row:
+    saves = Saves(cfg, ckpt, program, outer, logger.message, last_saved, guard.settle)
     stepper = Stepper(program, guard, logger, cache)
     book = Logbook(cfg, logger, program, outer, data.eval_set, stepper, start)
     profiler = StepProfiler(cfg, start, logger.message, r.topology)
@@ -108,8 +108,9 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
             while step < cfg.train.steps:
                 state, metrics = stepper(state, data.batch(step), step)
                 state, step = outer.after_step(state, step + 1)
-                why = stops.reason(step, book.due(step))
-                book.after_step(step, state, metrics, force=why is not None)
+                logged = book.due(step)
+                why = stops.reason(step, logged)
+                book.after_step(step, state, metrics, logged or why is not None)
                 saves.after_step(step, state)
                 book.leave_out(profiler.after_step(step, state))  # writing a trace takes s
                 if why is not None:
