@@ -83,7 +83,9 @@ PROCESS_TESTS = (
 )
 # Tests (node ids, parameters left out) long enough to be a group of their own, when no
 # module fixture ties them to the rest of their module.
-OWN_GROUPS = ("tests/runtime/test_pipeline.py::test_pipeline_loss_and_grads_equal_unpipelined",)
+OWN_GROUPS = (
+    "tests/runtime/engine/test_pipeline.py::test_pipeline_loss_and_grads_equal_unpipelined",
+)
 # The groups that take longest, longest first: the workers start with these (the worker
 # that starts the longest group last finishes last).
 SLOW_GROUPS = (
@@ -91,12 +93,12 @@ SLOW_GROUPS = (
     PROCESSES,
     OWN_GROUPS[0],
     "tests/diloco/test_outer_step.py",
-    "tests/runtime/test_compress.py",
-    "tests/runtime/test_zero.py",
-    "tests/runtime/test_pipeline.py",
-    "tests/runtime/test_model.py",
+    "tests/runtime/engine/test_compress.py",
+    "tests/runtime/engine/test_zero.py",
+    "tests/runtime/engine/test_pipeline.py",
+    "tests/runtime/model/test_model.py",
     "tests/runtime/test_loop.py",
-    "tests/runtime/test_memory.py",
+    "tests/runtime/engine/test_memory.py",
     "tests/test_notebook.py",
 )
 

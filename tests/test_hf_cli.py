@@ -4,7 +4,7 @@ These need no torch: the model directories are written here with numpy and
 ``safetensors`` the way ``transformers`` writes them (its names, layouts and config.json
 fields), so an import followed by an export must give back every tensor bit for bit.
 A sharded export is checked against huggingface_hub's own shard rule. The comparison with
-``transformers`` itself is ``tests/runtime/test_hf.py``.
+``transformers`` itself is ``tests/runtime/hf/test_hf.py``.
 """
 
 import json

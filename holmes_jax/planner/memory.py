@@ -107,7 +107,7 @@ def layer_residual_bytes(
     """Bytes one layer keeps per device for its backward, per microbatch.
 
     What ``jax.vjp`` of :class:`holmes_jax.runtime.model.decoder.Block` keeps (the engine buffers
-    exactly these; ``tests/runtime/test_memory.py`` compares this formula with the traced
+    exactly these; ``tests/runtime/engine/test_memory.py`` compares this formula with the traced
     residuals of both archs). ``kv``: the key/value width k (None: h); ``gated``: the
     SwiGLU MLP of llama (gate and up, two ``[b, s, f/t]`` matmul outputs, where GELU has one).
 

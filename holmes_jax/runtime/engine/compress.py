@@ -22,7 +22,7 @@ Wire: int8 / fp8 rows go as ``uint8 [mb, T, H + 4]``: the H codes then the row's
 as 4 bytes, so one ``ppermute`` of one 1-byte dtype carries both (a collective has one
 dtype; a second one for the scales would add a latency per tick). 16-bit floats go as
 uint16 bits: XLA:CPU widens bf16 collectives to f32 (see :mod:`holmes_jax.diloco.outer_step`),
-and a bitcast is free on GPU. ``tests/runtime/test_compress.py`` reads the bytes off the
+and a bitcast is free on GPU. ``tests/runtime/engine/test_compress.py`` reads the bytes off the
 compiled program.
 """
 
