@@ -3,50 +3,23 @@
 Each island of ``parallel.mesh`` (or each entry of ``diloco.peers`` without a mesh) runs
 as its own job: its own ``jax.distributed`` coordinator, its own plan on its own hardware
 (:func:`holmes_jax.planner.grid.job_topology`), ``replica`` 1. Between jobs only the outer
-sync runs (:mod:`holmes_jax.diloco.sync`, HTTP), served by the job's processes at
-the addresses of ``diloco.peers[diloco.island]`` (lanes, below).
+sync runs (:mod:`holmes_jax.diloco.sync`, HTTP), served by the job's processes at the
+addresses of ``diloco.peers[diloco.island]``, one lane each (:mod:`holmes_jax.diloco.lanes`);
+process 0 (lane 0) sets the island's step and prints its lines.
 ``python -m holmes_jax.launch --independent-islands`` starts one such job per island and
 sets ``diloco.island`` and ``diloco.peers``.
 
 - Which island, its outputs and its rows of each batch: :mod:`holmes_jax.diloco.scope`.
   Every metrics record names its island (``"island"``).
-- Outer step: after the steps where ``spmd`` takes one (each warm-up step, then every H),
-  the job's fp32 parameters (the master under bf16), in the logical layout, go to the
-  lanes (below), each of which calls :meth:`~holmes_jax.diloco.sync.OuterSync.sync`
-  with the tokens trained since its last round. The new global model comes back to every
-  device as parameters and master; the AdamW moments and step count are kept, as
-  under ``spmd``. So with nothing failing, fp32 and equal shares, the islands train what
-  ``spmd`` trains.
-- Overlap (``diloco.overlap_steps`` = τ > 0): after the warm-up (whose averaging rounds
-  stay in step) each round goes out in a background thread while the next τ inner steps
-  run; after them its result ``g`` is merged, ``θ ← g + (θ − θ_sent)`` (the progress since
-  the send is kept), and the next round sends ``Δ = g − θ``, the progress since ``g``.
-  After the last step the round is awaited and adopted, so the run ends on the global model.
-- Start (:meth:`IslandSync.start`): a job that finds a live peer past round 0 heals from
-  it: it adopts the global model, outer momentum and round bit for bit (no checkpoint
-  read) and goes on at the step that round ended, with fresh AdamW moments and its step
-  count set there. The heal runs in the background from the moment the peer is found
-  (:meth:`IslandSync.peer_ahead`), while the job builds its state and compiles the train
-  step, so the island starts its inner steps in step with its leader. Otherwise it starts
-  from its own state: fresh, as round 0 of the global model, or from its own checkpoint
-  with the outer state saved beside it (:meth:`IslandSync.save_outer`), so resuming
-  across an outer step is exact (with ``diloco.overlap_steps`` a round in flight at the
-  save is not part of it).
-- Late: a round that came back as a later round (this island's delta missed its round)
-  moves the island on to the step that round ended (with overlap, plus the steps since
-  the send), as a heal does.
-- Abstain: when the inner steps since the last round skipped a non-finite step or left
-  non-finite parameters (on any process), the island sends nothing that round
-  (:meth:`~holmes_jax.diloco.sync.OuterSync.abstain`) and its parameters become the new
-  global model; one line says so.
-
-Lanes (:mod:`holmes_jax.diloco.lanes`): the outer sync runs in ``L`` lanes, one per
-address of an island's ``diloco.peers`` entry; lane ``ℓ`` carries block ``ℓ`` of every
-parameter. Each process serves its own lanes and exchanges only their blocks, which one
-jitted reshard inside the island moves between the model's layout and the processes; no
-host holds the whole model. Lanes run the protocol on their own; process 0 (lane 0) sets
-the island's step and prints its lines. A process that serves several lanes runs their
-rounds at once.
+- Outer step (:meth:`IslandSync.after_step`): after each step where ``spmd`` takes one, the
+  fp32 parameters go to the lanes, each of which calls
+  :meth:`~holmes_jax.diloco.sync.OuterSync.sync`; the new global model comes back as
+  parameters and master. The AdamW moments and step count are kept, so with nothing
+  failing, fp32 and equal shares, the islands train what ``spmd`` trains.
+- Overlap (``diloco.overlap_steps``): :meth:`IslandSync._send_overlapped`.
+- Start (:meth:`IslandSync.start`): heal from a live peer past round 0, else resume from this
+  island's own checkpoint and outer state (:meth:`IslandSync.save_outer`), else fresh.
+- Late and abstaining islands: :meth:`IslandSync.after_step`, :meth:`IslandSync._diverged`.
 """
 
 from __future__ import annotations
@@ -229,10 +202,11 @@ class IslandSync:
     ) -> tuple[Any, int]:
         """Serve the outer sync. ``heal`` (:meth:`peer_ahead`): ``compile_step(state)``
         compiles the train step (every process), then the island waits for the heal begun
-        in :meth:`peer_ahead` and adopts a live peer's round, global model and momentum,
-        in step with the peer (module doc); else the outer state saved with checkpoint
-        ``step`` in ``resumed_from`` (:meth:`save_outer`), or the global model starts from
-        ``state``. Returns the state and step to train from."""
+        in :meth:`peer_ahead` and adopts a live peer's round, global model and momentum bit
+        for bit, in step with the peer, with no checkpoint read; it goes on at the step that
+        round ended, with fresh AdamW moments and the step count set there. Else the outer
+        state saved with checkpoint ``step`` in ``resumed_from`` (:meth:`save_outer`), or
+        the global model starts from ``state``. Returns the state and step to train from."""
         if not heal:
             self._start_own(state, step, resumed_from)
             return state, step
@@ -324,8 +298,9 @@ class IslandSync:
     def _diverged(self, state, theta: Shards, step: int) -> bool:
         """Whether the inner steps since the last round skipped a non-finite step or left
         non-finite parameters, on any process of the island, or a test told it to
-        (``diloco.inject_abstain_steps``): then it abstains (module doc); says so in one
-        line."""
+        (``diloco.inject_abstain_steps``): then it abstains
+        (:meth:`~holmes_jax.diloco.sync.OuterSync.abstain`) and its parameters become the
+        new global model; says so in one line."""
         skipped = self._skipped(state)
         since, self.skipped = skipped - self.skipped, skipped
         bad_theta = not all(finite(v) for v in theta.values())
@@ -363,8 +338,9 @@ class IslandSync:
     def _send_overlapped(
         self, state, step: int, theta: Shards, tokens: int, began: float, abstain: bool
     ):
-        """Send ``Δ = θ_base − θ`` (the progress since the last merge) in the background;
-        the merge follows ``overlap_steps`` steps later, or now after the last step.
+        """Send ``Δ = θ_base − θ`` (the progress since the last merge) in the background
+        while the next ``overlap_steps`` inner steps run (after the warm-up only); the merge
+        (:meth:`_merge`) follows then, or now after the last step.
         ``began``: when the training loop stopped for this send (its time is reported
         with the merge). ``abstain``: send nothing; the merge then takes the global model
         alone (the progress since the send started from a non-finite state)."""
@@ -430,7 +406,8 @@ class IslandSync:
         global model, momentum, round, tokens, lineage) beside checkpoint ``step``, as
         ``<directory>/outer/<step>.lane<l>.outer`` (:mod:`~holmes_jax.diloco.wire`'s
         format; written whole, then renamed), so a resume without a live peer continues
-        the global model exactly."""
+        the global model exactly. With ``diloco.overlap_steps`` a round in flight at the save
+        is not part of it."""
         folder = epath.Path(directory) / OUTER_DIR
         folder.mkdir(parents=True, exist_ok=True)
         for lane, sync in self.syncs.items():

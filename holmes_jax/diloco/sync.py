@@ -1,82 +1,24 @@
 """The outer sync of independent DiLoCo islands over HTTP: rounds, quorum, heal, merge.
 
-With ``diloco.mode: independent`` each island is its own job; between jobs only this
-protocol runs (plain Python and numpy, no jax). An island's state and history are
-:class:`~holmes_jax.diloco.rounds.Rounds`'s (the logical layout, so plans may differ).
+With ``diloco.mode: independent`` each island is its own job, and between jobs only this
+protocol runs (plain Python and numpy): one :class:`OuterSync` per island and lane. Its state
+and rules are :class:`~holmes_jax.diloco.rounds.Rounds`'s (logical layout: plans may differ).
 
-Protocol (every island runs one :class:`OuterSync`, an HTTP server plus a client):
-
-* **Leader.** Each round has one leader, which collects the deltas and computes the result;
-  every island applies the leader's result, so the members agree by construction. The
-  result of round r names the members (its participants plus islands that joined during
-  it) and the leader of round r+1: the lowest member index. Start: every island, leader 0.
-* **Round r.** An island sends ``Δ = global − θ`` (encoded in ``diloco.outer_dtype``) and
-  its tokens since the last round to its leader, then long-polls the leader for the
-  result. The leader waits for every member of round r−1, but at most ``quorum_timeout_s``
-  after the first delta arrived; whoever delivered by then participates. Result:
-  ``Δ̄ = Σ tokens_i·decode(Δ_i) / Σ tokens_i`` in fp32, encoded in ``outer_dtype`` too;
-  every member, the leader included, takes the step with its decoded value ``D``:
-  Nesterov ``m ← μm + D``, ``global ← global − lr(D + μm)`` (:func:`nesterov`); a warm-up
-  round (``sync(..., average=True)``) takes ``global ← global − D`` and keeps ``m``. A
-  member that still holds the state the round started from (its lineage, round and tokens
-  match) fetches only the step (``D`` and the round's meta), half the whole state's
-  bytes; the same arithmetic on the same state keeps the members equal bit for bit.
-  Anyone else gets the whole state. A delta that arrives late, or for a round already
-  closed, is dropped: its island adopts the latest state.
-* **Lockstep.** A member acknowledges the result once it has it (``GET /ack``); the
-  leader's own call returns when every other participant has, or when none has been sent
-  anything for ``quorum_timeout_s``: the wait lasts while a result is on its way to one
-  of them (until its TCP has it) and at most the timeout after the last arrived. So the
-  members start their next inner steps together and a delta reaches the leader within its
-  upload time of the leader's own. Without it the leader, which transfers nothing, would
-  run ahead by its members' download time, and a member whose download plus upload
-  exceeds the quorum timeout would miss every round. Replies go out in 64-KiB writes,
-  each within ``quorum_timeout_s`` or the request ends, so a peer that dies or is cut off
-  in the middle of a download is silent, and not waited for, after that long.
-* **Dead leader.** An island that cannot reach its leader (connection refused, timeout)
-  takes the lowest reachable member as leader, itself last, and tells it which members it
-  found dead so that the new leader does not wait for them.
-* **Split.** A cut link makes each side see the other as dead: both sides go on, each a
-  group with its own leader. An island that takes over the lead from another forks: new
-  ``lineage`` ``"<island>@<round>"`` whose ``parent`` is the old one, remembering
-  ``fork_tokens`` (its tokens then, which the other side had too).
-* **Heal / merge.** Before each round a group leader probes the configured islands with a
-  lower index outside its group (so of two groups only the one with the higher leader
-  looks); one that answers with another lineage is the primary. The probe runs in the
-  background and the round waits for it at most ``PROBE_WAIT_S``: a peer on a live link
-  answers within that, while a peer behind a cut link (whose connection hangs until
-  ``probe_s``) costs the round nothing, its probe's answer being taken at a later round.
-  The leader joins the primary (``POST /join`` with its global, tokens and fork point);
-  the primary's leader merges token-weighted, ``global ← (w_p·g_p + w_j·g_j) / (w_p +
-  w_j)`` with ``w = tokens − common`` per side, ``common`` the fork point of whichever
-  lineage is the other's child (exact for one split; for deeper histories the joiner's
-  fork point), keeps its own momentum and round, and merges each lineage once (later
-  joiners of it adopt). The joiner adopts the merged state and sends its pending delta
-  to the primary's open round; the rest of its group, refused by their old leader
-  (another lineage now), join too and adopt. Nothing trained on either side is lost.
-* **Late.** A delta refused because its round closed (dropped): the island re-joins its
-  leader, which registers it for the round open at the join and answers without state
-  (``POST /join`` with ``next``). The island then fetches that round's result, the whole
-  state (its own is not the round's start), and acknowledges it; the leader's close waits
-  for that acknowledgement as for a participant's (Lockstep). So it starts its next inner
-  steps with the others and is a member from the round after. Without the wait it would
-  start its inner steps a download behind the leader and be late again every round.
-* **Restart.** An island restarted without state (:meth:`OuterSync.join`) asks any live
-  peer for its leader and joins it as a late island does: registered for the round open
-  at its join, to which it contributes nothing (a zero pseudo-gradient with no tokens), it
-  fetches that round's result as the whole state and adopts ``global``, ``momentum``,
-  ``round`` bit for bit (no checkpoint read), in step with the leader; it is a member
-  from the next round on. The state is sent once, after the round closes: one sent at
-  the join would be a round old on arrival, and the island would need the round's step
-  as well.
-* **Abstain.** An island whose inner steps of the round were not finite (a skipped step,
-  or non-finite parameters) sends no values: :meth:`OuterSync.abstain` tells its leader it
-  takes part with nothing (it counts for nothing in the mean, and is not waited for), then
-  takes the round's result like every member and restarts its inner steps from the new
-  global model. Its peers never see its values.
+* **Round.** A round's leader is its lowest member (island 0 at first). Each island sends
+  ``Δ = global − θ`` and its tokens to the leader, which waits for every member at most
+  ``quorum_timeout_s`` after the first delta; every member applies the leader's result.
+* **Lockstep.** The leader goes on once the other participants have the result, so the
+  members start their next inner steps together (:meth:`OuterSync._await_fetched`).
+* **Split.** An island that cannot reach its leader follows the lowest reachable member, so
+  both sides of a cut link go on (:meth:`OuterSync._fail_over`). Taking over the lead forks:
+  new ``lineage`` ``"<island>@<round>"``, ``parent`` the old one, ``fork_tokens`` its tokens then.
+* **Heal / merge.** A group leader that finds a lower island of another lineage joins it;
+  that leader merges the two token-weighted, so nothing trained on either side is lost
+  (:meth:`OuterSync._heal_if_split`, :meth:`OuterSync._serve_join`).
+* **Late, restart, abstain.** Such an island takes the round's result with the others
+  (:meth:`OuterSync._await_next`, :meth:`OuterSync.join`, :meth:`OuterSync.abstain`).
 * **Trust.** Nothing a peer sends changes state unchecked (:mod:`~holmes_jax.diloco.messages`,
-  :mod:`~holmes_jax.diloco.auth`, :mod:`~holmes_jax.diloco.transport`). A refused delta
-  leaves its island absent from the round; it takes the result as the others do.
+  :mod:`~holmes_jax.diloco.auth`, :mod:`~holmes_jax.diloco.transport`).
 
 HTTP (bodies in :mod:`holmes_jax.diloco.wire`'s format): ``GET /status``, ``POST /delta``,
 ``GET /result?round=r[&have=<lineage;round;tokens>]``, ``GET /ack?round=r``, ``POST /join``.
@@ -166,7 +108,7 @@ class OuterSync:
             self.peers[island],
             self._handle,
             self.r.max_body,
-            cfg.quorum_timeout_s,
+            cfg.quorum_timeout_s,  # a reply stalled this long ends: its peer is not waited for
             self.say,
             Verifier(key) if key else None,
             self.security.tls_server,
@@ -216,8 +158,9 @@ class OuterSync:
         return self.sync_delta(delta, tokens, average)
 
     def abstain(self, average: bool = False) -> Shards:
-        """Take part in the next round with nothing (module doc, Abstain); returns the new
-        global model."""
+        """Take part in the next round with nothing: the leader counts this island for nothing
+        in the mean and does not wait for it, and its values never leave it. Returns the new
+        global model, from which the caller restarts its inner steps."""
         return self.sync_delta(None, 0, average)
 
     def sync_delta(self, delta: Shards | None, tokens: int, average: bool = False) -> Shards:
@@ -263,7 +206,12 @@ class OuterSync:
                 self._fail_over(dead)
 
     def join(self) -> None:
-        """A restarted island (no state) adopts a live peer's state (module doc, Restart)."""
+        """A restarted island (no state) asks any live peer for its leader and joins it as a
+        late island does (:meth:`_await_next`): registered for the round open at the join,
+        to which it contributes nothing, it adopts that round's result (``global``,
+        ``momentum``, ``round``) bit for bit, with no checkpoint read, and is a member from
+        the next round. The state is sent once, after the round closes: one sent at the join
+        would be a round old on arrival, and the island would need the round's step too."""
         while not self.r.ready:
             for j in sorted(self.peers):
                 if j == self.island:
@@ -324,8 +272,9 @@ class OuterSync:
         return self._checked(j, parse_status, status, self.r.expect)
 
     def _fetch_result(self, j: int, want: int) -> None:
-        """Round ``want``'s result from leader ``j``: only the step when this island still
-        holds the state the round started from, else the whole state."""
+        """Round ``want``'s result from leader ``j``: only the step (half the whole state's
+        bytes) when this island still holds the state the round started from (its lineage,
+        round and tokens match), else the whole state."""
         with self.cond:
             have = self.r.key() if self.r.ready else ""
         query = f"round={want}&have={urllib.parse.quote(have)}"
@@ -411,9 +360,11 @@ class OuterSync:
 
     def _await_next(self, j: int, want: int) -> None:
         """After a join registered at island ``j`` for round ``want`` (the round open at the
-        join): that round's result, acknowledged, so this island's next inner steps start
-        with its leader's (module doc, Restart). Waits as long as ``j`` answers; returns if
-        it does not (a later call fails over)."""
+        join): that round's result, the whole state, acknowledged. The leader's close waits
+        for the acknowledgement as for a participant's, so this island starts its next inner
+        steps with its leader's and is a member from the round after; without the wait it
+        would start a download behind the leader and be late again every round. Waits as
+        long as ``j`` answers; returns if it does not (a later call fails over)."""
         while True:
             try:
                 self._fetch_result(j, want)
@@ -426,8 +377,12 @@ class OuterSync:
                     return
 
     def _heal_if_split(self) -> None:
-        """A group leader joins the primary when its probe has found one (module doc, Heal /
-        merge); waits for the probe in flight at most :data:`PROBE_WAIT_S`."""
+        """A group leader joins the primary when its probe has found one: the first island
+        below it, outside its group, that answers with another lineage (so of two groups only
+        the one with the higher leader looks). The round waits for the probe in flight at
+        most :data:`PROBE_WAIT_S`: a peer on a live link answers within that, and one behind a
+        cut link (its connection hangs until ``probe_s``) costs the round nothing. The rest of
+        this group, refused by this island (another lineage now), join the primary too."""
         with self.cond:
             if self.r.leader != self.island:
                 return
@@ -461,7 +416,8 @@ class OuterSync:
 
     def _fail_over(self, dead: set[int]) -> None:
         """The lowest reachable member becomes the leader (this island if none answers);
-        taking over from lower islands forks the lineage."""
+        taking over from lower islands forks the lineage. ``dead`` goes with the next delta,
+        so the new leader does not wait for those members."""
         with self.cond:
             candidates = sorted(self.r.members - dead - {self.island})
         for j in candidates:
@@ -501,9 +457,12 @@ class OuterSync:
             return True
 
     def _await_fetched(self, want: int) -> None:
-        """Wait until the other participants of round ``want`` have acknowledged its result
-        (module doc, Lockstep): while a result is on its way to one of them, and then at
-        most ``quorum_timeout_s`` after the last one arrived (or after the wait began)."""
+        """Wait until the other participants of round ``want`` have acknowledged its result:
+        while a result is on its way to one of them, and then at most ``quorum_timeout_s``
+        after the last one arrived (or after the wait began). So a delta reaches the leader
+        within its upload time of the leader's own. Without the wait the leader, which
+        transfers nothing, would run ahead by its members' download time, and a member whose
+        download plus upload exceeds ``quorum_timeout_s`` would miss every round."""
         began = time.monotonic()
         with self.cond:
             while waiting := self.r.unacknowledged(want):
@@ -588,6 +547,12 @@ class OuterSync:
         return Reply(body, track=req.sender)
 
     def _serve_join(self, req: Request) -> Reply:
+        """Merge a joiner's lineage if it asks (:meth:`Rounds.merge`) and add it to the group
+        (:meth:`Rounds.register`). Each side's weight is its tokens since the point where the
+        younger lineage forked from the other: exact for one split; for deeper histories it
+        is the joiner's fork point. This island keeps its momentum and round and merges each
+        lineage once (its later joiners adopt). The reply is the merged state, or
+        ``awaiting`` for a join with ``next``."""
         join = parse_join(*unpack(req.body), req.sender, self.r.expect)
         with self.cond:
             if not self.r.ready:
