@@ -7,30 +7,20 @@ cgroup v1 ``cpu`` controller (CFS bandwidth), each host's process gets a group
     share(host) = cores / hosts * peak_tflops(island) / max(peak_tflops)   (in cores)
     cpu.cfs_period_us = 10000,  cpu.cfs_quota_us = max(1000, round(share * 10000))
 
-so the fastest island's hosts get a fair share of the machine (no more, or they would run
-ahead while the others wait) and an island with half the ``peak_tflops`` computes at half
-that. ``cores`` is this process's CPU affinity. A period of 10 ms keeps the throttling
-smooth on a step of tens of ms; shorter ones cost more than they smooth (at 2 ms for half a
-core and 4 ms for a quarter, the shortest the kernel's 1-ms quota floor allows, the probe
-timed a layer 38% slower on ib and 23% on roce, and a pipeline step 8% slower). The
-worker enters its group before it execs (``sh -c 'echo $$ > .../cgroup.procs && exec
-...'``), so jax and every thread it starts are counted, with ``HOLMES_JAX_CPU_QUOTA`` set
-to its share (:func:`own_share`: the probe reads it).
+``cores`` is this process's CPU affinity. The worker enters its group before it execs
+(:meth:`CpuQuota.prefix`), with ``HOLMES_JAX_CPU_QUOTA`` set to its share: the probe reads it
+(:func:`own_share`).
 
-A quota slows a steady computation exactly (the probe's layers, a busy loop). It is not a
-slower chip for one that waits between bursts, as a pipeline stage does: the quota is
-refilled each period and a group that idled wakes with all of it, so a burst of ``c``
-seconds of CPU takes between ``c / share - 2 (1 - share) period`` and ``c / share`` of
-wall time, depending on where in its period the host wakes (``scripts/bench_emulation.py``
+A quota slows a steady computation exactly. It is not a slower chip for one that waits
+between bursts, as a pipeline stage does (:func:`shares`; ``scripts/bench_emulation.py``
 measures it).
 
 ``--cpu-quota``: ``auto`` (the default) applies quotas when the islands' ``peak_tflops``
-differ, and warns and goes on without them where the cgroup v1 ``cpu`` controller is absent
-(e.g. a cgroup v2-only machine); ``on`` applies them always (a uniform topology then gets a
-fair share each) and is a one-line error without the controller; ``off`` never. When the
-workers end, ``launch`` prints each group's throttling from its ``cpu.stat`` (the share of
-its periods that ended with its quota spent, and the time it waited). Groups are removed on
-teardown, and by :func:`remove_stale` when a launcher was killed. Plain Python.
+differ; ``on`` applies them always; ``off`` never (:func:`plan_quotas`). Without the
+controller ``auto`` warns and goes on without quotas, and ``on`` is an error
+(:func:`resolve`). When the workers end, ``launch`` prints each group's throttling
+(:class:`Throttling`). Groups are removed on teardown (:class:`CpuGroups`), and by
+:func:`remove_stale` when a launcher was killed. Plain Python.
 """
 
 from __future__ import annotations
@@ -46,6 +36,8 @@ from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.topology import Topology
 
 CPU_ROOT = "/sys/fs/cgroup/cpu"
+# 10 ms keeps the throttling smooth on a step of tens of ms; shorter periods cost more than
+# they smooth (the probe timed layers and pipeline steps slower at 2 and 4 ms).
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000  # the kernel's floor is 1000 µs
 MODES = ("auto", "on", "off")
@@ -73,14 +65,22 @@ class CpuQuota:
     def prefix(self) -> list[str]:
         """Prepend to a command: it moves itself into the group, then execs the command
         with :data:`QUOTA_ENV` set to its share (``ip netns exec`` remounts ``/sys``, so
-        inside a namespace the group's files cannot be read)."""
+        inside a namespace the group's files cannot be read). Entering before the exec
+        counts jax and every thread it starts."""
         procs = os.path.join(self.group, "cgroup.procs")
         enter = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs]
         return [*enter, "env", f"{QUOTA_ENV}={self.share:g}"]
 
 
 def shares(topology: Topology, cores: float) -> dict[str, float]:
-    """Cores per host: ``cores / hosts * peak_tflops / max(peak_tflops)`` (pure)."""
+    """Cores per host: ``cores / hosts * peak_tflops / max(peak_tflops)`` (pure).
+
+    The fastest island's hosts get a fair share of the machine: no more, or they would run
+    ahead while the others wait. An island with half the ``peak_tflops`` computes at half
+    that. The quota is refilled each period, and a group that idled wakes with all of it, so
+    a burst of ``c`` seconds of CPU takes between ``c / share - 2 (1 - share) period`` and
+    ``c / share`` of wall time, depending on where in its period the host wakes.
+    """
     hosts = sum(i.num_hosts for i in topology.islands)
     fastest = max(i.peak_tflops for i in topology.islands)
     return {
@@ -92,6 +92,7 @@ def plan_quotas(
     topology: Topology, tag: str, mode: str, cores: float, root: str = CPU_ROOT
 ) -> list[CpuQuota]:
     """The groups ``mode`` asks for (pure; [] for ``off``, or ``auto`` with equal islands).
+    ``on`` gives a uniform topology a fair share per host.
 
     Raises:
       ConfigError: an unknown mode.
@@ -139,7 +140,8 @@ def available(root: str = CPU_ROOT) -> bool:
 
 
 def resolve(mode: str, root: str = CPU_ROOT, warn: Callable[[str], None] = print) -> str:
-    """``mode`` as it can run here: ``auto`` without the controller warns and becomes ``off``.
+    """``mode`` as it can run here: ``auto`` without the controller (e.g. on a cgroup
+    v2-only machine) warns and becomes ``off``.
 
     Raises:
       ConfigError: ``on`` without the controller.

@@ -1,46 +1,27 @@
 """Supervised restarts and fault injection for the local launcher
 (:func:`holmes_jax.cluster.local_launch.launch`).
 
-:class:`Supervisor` runs a job (:class:`~holmes_jax.cluster.launcher.Launch`) and, when a
-worker fails, runs it again, up to ``max_restarts`` times:
+:class:`Supervisor` runs a job (:class:`~holmes_jax.cluster.launcher.Launch`). When a worker
+fails, it runs the job again, up to ``max_restarts`` times:
 
-- Any failure is restarted (a signal, a lost peer's exit 3, a step error's exit 1) except
-  the two a restart cannot fix: exit code 2, a config or usage error, and exit code 4, a
-  run stopped by non-finite steps (it would replay the same batches from the same
-  checkpoint). A job stopped by Ctrl-C or SIGTERM is not restarted.
-- Every worker restarts, on a fresh coordinator port. The job resumes from the newest
-  checkpoint of its run: a restart gets ``HOLMES_CONTINUE_RUN_DIR`` set to the run
-  directory the first attempt printed (``run dir <path>: ...``), so it continues that
-  run even when it died before its first checkpoint
+- Any failure is restarted except the exit codes in :data:`NOT_RETRIED` (2: a config or
+  usage error; 4: a stop for non-finite steps). A job stopped by Ctrl-C or SIGTERM is not
+  restarted.
+- Every worker restarts, on a fresh coordinator port, with ``HOLMES_CONTINUE_RUN_DIR`` set to
+  the job's run directory. The job resumes from the newest checkpoint of that run
   (:mod:`holmes_jax.runtime.rundir.paths`).
-- It learns the job's progress from process 0's status channel
-  (:mod:`holmes_jax.core.status`): the run directory, the checkpoint step a restart
-  resumed from, the first compile, and each logged step, whatever ``logging.progress``.
+- The supervisor learns the job's progress from process 0's status channel
+  (:mod:`holmes_jax.core.status`) and prints one line per failure and per resumption.
 
-One line per event: the failure (host, process, exit code or signal, the last step the
-job reached, what happens next), and after a restart, once its first step is done, the
-seconds since the failure, the checkpoint step it resumed from and the steps lost.
+Fault injection (``--fail-host``, :class:`Fault`): a kill fault sends SIGKILL to a host's
+worker and keeps the host away for a while. ``:nan`` and ``:abstain`` faults kill nothing:
+the job is told to fail that way (:func:`fault_args`). ``on_step`` sees every reported step
+(``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
 
-Fault injection (:class:`Fault`,
-``--fail-host HOST@STEP[:permanent|:+SECONDS|:nan|:abstain]``): once the job reports step
-STEP or later, the host's worker gets SIGKILL, once per fault. The host then stays away for
-SECONDS (``permanent``: for good). ``:nan`` and ``:abstain`` kill nothing: every worker of
-the job holding HOST gets ``--set train.inject_nonfinite_steps=[STEP, ...]`` (``:nan``: step
-STEP of that job computes a non-finite loss and gradients) or ``--set
-diloco.inject_abstain_steps=[STEP, ...]`` (``:abstain``, independent islands: that island
-sends nothing in the round after STEP) (:func:`fault_args`; all of a job's processes run
-one program, so all of them must be told). It is in the workers'
-arguments, so it fires again in a restart that resumes from before STEP. ``on_step`` sees
-every reported step too (``--cut-islands``, :mod:`holmes_jax.cluster.linkcut`, listens there).
-
-Hosts that stay away (``rejoin_timeout_s``, ``--rejoin-timeout``): before a restart the
-supervisor waits up to that long for every away host to come back. Those still away are
-left out: the others start with ``--set parallel.exclude_hosts=[...]``, and the trainer
-re-plans for the survivors (:mod:`holmes_jax.planner.failures`) and resumes from the
-newest checkpoint. A restart on the survivors is a restart like any other. When a left-out
-host is back, the supervisor asks the survivors to stop (SIGTERM: they checkpoint at
-the step they agree on and exit 0) and starts the whole topology again from that
-checkpoint; this re-expansion does not count as a restart.
+Hosts that stay away: before a restart the supervisor waits up to ``rejoin_timeout_s``
+(``--rejoin-timeout``) for them. Those still away are left out, and the trainer re-plans for
+the survivors (:mod:`holmes_jax.planner.failures`). When a left-out host is back, every host
+starts again from a checkpoint; this re-expansion does not count as a restart.
 """
 
 from __future__ import annotations
@@ -82,9 +63,10 @@ _FAULT = re.compile(r"([^@\s]+)@([^:\s]+)(?::(.*))?")
 
 @dataclass(frozen=True)
 class Fault:
-    """One ``--fail-host``: SIGKILL ``host``'s worker at ``step``; it stays away ``away_s``
-    seconds after the kill (``inf``: for good). ``inject`` ``"nan"`` or ``"abstain"``: no
-    kill; the job holding ``host`` is told to fail that way at ``step`` (:func:`fault_args`)."""
+    """One ``--fail-host``: SIGKILL ``host``'s worker once, at the first reported step >=
+    ``step``; it stays away ``away_s`` seconds after the kill (``inf``: for good).
+    ``inject`` ``"nan"`` or ``"abstain"``: no kill; the job holding ``host`` is told to fail
+    that way at ``step`` (:func:`fault_args`)."""
 
     host: str
     step: int
@@ -136,8 +118,16 @@ def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
 
 
 def fault_args(faults: Sequence[Fault]) -> list[str]:
-    """The train arguments that give one job its injected faults (every worker of the job
-    gets the same): ``--set KEY=[STEP, ...]`` per kind (:data:`INJECTED`), or none."""
+    """The train arguments that give one job its injected faults: ``--set KEY=[STEP, ...]``
+    per kind (:data:`INJECTED`), or none.
+
+    - ``nan``: step STEP of the job computes a non-finite loss and gradients.
+    - ``abstain`` (independent islands): the island sends nothing in the round after STEP.
+
+    Every worker of the job gets the same arguments, since all of a job's processes run one
+    program. The fault is in the workers' arguments, so it fires again in a restart that
+    resumes from before STEP.
+    """
     out = []
     for kind, key in INJECTED.items():
         steps = sorted({f.step for f in faults if f.inject == kind})
@@ -152,7 +142,7 @@ class Supervisor:
     Args:
       make_workers: (extra environment, hosts left out) -> the workers of one attempt (a
         fresh coordinator each call; the hosts left out get no worker and the others are
-        told to run without them).
+        told to run without them, ``--set parallel.exclude_hosts=[...]``).
       max_restarts: restarts allowed after failures; 0 runs the job once.
       faults: the ``--fail-host`` faults.
       on_step: called with every step process 0 reports (under the supervisor's lock).
@@ -185,6 +175,8 @@ class Supervisor:
         self.current: Launch | None = None
         self.restarts = 0
         self.step = 0  # the last step the job reported, over every attempt
+        # The run directory the first attempt reported. Every restart continues this run
+        # (CONTINUE_VAR), even when the first attempt died before its first checkpoint.
         self.run_dir: str | None = None
         self._fired: set[int] = set()  # indices of the faults that fired
         self._away_until: dict[str, float] = {}  # host -> monotonic time it may start
@@ -210,6 +202,8 @@ class Supervisor:
     # -- the job's output -------------------------------------------------------
 
     def _on_status(self, worker: Worker, event: dict) -> None:
+        """Process 0's status events: the run directory, the checkpoint step a restart
+        resumed from, the first compile, and each logged step, whatever ``logging.progress``."""
         if worker.process_id != 0:  # process 0 speaks for the job
             return
         with self._lock:
@@ -229,6 +223,8 @@ class Supervisor:
         if self.on_step is not None:
             self.on_step(step)
         launch = self.current
+        # The first step after a restart: the seconds since the failure, the checkpoint step
+        # it resumed from, and the steps lost.
         if not self._announced and self._failed_at is not None:
             self._announced = True
             took = time.monotonic() - self._failed_at
@@ -250,6 +246,7 @@ class Supervisor:
                 f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: the survivors "
                 "stop at a step they agree on (with a checkpoint), then every host starts again"
             )
+            # SIGTERM: the survivors checkpoint at the step they agree on and exit 0.
             launch.request_stop()
         for i, fault in enumerate(self.faults):
             if i in self._fired or step < fault.step:
@@ -278,6 +275,8 @@ class Supervisor:
         return min(self.grace_s, RESTART_GRACE_S) if self._restarts_after(code) else self.grace_s
 
     def _failure_line(self, worker: Worker, code: int) -> str:
+        """The line that reports a failure: host, process, exit code or signal, the last step
+        the job reached, and what happens next."""
         at = f"at step {self.step}" if self.step else "before its first step"
         head = f"{worker.host} (process {worker.process_id}) exited with {describe(code)} {at}"
         stopping = f"stopping the others (in {self._grace_for(worker, code):g} s at most)"
@@ -354,6 +353,8 @@ class Supervisor:
                     code = launch.run()
                 finally:
                     hidden += launch.hidden
+                # Re-expansion: every host starts again from the survivors' last checkpoint.
+                # It does not count as a restart.
                 if self._reexpand and code == 0 and not self._signals:
                     self._reexpand = False
                     self._failed_step, self._failed_at = self.step, time.monotonic()
@@ -367,7 +368,7 @@ class Supervisor:
                 worker, raw = launch.failure
                 if not self._restarts_after(raw):
                     return code
-                self.restarts += 1
+                self.restarts += 1  # a restart on the survivors counts like any other
                 self._failed_step, self._failed_at = self.step, launch.failed_at
                 self._resumption = f"failure (restart {self.restarts}"
                 self._resumed_from, self._compiled, self._announced = 0, None, False

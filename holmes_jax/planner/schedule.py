@@ -2,7 +2,7 @@
 
 The engine (:mod:`holmes_jax.runtime.engine.pipeline`) runs one tick loop for every schedule and
 only looks up these tables; the planner prices the same tables. One tick is at most one
-op per stage:
+op per stage (the sends and inboxes: :class:`Schedule`):
 
 - ``IDLE``: nothing (a bubble; control flow skips it);
 - ``FWD``: micro-batch ``mb`` through chunk ``chunk``, residuals kept in slot ``slot``;
@@ -10,23 +10,16 @@ op per stage:
   weight-gradient half stashed in slot ``wslot``;
 - ``WGT`` (``zb`` only): the deferred weight gradient from ``slot`` and ``wslot``; frees both.
 
-With v chunks per device (``interleaved``), chunk c of stage s is virtual stage ``c·S + s``;
-stage S−1 hands chunk c's output to stage 0's chunk c+1 (the ring wrap).
-A value made at tick t is sent at the end of tick t and lands in the receiver's inbox slot
-(``xarr`` / ``garr``). ``fwd_pairs[t]`` / ``bwd_pairs[t]`` list exactly the stage pairs
-that send at tick t, so each micro-batch crosses each boundary once each way.
-
-Schedules (S stages, M micro-batches):
+Schedules (S stages, M micro-batches, :func:`make_schedule`):
 
 - ``gpipe``: every forward, then every backward; M residual sets per stage.
 - ``1f1b`` (PipeDream-flush): stage s runs min(S − s, M) warm-up forwards, then one
   backward and one forward alternately, then drains; at most S − s residual sets on stage s.
-- ``interleaved`` (Narayanan et al. 2021): forwards visit micro-batches in groups of
-  g = min(S, M) (M a multiple of g), chunk by chunk. Stage s runs
-  min(vM, 2(S − s − 1) + (v − 1)g) warm-up forwards. The bubble shrinks about v-fold.
-- ``zb`` (ZB-H1, Qi et al. 2023): 1F1B's order, the backward split in B and W. Stage s
-  defers up to s W's into bubbles (:func:`_zb_ticks`); at most S micro-batches in flight.
-  With F = B = W the bubble is a third of 1F1B's.
+- ``interleaved`` (Narayanan et al. 2021): v chunks per device. Forwards visit micro-batches
+  in groups of g = min(S, M) (M a multiple of g), chunk by chunk. The bubble shrinks about
+  v-fold.
+- ``zb`` (ZB-H1, Qi et al. 2023): 1F1B's order, the backward split in B and W
+  (:func:`_zb_ticks`). With F = B = W the bubble is a third of 1F1B's.
 
 Ticks are an order, not a timing; :mod:`holmes_jax.planner.step_time` prices each op. Pure NumPy.
 """
@@ -48,8 +41,12 @@ OP_NAMES = {IDLE: "idle", FWD: "F", BWD: "B", WGT: "W"}
 class Schedule:
     """Tick tables, each ``[ticks, stages]`` int32, the buffer depths and the sends.
 
-    ``xarr`` / ``garr`` name the inbox slot that receives at the end of tick t, or the
-    scratch slot (index ``x_slots`` / ``g_slots``) when nothing arrives there.
+    With v chunks per device, chunk c of stage s is virtual stage ``c·S + s``. Stage S−1
+    hands chunk c's output to stage 0's chunk c+1 (the ring wrap). A value made at tick t
+    is sent at the end of tick t. ``xarr`` / ``garr`` name the inbox slot that receives it,
+    or the scratch slot (index ``x_slots`` / ``g_slots``) when nothing arrives there.
+    ``fwd_pairs[t]`` / ``bwd_pairs[t]`` list exactly the stage pairs that send at tick t, so
+    each micro-batch crosses each boundary once each way.
     """
 
     name: str
@@ -224,7 +221,7 @@ def _orders(name: str, S: int, M: int, v: int) -> list[list[tuple[int, int, int]
         if v == 1:
             warm = min(S - s, M)
         else:
-            warm = min(total, 2 * (S - s - 1) + (v - 1) * g)
+            warm = min(total, 2 * (S - s - 1) + (v - 1) * g)  # Megatron's interleaved warm-up
         fwd = [(FWD, *visit(k, False)) for k in range(total)]
         bwd = [(BWD, *visit(k, True)) for k in range(total)]
         order = fwd[:warm]

@@ -1,42 +1,26 @@
 """Non-finite steps: skipped on the device, counted in the state, stopped on the host.
 
 A step is *non-finite* when its loss or its global gradient norm is not finite:
-``ok = isfinite(loss) & isfinite(grad_norm)`` (an inf or NaN anywhere in the gradients makes
-the norm non-finite). Such a step
+``ok = isfinite(loss) & isfinite(grad_norm)``. An inf or NaN anywhere in the gradients makes
+the norm non-finite. Such a step
 
-- leaves the parameters, the fp32 master and the AdamW state (moments and step counts) as
-  they were: :func:`keep_finite` selects ``where(ok, new, old)`` leaf by leaf inside the
-  jitted step, so the NaN of the discarded update cannot reach the state (a product with 0
-  would: 0 · NaN = NaN);
+- leaves the parameters, the fp32 master and the AdamW state as they were
+  (:func:`keep_finite`, inside the jitted step);
 - still consumes its batch: ``TrainState.step``, the data position, advances;
 - is counted in ``TrainState.skips`` (int32, checkpointed with the state): ``total``, the
-  skipped steps since step 0, and ``run``, the skipped steps in a row up to this one (0
-  after a step that updated). The step returns them as the metrics ``skipped_steps``
-  (recorded in ``metrics.jsonl``) and ``skips_in_a_row`` (read by the guard, not recorded).
+  skipped steps since step 0, and ``run``, the skipped steps in a row up to this one
+  (:func:`count_skips`). The step returns them as the metrics :data:`SKIPPED` and
+  :data:`IN_A_ROW` (:func:`skip_metrics`).
 
 Under DiLoCo (``[R]`` replicas in one program) ``ok`` and both counters are ``[R]`` over
-``replica``: a replica skips alone and the others update. The AdamW step counts are shared
-by the replicas and advance with every step (keeping them for one replica would need a
-collective across islands every step); a replica that skipped keeps its moments, and only
-its bias correction runs a step ahead. ``skipped_steps`` in the records is the sum over the
-replicas.
+``replica``: a replica skips alone and the others update.
 
-On the host, :class:`SkipGuard` (one call per step from :func:`holmes_jax.runtime.loop.run`)
-reads ``run`` of step k once step k+1 is dispatched (``copy_to_host_async`` at k, the read at
-k+1), so it never makes the device wait for the host; where the loop already waits (log
-steps, before every checkpoint save, the end) :meth:`SkipGuard.settle` reads the step just
-run. A run longer than ``train.max_skipped_steps`` raises
-:class:`~holmes_jax.core.errors.NonFiniteError` (exit code 4): no checkpoint is saved after
-it, and the line says which checkpoint holds the last good parameters. A skipped step logs
-one line; after one, the next comes :data:`LINE_EVERY` steps later at the soonest, and
-counts the skips it did not show.
+On the host, :class:`SkipGuard` reads the counters a step late and logs skipped steps. More
+than ``train.max_skipped_steps`` in a row raise
+:class:`~holmes_jax.core.errors.NonFiniteError` (exit code 4).
 
-Fault injection: ``train.inject_nonfinite_steps`` (:func:`inject_nonfinite`) scales the
-embedding by NaN on those steps, inside the step, so the loss and every gradient are NaN.
-
-DiLoCo's outer step may ask whether a replica skipped a step since a given point:
-:func:`skipped_so_far` reads ``skips.total`` (one device read) to compare with the value
-read at that point.
+Fault injection: ``train.inject_nonfinite_steps`` (:func:`inject_nonfinite`). DiLoCo's outer
+step asks whether a replica skipped since a given point with :func:`skipped_so_far`.
 """
 
 from __future__ import annotations
@@ -50,8 +34,8 @@ import numpy as np
 
 from holmes_jax.core.errors import NonFiniteError
 
-SKIPPED = "skipped_steps"  # metric: skipped steps since step 0 (summed over replicas)
-IN_A_ROW = "skips_in_a_row"  # metric the guard reads and removes
+SKIPPED = "skipped_steps"  # recorded: skipped steps since step 0, summed over replicas
+IN_A_ROW = "skips_in_a_row"  # metric the guard reads and removes; not recorded
 LINE_EVERY = 100  # steps between two skip lines, at least
 
 
@@ -65,7 +49,8 @@ def fresh_skips(replicas: int = 0) -> dict[str, jax.Array]:
 
 
 def count_skips(skips: dict[str, jax.Array], ok: jax.Array) -> dict[str, jax.Array]:
-    """The counters after a step whose finiteness is ``ok`` (scalar or ``[R]``)."""
+    """The counters after a step whose finiteness is ``ok`` (scalar or ``[R]``). ``run`` is
+    0 after a step that updated."""
     return {
         "total": skips["total"] + (~ok).astype(jnp.int32),
         "run": jnp.where(ok, 0, skips["run"] + 1).astype(jnp.int32),
@@ -85,10 +70,14 @@ def keep_finite(ok: jax.Array, new: Any, old: Any) -> Any:
     """
 
     def pick(n, o):
+        # AdamW's step counts are shared by the replicas and advance every step: keeping them
+        # for one replica would need a collective across islands every step. A replica that
+        # skipped keeps its moments; only its bias correction runs a step ahead.
         if n.ndim < ok.ndim:
             return n
         if ok.ndim and n.shape[: ok.ndim] != ok.shape:
             raise ValueError(f"keep_finite: leaf {n.shape} does not lead with {ok.shape}")
+        # A select, not a product with ok: 0 * NaN = NaN would reach the state.
         return jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - ok.ndim)), n, o)
 
     return jax.tree.map(pick, new, old)
@@ -145,7 +134,13 @@ def _distinct_shards(x: jax.Array) -> list:
 
 class SkipGuard:
     """Reads the step's skip counters a step late, says what was skipped, and stops the run
-    after more than ``limit`` non-finite steps in a row (see the module doc).
+    after more than ``limit`` non-finite steps in a row.
+
+    :func:`holmes_jax.runtime.loop.run` calls :meth:`after_step` once per step. The copy of
+    step k's counters to the host starts at k and is read at k+1, so the device never waits
+    for the host. Where the loop already waits (log steps, before every checkpoint save, the
+    end), :meth:`settle` reads the step just run. No checkpoint is saved after a stop, and
+    the stop line says which checkpoint holds the last good parameters.
 
     Args:
       limit: ``train.max_skipped_steps``.
@@ -243,6 +238,8 @@ class SkipGuard:
             self._exceeded = (step, replica, skipped[worst], loss[worst], norm[worst])
             if not self.agree:
                 raise NonFiniteError(self._stop_line(*self._exceeded))
+        # One line per skipped step, at most one per LINE_EVERY steps; the next line counts
+        # the skips not shown.
         if self._last_line is not None and step - self._last_line < LINE_EVERY:
             self._hidden += 1
             return

@@ -5,34 +5,20 @@ results, the link fits and the profile writer are jax-free
 (:mod:`holmes_jax.planner.measurements`). ``docs/planner.md`` ("Measured profiles") says
 why each measurement is made the way it is.
 
-1. **Compute**, per island: a stage of the config's plan, ``n`` distinct layers
-   (:class:`Block`, fp32, no recompute, ``n`` at most :data:`MAX_STACK` and
-   :data:`MAX_STACK_BYTES` of weights), forward, and forward then backward (``jax.vjp``).
-   Per layer = the time / ``n``, backward = the difference. The batch is one micro-batch
-   of the config on every device at once, as training runs them. Each timed program runs
-   the stage ``r`` times, ``r`` chosen so one call lasts about :data:`CHAIN_S` on a device
-   alone. Processes time together in windows (:func:`_shared_times`), and an island's
-   processes are combined at their fair share (:func:`_fair_share`).
-2. **Links**, each at several message sizes S per device, fitted by least squares on
-   relative error to ``time = latency + bytes / bandwidth``. A ring collective over n ranks
-   moves ``2(n−1)/n·S`` bytes per rank in ``2(n−1)`` steps (half of each for
-   reduce-scatter and all-gather), so the cost model's ring formula reproduces the times.
-   - ``tensor``: ``psum`` over one host's devices, per device.
-   - ``data:<island>``: ``psum`` across the island's hosts, times ``devices_per_host``
-     rings per NIC. ``data:<island>:reduce-scatter`` and ``:all-gather``: ZeRO-1's two.
-   - ``stage:<a>:<b>``: ``ppermute`` from island a's last stage to island b's first, times
-     the messages a host sends at once.
+1. **Compute**, per island (:func:`_time_layers`): a stage of the config's plan, ``n`` distinct
+   layers, forward, and forward then backward. Per layer = the time / ``n``.
+2. **Links**, each at several message sizes per device (:func:`_time_collective`), fitted
+   to ``time = latency + bytes / bandwidth`` in the cost model's ring terms
+   (:meth:`~holmes_jax.planner.measurements.LinkTiming.path`):
+   - ``tensor``: ``psum`` over one host's devices.
+   - ``data:<island>``: ``psum`` across the island's hosts. ``data:<island>:reduce-scatter``
+     and ``:all-gather``: ZeRO-1's two.
+   - ``stage:<a>:<b>``: ``ppermute`` from island a's last stage to island b's first.
    - ``data:*`` and ``data:*:<op>``: the three collectives over one ``data`` axis through
-     every device in topology order (``tensor`` = the gcd of ``devices_per_host``, times
-     that many rings per NIC), as the naive placement's data group runs them.
+     every device in topology order, as the naive placement's data group runs them.
    Where any process runs under a CPU quota (:func:`holmes_jax.cluster.cgroups.own_share`:
-   the emulated cluster's ``--cpu-quota``), every link is also timed as training meets
-   it: each call right after a burst of compute (:func:`_busy`), less the burst timed
-   alone; the larger of that and the call alone is kept (the burst's own time varies by
-   more than a small call takes). A host that has used its quota is throttled until the
-   quota refills, and the kernel charges a burst's overrun (up to a scheduler tick) to the
-   next periods, so a collective right after compute waits tens of milliseconds on a host
-   with a sixth of a core; timed alone it would not.
+   the emulated cluster's ``--cpu-quota``), every link is also timed right after a burst of
+   compute, as training meets it.
 
 With several processes each one times the islands it holds and process 0 writes. The
 library functions import jax only when they measure.
@@ -139,15 +125,17 @@ def measure(
     me = jax.process_index()
     offsets = topology.island_offsets
 
-    # A stage, but no more than MAX_STACK_BYTES of fp32 weights (and as much again of
-    # weight gradients): a 70B layer alone is 3.2 GB.
+    # A stage, but no more than MAX_STACK layers and MAX_STACK_BYTES of fp32 weights (and as
+    # much again of weight gradients): a 70B layer alone is 3.2 GB.
     most = max(1, min(MAX_STACK, MAX_STACK_BYTES // (4 * cfg.model.spec.layer_params)))
     layers = stage_layers(req, most)
     say(f"layer forward, forward+backward, micro-batch {b}, a stage of {layers}, every device busy")
     compute = _time_layers(model, b, layers, topology, devices, repeats)
 
     # Under a CPU quota (the emulated cluster's slower islands) a host that has just
-    # computed is throttled until its quota refills, stalling any collective it is in.
+    # computed is throttled until its quota refills, stalling any collective it is in. The
+    # kernel charges a burst's overrun (up to a scheduler tick) to the next periods: on a
+    # host with a sixth of a core a collective right after compute waits tens of ms.
     after = bool(_agreed_max(int(own_share() is not None)))
     timed = " (each after a burst of compute, less the burst: CPU quotas)" if after else ""
     links = []
@@ -157,9 +145,10 @@ def measure(
         mesh = _mesh(Degrees(1, isl.num_hosts, isl.devices_per_host), group)
         mine = any(d.process_index == me for d in group)
         for key, axis, n, share, op in (
-            (TENSOR, TENSOR, isl.devices_per_host, 1, "all-reduce"),
+            (TENSOR, TENSOR, isl.devices_per_host, 1, "all-reduce"),  # per device
             # The all-reduce, and ZeRO-1's two collectives as issued by the trainer (a
             # runtime may not run them as half an all-reduce each, e.g. gloo on CPUs).
+            # devices_per_host rings go through each host's NIC at once.
             *(
                 (data_key(isl.name, op), DATA, isl.num_hosts, isl.devices_per_host, op)
                 for op in DATA_RING_OPS
@@ -175,6 +164,7 @@ def measure(
     if len(topology.islands) > 1:
         # One data group through every island, as the naive placement's (gloo's own
         # algorithms and the stalls of every process in one collective are in the times).
+        # tensor = the gcd of devices_per_host; t rings go through each host's NIC at once.
         t = math.gcd(*(isl.devices_per_host for isl in topology.islands))
         n = topology.num_devices // t
         mesh = _mesh(Degrees(1, n, t), devices)
@@ -187,6 +177,7 @@ def measure(
         shape = pair_shape(topology)
         mesh = _mesh(shape, devices)
         names = [isl.name for isl in topology.islands]
+        # senders: the messages a host sends at once (the link's share)
         for (src, dst, senders), (a, c) in zip(
             island_pairs(topology, shape), name_pairs(names), strict=True
         ):
@@ -228,8 +219,15 @@ def _time_layers(
     model: ModelConfig, b: int, layers: int, topology: Topology, devices: list, repeats: int
 ) -> list[ComputeTiming]:
     """Per layer, a stage of ``layers`` layers on every device of each island at once, as
-    training runs it (module doc, item 1), and one layer's forward on each island's first
-    device alone for comparison."""
+    training runs it, and one layer's forward on each island's first device alone for
+    comparison.
+
+    The stage is ``layers`` distinct :class:`Block` layers in fp32, without recompute, on
+    one micro-batch of the config per device. Each timed program runs the stage ``r`` times,
+    ``r`` chosen so one call lasts about :data:`CHAIN_S` on a device alone. Processes time
+    together in windows (:func:`_shared_times`), and an island's processes are combined at
+    their fair share (:func:`_fair_share`).
+    """
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -355,7 +353,7 @@ def _time_collective(
     """Median seconds of ``op`` over ``axis`` at each size (bytes of the full buffer per
     device: a reduce-scatter's input, an all-gather's output). ``after``: also each call
     right after a burst of compute (:func:`_busy`), less the burst alone, and the larger of
-    the two figures kept (module doc, 2)."""
+    the two figures kept."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec

@@ -2,7 +2,7 @@
 and resolved config.
 
 ``train.run_dir`` names the directory. An output whose value is ``auto`` (the default)
-goes inside it:
+goes inside it (:func:`resolve_outputs`):
 
 - ``checkpoint.dir``: ``<run_dir>/checkpoints``
 - ``train.metrics_path``: ``<run_dir>/metrics.jsonl``
@@ -11,27 +11,14 @@ goes inside it:
 - the resolved config, always: ``<run_dir>/config.yaml`` (``load_config`` reads it back)
 
 An explicit path overrides ``auto``, and null turns that output off. With ``run_dir: null``
-the ``auto`` outputs are off and no config is written.
+the ``auto`` outputs are off and no config is written. The run directory is local;
+``checkpoint.dir`` may be a ``gs://`` bucket (:mod:`holmes_jax.runtime.rundir.storage`).
 
-The run directory is local; ``checkpoint.dir`` may be a ``gs://`` bucket
-(:mod:`holmes_jax.runtime.rundir.storage`), listed through ``etils.epath`` like a local one.
-
-A run never writes over another run's records. A run that will not resume (checkpoints
-off, ``checkpoint.resume: false``, or no step in its checkpoint directory) and whose run
-directory holds records (``metrics.jsonl``, TensorBoard events or checkpoints) moves to
-the first of ``<run_dir>-2``, ``<run_dir>-3``, ... that holds none. A resuming run keeps
-its directory and appends to its metrics.
-
-A restart continues its run: with ``HOLMES_CONTINUE_RUN_DIR=<path>`` in the environment,
-``train.run_dir`` is ``<path>`` whatever the config says, and the run never moves off it.
-It resumes from the newest checkpoint there when there is one, else it starts at step 0
-in the same directory, and it appends to the metrics either way (a later record of a step
-supersedes an earlier one). The launcher sets it when it restarts a job
-(:mod:`holmes_jax.cluster.launcher`); a requeued batch job can set it the same way.
-
-Several processes decide once: process 0 looks at the disk and broadcasts its choice, so
-every process writes checkpoints to the same directory even where their views of a
-shared filesystem differ for a moment.
+A run never writes over another run's records: a run that will not resume moves to the
+first free ``<run_dir>-n`` (:func:`choose_run_dir`). A restart continues its run: with
+``HOLMES_CONTINUE_RUN_DIR=<path>`` in the environment, ``train.run_dir`` is ``<path>``
+whatever the config says (:func:`continued_run_dir`). The launcher sets it when it restarts
+a job (:mod:`holmes_jax.cluster.launcher`); a requeued batch job can set it the same way.
 """
 
 from __future__ import annotations
@@ -58,7 +45,12 @@ CONTINUE_VAR = "HOLMES_CONTINUE_RUN_DIR"
 
 
 def continued_run_dir(environ=None) -> str | None:
-    """The run directory a restart continues (``HOLMES_CONTINUE_RUN_DIR``), or None."""
+    """The run directory a restart continues (``HOLMES_CONTINUE_RUN_DIR``), or None.
+
+    The run never moves off it. It resumes from the newest checkpoint there, else it starts
+    at step 0 in the same directory. It appends to the metrics either way; a later record of
+    a step supersedes an earlier one.
+    """
     value = (os.environ if environ is None else environ).get(CONTINUE_VAR, "").strip()
     return value or None
 
@@ -163,9 +155,15 @@ class RunDir:
 def choose_run_dir(cfg: Config) -> RunDir:
     """Resolve the outputs, moving off a run directory that holds another run's records.
 
+    A run that will not resume (:func:`will_resume`: checkpoints off,
+    ``checkpoint.resume: false``, or no step in its checkpoint directory) and whose run
+    directory holds records (:func:`records_in`) moves to the first of ``<run_dir>-2``,
+    ``<run_dir>-3``, ... that holds none. A resuming run keeps its directory and appends to
+    its metrics. A restart (:func:`continued_run_dir`) takes the directory it continues, as
+    is.
+
     Every process of a job must call this at the same point: process 0 decides and the
-    others take its choice (one broadcast integer). Nothing is written here. A restart
-    (:func:`continued_run_dir`) takes the directory it continues, as is.
+    others take its choice (one broadcast integer). Nothing is written here.
     """
     continued = continued_run_dir()
     if continued is not None:
