@@ -57,7 +57,7 @@ def grads_bytes(program: Program) -> int:
     batch = jax.ShapeDtypeStruct(
         (cfg.train.global_batch_size, cfg.model.seq_len + 1),
         jnp.int32,
-        sharding=program.batch_sharding,
+        sharding=program.shardings.batch,
     )
     step = jax.ShapeDtypeStruct((), jnp.int32)
     with program.context():

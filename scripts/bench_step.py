@@ -96,7 +96,7 @@ def ours_runner(cfg, sampler, shape: Degrees):
     def run(n):
         st, s = state
         for _ in range(n):
-            st, metrics = program.train_step(st, make_batch(sampler, s, program.batch_sharding))
+            st, metrics = program.train_step(st, make_batch(sampler, s, program.shardings.batch))
             s += 1
         metrics["loss"].block_until_ready()
         state[:] = [st, s]

@@ -60,7 +60,7 @@ def program_runner(cfg, shape, batch_rows: Callable[[int], object] | None = None
     program = Program(cfg, build_mesh(shape))
     rows = (cfg.train.global_batch_size, cfg.model.seq_len + 1)
     fixed = np.random.RandomState(0).randint(0, cfg.model.vocab_size, rows).astype(np.int32)
-    batch = jax.device_put(fixed, program.batch_sharding)
+    batch = jax.device_put(fixed, program.shardings.batch)
     state = [program.init(0)]
 
     def run(n: int) -> None:

@@ -187,7 +187,7 @@ def ours_step(cfg):
     return (
         (lambda: program.init(0)),
         (lambda *_: program.lower_train_step()),
-        program.batch_sharding,
+        program.shardings.batch,
     )
 
 

@@ -29,6 +29,7 @@ run draws the same masks as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
@@ -79,6 +80,33 @@ class TrainState:
     skips: Any = None
 
 
+@dataclass(frozen=True)
+class Shardings:
+    """Where a program's state and a step's inputs and outputs live on the mesh."""
+
+    params: Any  # the parameters, in the program's layout
+    state: TrainState  # the train state, in the program's layout
+    logical_state: TrainState  # the train state in the logical layout (checkpoints)
+    batch: NamedSharding  # [B, T + 1] token windows over data
+    eval: Any  # what eval runs on: the global model under DiLoCo, else the parameters
+    metrics: Any  # loss and grad norm ([R] over replica under DiLoCo), lr, skip counters
+
+
+@dataclass
+class _Jitted:
+    """The program's jitted functions; ``compile_*`` replace some with executables."""
+
+    init: Any
+    train_step: Any
+    eval: Any
+    to_logical: Any
+    from_logical: Any
+    model_to_logical: Any
+    with_model: Any
+    compiled_step: Any = None  # compile_train_step's executable
+    apply: Any = None  # apply_gradients', built on first use
+
+
 class Program:
     """Jitted, sharded functions for one config on one mesh.
 
@@ -123,28 +151,26 @@ class Program:
         self.init_model = init_model(m)
         self.tx = make_optimizer(cfg.optimizer, cfg.train.steps, clip=not self.pipelined)
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-        self.batch_sharding = batch_sharding(mesh)
+        batch = batch_sharding(mesh)
 
         # Abstract shapes + logical names -> NamedShardings, without allocating anything.
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
-        self.param_logical = nn.get_partition_spec(boxed)
-        logical_sharding = nn.logical_to_mesh_sharding(self.param_logical, mesh, LOGICAL_RULES)
+        param_logical = nn.get_partition_spec(boxed)
+        logical_sharding = nn.logical_to_mesh_sharding(param_logical, mesh, LOGICAL_RULES)
         abstract_logical = nn.unbox(boxed)
-        self.logical_state_sharding = self._state_sharding(
+        logical_state = self._state_sharding(
             logical_sharding, abstract_logical, self._zero(logical_sharding, abstract_logical, 0)
         )
-        self.abstract_logical_state = self._abstract_state(
-            abstract_logical, self.logical_state_sharding
-        )
+        self.abstract_logical_state = self._abstract_state(abstract_logical, logical_state)
 
         if self.pipelined:
             self.layout = layout_from_config(
                 par.layers_per_stage, par.stages, m.num_layers, par.virtual_stages
             )
-            self.param_sharding = pipeline_shardings(self.layout, logical_sharding, mesh)
+            param_sharding = pipeline_shardings(self.layout, logical_sharding, mesh)
             abstract_params = jax.eval_shape(self._params_from_logical, abstract_logical)
             self.grad_dims, opt_param_sharding = zero1_split(
-                abstract_params, self.param_sharding, mesh, self.zero1
+                abstract_params, param_sharding, mesh, self.zero1
             )
             options = EngineOptions(
                 microbatches=par.microbatches,
@@ -163,57 +189,55 @@ class Program:
             )
             self.engine = PipelineEngine(m, self.layout, mesh, options, self.grad_dims)
         else:
-            self.param_sharding = logical_sharding
+            param_sharding = logical_sharding
             abstract_params = abstract_logical
             opt_param_sharding = logical_sharding
-        self.state_sharding = self._state_sharding(
-            self.param_sharding, abstract_params, opt_param_sharding
-        )
-        self.abstract_state = self._abstract_state(abstract_params, self.state_sharding)
-        # What eval runs on: the global model (fp32, sharded like the moments) under DiLoCo.
-        self.eval_sharding = opt_param_sharding if self.diloco else self.param_sharding
+        state = self._state_sharding(param_sharding, abstract_params, opt_param_sharding)
+        self.abstract_state = self._abstract_state(abstract_params, state)
 
         # Metrics: loss and grad norm per replica under DiLoCo ([R] over replica: a mean
         # here would be a cross-island collective every step), else replicated scalars.
         per_replica = NamedSharding(mesh, PartitionSpec(REPLICA))
-        self.metrics_sharding = (
+        metrics = (
             {"loss": per_replica, "grad_norm": per_replica, "lr": replicated(mesh)}
             | skip_metrics({"total": per_replica, "run": per_replica})
             if self.diloco
             else replicated(mesh)
         )
-        self._init = jax.jit(self._init_state, out_shardings=self.state_sharding)
-        self._compiled_step = None  # compile_train_step's executable
-        self._train_step = jax.jit(
-            self._step,
-            in_shardings=(self.state_sharding, self.batch_sharding),
-            out_shardings=(self.state_sharding, self.metrics_sharding),
-            donate_argnums=(0,),
-        )
-        self._eval = jax.jit(
-            self._eval_loss,
-            in_shardings=(self.eval_sharding, self.batch_sharding),
-            out_shardings=replicated(mesh),
+        self.shardings = sh = Shardings(
+            params=param_sharding,
+            state=state,
+            logical_state=logical_state,
+            batch=batch,
+            # the global model (fp32, sharded like the moments) under DiLoCo
+            eval=opt_param_sharding if self.diloco else param_sharding,
+            metrics=metrics,
         )
         self.outer = (
-            OuterStep(cfg.diloco, self.layout, mesh, self.state_sharding, self.dtype)
-            if self.diloco
-            else None
+            OuterStep(cfg.diloco, self.layout, mesh, sh.state, self.dtype) if self.diloco else None
         )
-        self._to_logical = jax.jit(
-            self._state_to_logical,
-            in_shardings=(self.state_sharding,),
-            out_shardings=self.logical_state_sharding,
+        self._jit = _Jitted(
+            init=jax.jit(self._init_state, out_shardings=sh.state),
+            train_step=jax.jit(
+                self._step,
+                in_shardings=(sh.state, sh.batch),
+                out_shardings=(sh.state, sh.metrics),
+                donate_argnums=(0,),
+            ),
+            eval=jax.jit(
+                self._eval_loss, in_shardings=(sh.eval, sh.batch), out_shardings=replicated(mesh)
+            ),
+            to_logical=jax.jit(
+                self._state_to_logical, in_shardings=(sh.state,), out_shardings=sh.logical_state
+            ),
+            from_logical=jax.jit(
+                self._state_from_logical, in_shardings=(sh.logical_state,), out_shardings=sh.state
+            ),
+            model_to_logical=jax.jit(
+                self._params_to_logical, out_shardings=self.logical_model_sharding()
+            ),
+            with_model=jax.jit(self._set_model, out_shardings=sh.state),
         )
-        self._from_logical = jax.jit(
-            self._state_from_logical,
-            in_shardings=(self.logical_state_sharding,),
-            out_shardings=self.state_sharding,
-        )
-        self._model_to_logical = jax.jit(
-            self._params_to_logical, out_shardings=self.logical_model_sharding()
-        )
-        self._with_model = jax.jit(self._set_model, out_shardings=self.state_sharding)
 
     def _zero(self, param_sharding, abstract_params, skip: int):
         """Parameter shardings with ``data`` added where ZeRO-1 splits the leaf."""
@@ -287,25 +311,25 @@ class Program:
     def init(self, seed: int) -> TrainState:
         """Fresh parameters and optimizer state, created sharded."""
         with self.context():
-            return self._init(jax.random.key(seed))
+            return self._jit.init(jax.random.key(seed))
 
     def train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         """One optimizer step (DiLoCo: one inner step of every replica, nothing crossing
         ``replica``). ``state`` is donated; metrics stay on device."""
         with self.context():
-            if self._compiled_step is not None:
+            if self._jit.compiled_step is not None:
                 try:
-                    return self._compiled_step(state, batch)
+                    return self._jit.compiled_step(state, batch)
                 except (TypeError, ValueError):  # other shapes or shardings: jit's own path
-                    self._compiled_step = None
-            return self._train_step(state, batch)
+                    self._jit.compiled_step = None
+            return self._jit.train_step(state, batch)
 
     def compile_train_step(self, state: TrainState, batch: jax.Array) -> None:
         """Compile the train step for these arguments without running it (once); a later
         :meth:`train_step` with the same shapes and shardings runs that executable."""
-        if self._compiled_step is None:
+        if self._jit.compiled_step is None:
             with self.context():
-                self._compiled_step = self._train_step.lower(state, batch).compile()
+                self._jit.compiled_step = self._jit.train_step.lower(state, batch).compile()
 
     def due_fragments(self, steps_done: int) -> list[int]:
         """DiLoCo: the fragments whose outer step is due after ``steps_done`` inner steps."""
@@ -334,20 +358,20 @@ class Program:
     def eval_loss(self, params: Any, batch: jax.Array) -> jax.Array:
         """Mean loss of ``params`` (:meth:`eval_params`) on ``batch``."""
         with self.context():
-            return self._eval(params, batch)
+            return self._jit.eval(params, batch)
 
     def to_logical(self, state: TrainState) -> TrainState:
         """The mesh-independent state (blocks stacked [L, ...]) that checkpoints hold."""
         if not self.pipelined:
             return state
         with self.context():
-            return self._to_logical(state)
+            return self._jit.to_logical(state)
 
     def from_logical(self, state: TrainState) -> TrainState:
         if not self.pipelined:
             return state
         with self.context():
-            return self._from_logical(state)
+            return self._jit.from_logical(state)
 
     def model_to_logical(self, state: TrainState):
         """The fp32 model (the master under bf16, else the parameters) in the logical
@@ -356,18 +380,18 @@ class Program:
         if not self.pipelined:
             return model
         with self.context():
-            return self._model_to_logical(model)
+            return self._jit.model_to_logical(model)
 
     def with_logical_model(self, state: TrainState, model, step: int | None = None):
         """``state`` with its parameters (and master under bf16) set from ``model`` (fp32,
         the logical layout, sharded as :meth:`model_to_logical` returns it); with ``step``,
         the step and every optax step count set to it. AdamW moments stay as they are."""
         with self.context():
-            return self._with_model(state, model, np.int32(-1 if step is None else step))
+            return self._jit.with_model(state, model, np.int32(-1 if step is None else step))
 
     def logical_model_sharding(self):
         """The shardings of :meth:`model_to_logical`'s tree."""
-        logical = self.logical_state_sharding
+        logical = self.shardings.logical_state
         return logical.master if self.dtype != jnp.float32 else logical.params
 
     def _set_model(self, state: TrainState, model, step) -> TrainState:
@@ -396,14 +420,15 @@ class Program:
         if self.pipelined:
             state, logical = self.abstract_state, self.abstract_logical_state
             bf16 = self.dtype != jnp.float32
+            j = self._jit
             with self.context():
-                self._to_logical = self._to_logical.lower(state).compile()
-                self._from_logical = self._from_logical.lower(logical).compile()
+                j.to_logical = j.to_logical.lower(state).compile()
+                j.from_logical = j.from_logical.lower(logical).compile()
                 model = state.master if bf16 else state.params
-                self._model_to_logical = self._model_to_logical.lower(model).compile()
+                j.model_to_logical = j.model_to_logical.lower(model).compile()
                 step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(self.mesh))
                 model = logical.master if bf16 else logical.params
-                self._with_model = self._with_model.lower(state, model, step).compile()
+                j.with_model = j.with_model.lower(state, model, step).compile()
 
     def apply_gradients(self, state: TrainState, grads) -> TrainState:
         """One optimizer step from given pipeline-layout gradients (for tests and tools).
@@ -411,19 +436,20 @@ class Program:
         The same clip + AdamW (+ ZeRO-1 sharding) as the train step; the global norm is
         taken over the logical gradients.
         """
-        if not hasattr(self, "_apply_jit"):
+        if self._jit.apply is None:
+            state_sharding = self.shardings.state
             grad_sharding = jax.tree.map(
                 lambda s, a: NamedSharding(self.mesh, s.spec),
-                self.state_sharding.opt_state[1][0].mu,
+                state_sharding.opt_state[1][0].mu,
                 self.abstract_state.params,
             )
-            self._apply_jit = jax.jit(
+            self._jit.apply = jax.jit(
                 self._apply_gradients,
-                in_shardings=(self.state_sharding, grad_sharding),
-                out_shardings=self.state_sharding,
+                in_shardings=(state_sharding, grad_sharding),
+                out_shardings=state_sharding,
             )
         with self.context():
-            return self._apply_jit(state, grads)
+            return self._jit.apply(state, grads)
 
     def loss_and_grads(self, params, batch, step=0):
         """(loss, unclipped grads) for tests, in the program's parameter layout."""
@@ -439,10 +465,10 @@ class Program:
         batch = jax.ShapeDtypeStruct(
             (self.cfg.train.global_batch_size, self.cfg.model.seq_len + 1),
             jnp.int32,
-            sharding=self.batch_sharding,
+            sharding=self.shardings.batch,
         )
         with self.context():
-            return self._train_step.lower(self.abstract_state, batch)
+            return self._jit.train_step.lower(self.abstract_state, batch)
 
     def compiled_memory(self) -> dict[str, int]:
         """Per-device bytes of the compiled train step (XLA's memory analysis; nothing is

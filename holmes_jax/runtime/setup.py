@@ -164,7 +164,7 @@ class Data:
             window = (share.offset, share.rows)
             self.sampler = BatchSampler(corpus.train, seq, share.total, seed, window=window)
             n_eval = eval_batch_count(share, n_eval)
-        self.sharding = program.batch_sharding
+        self.sharding = program.shardings.batch
         self.eval_set = [
             _global_batch(rows, self.sharding)
             for rows in eval_batches(corpus.eval, seq, batch_size, n_eval)

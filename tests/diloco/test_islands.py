@@ -89,7 +89,7 @@ def test_the_model_alone_converts_both_ways_compiled_ahead(tiny_config, make_pro
     program = make_program(tiny_config("parallel.data=8", "optimizer.zero1=true"), Degrees(1, 8, 1))
     state = program.init(0)
     program.compile_layout_conversions()
-    for fn in (program._model_to_logical, program._with_model):  # no compile at first call
+    for fn in (program._jit.model_to_logical, program._jit.with_model):  # compiled ahead
         assert isinstance(fn, jax.stages.Compiled)
     model = program.model_to_logical(state)
     jax.tree.map(np.testing.assert_array_equal, model, program.to_logical(state).params)

@@ -69,7 +69,7 @@ def _train(program, steps: int, same_halves: bool, outer=None):
     logical state (numpy)."""
     state, out = program.init(0), []
     for n in range(steps):
-        batch = jax.device_put(_rows(n, same_halves), program.batch_sharding)
+        batch = jax.device_put(_rows(n, same_halves), program.shardings.batch)
         state, metrics = program.train_step(state, batch)
         for f in program.due_fragments(n + 1):
             state = program.outer_step(state, f, n + 1) if outer is None else outer(state, f)
@@ -156,7 +156,7 @@ def test_outer_nesterov_step_equals_hand_computed_reference(average):
     The outer step is built on the same program with another diloco section (its inner
     step does not depend on the outer settings)."""
     cfg = dataclasses.replace(average.cfg.diloco, outer_lr=0.7, outer_momentum=0.9)
-    outer = OuterStep(cfg, average.layout, average.mesh, average.state_sharding, average.dtype)
+    outer = OuterStep(cfg, average.layout, average.mesh, average.shardings.state, average.dtype)
     before = []
 
     def step(state, f):
@@ -189,7 +189,7 @@ def test_warmup_steps_average_whatever_the_outer_optimizer(average):
     cfg = dataclasses.replace(
         average.cfg.diloco, outer_lr=0.7, outer_momentum=0.9, inner_steps=2, warmup_steps=2
     )
-    outer = OuterStep(cfg, average.layout, average.mesh, average.state_sharding, average.dtype)
+    outer = OuterStep(cfg, average.layout, average.mesh, average.shardings.state, average.dtype)
 
     def warm(state, f):
         with average.context():
@@ -259,7 +259,7 @@ def test_hlo_outer_step_all_gathers_over_replicas_in_the_wire_dtype(average, dty
     """The outer step crosses the replicas only by all-gathers of the encoded deltas (and
     the R per-replica scales): the link carries ``outer_dtype``."""
     cfg = dataclasses.replace(average.cfg.diloco, outer_dtype=dtype)
-    outer = OuterStep(cfg, average.layout, average.mesh, average.state_sharding, average.dtype)
+    outer = OuterStep(cfg, average.layout, average.mesh, average.shardings.state, average.dtype)
     with average.context():
         text = outer.jitted(0).lower(average.abstract_state).compile().as_text()
     crossing = [c for c in _collectives(text, _replica_of(average)) if c[2]]
@@ -326,7 +326,7 @@ def test_pipeline_inside_each_replica_trains_and_syncs_fragments(tiny_config, ma
         "diloco.outer_dtype=int8",
     )
     program = make_program(cfg, Degrees(stages=2, data=2, tensor=1, replica=2))
-    batch = jax.device_put(_rows(0, same_halves=False), program.batch_sharding)
+    batch = jax.device_put(_rows(0, same_halves=False), program.shardings.batch)
     state, losses = program.init(0), []
     for n in range(1, 7):
         state, metrics = program.train_step(state, batch)

@@ -32,7 +32,7 @@ def _train(make_program, cfg, shape: Degrees, steps: int):
     losses = []
     for step in range(steps):
         state, metrics = program.train_step(
-            state, make_batch(sampler, step, program.batch_sharding)
+            state, make_batch(sampler, step, program.shardings.batch)
         )
         losses.append(float(metrics["loss"]))
     return losses, jax.device_get(program.to_logical(state).params), state

@@ -41,7 +41,7 @@ def _equal(a, b):
 def _batches(cfg, program, n):
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     sampler = BatchSampler(corpus.train, cfg.model.seq_len, cfg.train.global_batch_size, 0)
-    return [make_batch(sampler, k, program.batch_sharding) for k in range(n)]
+    return [make_batch(sampler, k, program.shardings.batch) for k in range(n)]
 
 
 def _host(state):
@@ -115,9 +115,9 @@ def test_one_replica_skips_alone_under_diloco(tiny_config, make_program):
     results = []
     for second in (rows, poisoned):
         state = program.init(0)
-        state, _ = program.train_step(state, jax.device_put(rows, program.batch_sharding))
+        state, _ = program.train_step(state, jax.device_put(rows, program.shardings.batch))
         before = _host(state)
-        state, m = program.train_step(state, jax.device_put(second, program.batch_sharding))
+        state, m = program.train_step(state, jax.device_put(second, program.shardings.batch))
         results.append((before, _host(state), jax.device_get(m)))
     (_, clean, _), (before, got, metrics) = results
     assert np.isfinite(metrics["loss"][0]) and np.isnan(metrics["loss"][1])
@@ -228,7 +228,7 @@ def test_a_checkpoint_without_skip_counters_restores_them_at_zero(tmp_path, make
     assert meta["data_position"] == 3
     _equal(_host(restored.params), _host(state.params))
     assert jax.device_get(restored.skips) == {"total": 0, "run": 0}
-    assert restored.skips["total"].sharding == program.logical_state_sharding.skips["total"]
+    assert restored.skips["total"].sharding == program.shardings.logical_state.skips["total"]
 
 
 # --------------------------------------------------------------------------- the guard

@@ -147,7 +147,7 @@ def _two_steps(overrides: tuple[str, ...], shape: Degrees) -> tuple[float, float
     """
     prog = Program(load_config(None, overrides), build_mesh(shape))
     state, losses = prog.init(0), []
-    batch = jax.device_put(_batch(), prog.batch_sharding)
+    batch = jax.device_put(_batch(), prog.shardings.batch)
     for _ in range(2):
         state, metrics = prog.train_step(state, batch)
         losses.append(float(metrics["loss"]))

@@ -487,7 +487,7 @@ def init_state_from(program: Program, path: str) -> tuple[TrainState, str]:
             running_model=program.cfg.to_dict()["model"],
         )
     with program.context():
-        state = jax.jit(program.fresh_state, out_shardings=program.logical_state_sharding)(params)
+        state = jax.jit(program.fresh_state, out_shardings=program.shardings.logical_state)(params)
     return program.from_logical(state), source
 
 

@@ -83,7 +83,7 @@ def _train(cfg, degrees, steps=2):
     state, losses = prog.init(0), []
     with prog.context():
         for step in range(steps):
-            batch = jax.device_put(_batch(cfg, step), prog.batch_sharding)
+            batch = jax.device_put(_batch(cfg, step), prog.shardings.batch)
             state, metrics = compiled(state, batch)
             losses.append(float(metrics["loss"]))
     return compiled.as_text(), mesh, losses

@@ -109,7 +109,7 @@ def reference(make_program):
             over = MODEL + ARCH[arch] + [f"model.tied_embeddings={str(tied).lower()}"]
             prog = make_program(load_config(None, over), Degrees(1, 1, 1))
             state = prog.init(0)
-            batch = jax.device_put(_batch(), prog.batch_sharding)
+            batch = jax.device_put(_batch(), prog.shardings.batch)
             loss, grads = prog.loss_and_grads(state.params, batch)
             out[arch, tied] = (jax.device_get(state), float(loss), jax.device_get(grads))
         return out[arch, tied]
@@ -162,8 +162,8 @@ def test_pipeline_loss_and_grads_equal_unpipelined(
     )
     # nan_bubbles: bubble buffers hold NaN, so any leak would poison loss or gradients.
     prog = make_program(cfg, Degrees(stages, data, tensor), nan_bubbles=True)
-    pstate = prog.from_logical(jax.device_put(state, prog.logical_state_sharding))
-    loss, grads = prog.loss_and_grads(pstate.params, jax.device_put(_batch(), prog.batch_sharding))
+    pstate = prog.from_logical(jax.device_put(state, prog.shardings.logical_state))
+    loss, grads = prog.loss_and_grads(pstate.params, jax.device_put(_batch(), prog.shardings.batch))
     assert abs(float(loss) - ref_loss) <= 1e-5
     grads = jax.device_get(grads)
     leaves = jax.tree.leaves(grads)
@@ -198,7 +198,7 @@ def test_training_equals_single_device(make_program):
         prog = make_program(load_config(None, over), shape)
         state, losses = prog.init(0), []
         for step in range(3):
-            batch = jax.device_put(_batch(step), prog.batch_sharding)
+            batch = jax.device_put(_batch(step), prog.shardings.batch)
             state, metrics = prog.train_step(state, batch)
             losses.append(float(metrics["loss"]))
         results.append((losses, jax.device_get(prog.to_logical(state).params)))
@@ -365,7 +365,7 @@ def test_dropout_in_the_pipeline(tiny_config, make_program):
         )
         prog = make_program(cfg, Degrees(2, 4, 1))
         params = prog.init(0).params
-        tokens = jax.device_put(batch, prog.batch_sharding)
+        tokens = jax.device_put(batch, prog.shardings.batch)
         for step in (0, 1):
             loss, grads = prog.loss_and_grads(params, tokens, step)
             out[remat, step] = float(loss), jax.device_get(grads)

@@ -39,7 +39,7 @@ def _train(program, steps):
     state, losses, params = program.init(0), [], []
     for step in range(steps):
         state, metrics = program.train_step(
-            state, jax.device_put(_batch(step), program.batch_sharding)
+            state, jax.device_put(_batch(step), program.shardings.batch)
         )
         losses.append(float(metrics["loss"]))
         params.append(jax.device_get(program.to_logical(state).params))

@@ -195,11 +195,11 @@ def test_llama_tensor_parallel_equals_one_device(make_program):
         prog = make_program(load_config(None, over), Degrees(1, 1, t))
         if params is None:
             params = jax.device_get(prog.init(0).params)
-        spec = prog.param_sharding["blocks"]["k_kernel"].spec  # [L, H, nkv, hd]
+        spec = prog.shardings.params["blocks"]["k_kernel"].spec  # [L, H, nkv, hd]
         assert spec[2] == "tensor", spec
         loss, grads = prog.loss_and_grads(
-            jax.device_put(params, prog.param_sharding),
-            jax.device_put(batch, prog.batch_sharding),
+            jax.device_put(params, prog.shardings.params),
+            jax.device_put(batch, prog.shardings.batch),
         )
         results.append((float(loss), jax.device_get(grads)))
     (ref_loss, ref_grads), (loss, grads) = results
