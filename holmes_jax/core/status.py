@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from typing import IO, Any
 
 STATUS_FD_VAR = "HOLMES_STATUS_FD"
@@ -55,13 +56,14 @@ def report(event: str, **fields: Any) -> None:
     if _closed:
         return
     if _channel is None:
-        fd = os.environ.get(STATUS_FD_VAR)
-        if not fd:
-            _closed = True
-            return
+        # Taken out of the environment: a process this one starts must not write to
+        # whatever its own descriptor of that number is.
+        fd = os.environ.pop(STATUS_FD_VAR, "")
         try:
+            if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+                raise ValueError(f"{STATUS_FD_VAR}={fd} is not a pipe")
             _channel = os.fdopen(int(fd), "w", buffering=1, closefd=True)
-        except (OSError, ValueError):  # not ours (a copied environment): stay silent
+        except (OSError, ValueError):  # none, or not ours (a copied environment): silent
             _closed = True
             return
     try:

@@ -40,6 +40,18 @@ def test_reported_events_arrive_as_one_json_line_each(channel):
     assert all(status.parse(x) == (json.loads(x), "") for x in lines)
 
 
+def test_a_descriptor_that_is_not_a_pipe_is_left_alone(monkeypatch, tmp_path):
+    """An inherited variable naming some other open file: nothing is written to it, and
+    the variable is gone for the processes this one starts."""
+    with open(tmp_path / "other", "w") as other:
+        monkeypatch.setenv(status.STATUS_FD_VAR, str(other.fileno()))
+        monkeypatch.setattr(status, "_channel", None)
+        monkeypatch.setattr(status, "_closed", False)
+        status.report("step", step=1)
+        assert status._closed and status.STATUS_FD_VAR not in os.environ
+    assert (tmp_path / "other").read_text() == ""
+
+
 def test_without_a_channel_report_writes_nothing(monkeypatch):
     monkeypatch.delenv(status.STATUS_FD_VAR, raising=False)
     monkeypatch.setattr(status, "_channel", None)
