@@ -51,7 +51,8 @@ from holmes_jax.planner.plans import (  # noqa: E402
 from holmes_jax.runtime.engine.mesh import build_mesh  # noqa: E402
 from holmes_jax.runtime.engine.stages import layout_from_config  # noqa: E402
 from holmes_jax.runtime.model.decoder import attention_kernel  # noqa: E402
-from holmes_jax.runtime.program import Program, compute_dtype  # noqa: E402
+from holmes_jax.runtime.program import Program  # noqa: E402
+from holmes_jax.runtime.state import compute_dtype  # noqa: E402
 
 SHIPPED = [
     ("configs/gpt-124m.yaml", "meshes/paper-ib-8x8.yaml"),

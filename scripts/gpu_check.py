@@ -148,7 +148,7 @@ def plain_step(cfg):
 
     from holmes_jax.runtime.model.decoder import GPT, init_model
     from holmes_jax.runtime.model.optim import make_optimizer
-    from holmes_jax.runtime.program import compute_dtype
+    from holmes_jax.runtime.state import compute_dtype
 
     model = GPT(cfg.model)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps)
@@ -233,8 +233,8 @@ def measure_step(spec: dict[str, Any], args) -> dict[str, Any]:
 
     from holmes_jax.core.spec import flops_per_token
     from holmes_jax.runtime.model.decoder import attention_kernel
-    from holmes_jax.runtime.program import compute_dtype
     from holmes_jax.runtime.rundir.devices import peak_tflops
+    from holmes_jax.runtime.state import compute_dtype
 
     stages = spec.get("stages", 1)
     if len(jax.devices()) < stages:

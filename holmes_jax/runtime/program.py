@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,31 +64,7 @@ from holmes_jax.runtime.nonfinite import (
     keep_finite,
     skip_metrics,
 )
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array  # int32 scalar: batches consumed (steps run, skipped ones included)
-    params: Any  # {'embed', 'blocks' (every leaf [L, ...]), 'head'}, compute dtype
-    opt_state: Any  # optax state mirroring the fp32 parameters
-    master: Any = None  # bf16 runs: the fp32 master parameters (sharded like opt_state)
-    # DiLoCo: {'global': fp32 params (no [R] axis), 'momentum': the same}; None otherwise.
-    outer: Any = None
-    # Non-finite steps skipped, int32: {'total': since step 0, 'run': in a row up to now};
-    # [R] over replica under DiLoCo (runtime.nonfinite). Set by every Program.
-    skips: Any = None
-
-
-@dataclass(frozen=True)
-class Shardings:
-    """Where a program's state and a step's inputs and outputs live on the mesh."""
-
-    params: Any  # the parameters, in the program's layout
-    state: TrainState  # the train state, in the program's layout
-    logical_state: TrainState  # the train state in the logical layout (checkpoints)
-    batch: NamedSharding  # [B, T + 1] token windows over data
-    eval: Any  # what eval runs on: the global model under DiLoCo, else the parameters
-    metrics: Any  # loss and grad norm ([R] over replica under DiLoCo), lr, skip counters
+from holmes_jax.runtime.state import Shardings, TrainState, cast, compute_dtype
 
 
 @dataclass
@@ -406,7 +381,7 @@ class Program:
             return x
 
         return state.replace(
-            params=_cast(model, self.dtype),
+            params=cast(model, self.dtype),
             master=master,
             step=jnp.where(step >= 0, step, state.step).astype(state.step.dtype),
             opt_state=jax.tree_util.tree_map_with_path(count, state.opt_state),
@@ -505,7 +480,7 @@ class Program:
             params = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.replicas, *a.shape)), params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=_cast(params, self.dtype),
+            params=cast(params, self.dtype),
             opt_state=self.tx.init(params),
             master=params if self.dtype != jnp.float32 else None,
             outer=outer,
@@ -572,7 +547,7 @@ class Program:
         """AdamW on (1/d shards of) the fp32 gradients and master parameters; GSPMD then
         all-gathers the new parameters (in bf16 when the run computes in bf16). Where ``ok``
         (scalar, or ``[R]`` under DiLoCo) is false the old values are kept."""
-        grads = _cast(grads, jnp.float32)
+        grads = cast(grads, jnp.float32)
         clip = self.cfg.optimizer.grad_clip
         if self.diloco:  # grads [R, ...], norm [R]: each replica clips by its own norm
             grads = jax.vmap(lambda g, n: clip_by_global_norm(g, n, clip))(grads, grad_norm)
@@ -595,7 +570,7 @@ class Program:
             )
         return TrainState(
             step=state.step + 1,
-            params=keep_finite(ok, _cast(new, self.dtype), state.params),
+            params=keep_finite(ok, cast(new, self.dtype), state.params),
             opt_state=opt_state,
             master=new,
             outer=state.outer,
@@ -607,16 +582,7 @@ class Program:
         return self._update(state, grads, norm, jnp.isfinite(norm))
 
     def _eval_loss(self, params, batch):
-        params = _cast(params, self.dtype)  # DiLoCo's global model is fp32
+        params = cast(params, self.dtype)  # DiLoCo's global model is fp32
         if self.pipelined:  # gathers the stages' layers: fine for periodic eval
             params = self.layout.map_parts(self.layout.leaf_to_logical, params)
         return self.model.apply({"params": params}, batch[:, :-1], batch[:, 1:])
-
-
-def compute_dtype(precision: str):
-    """The dtype parameters and activations are computed in for ``train.precision``."""
-    return jnp.bfloat16 if precision == "bf16" else jnp.float32
-
-
-def _cast(tree, dtype):
-    return jax.tree.map(lambda a: a.astype(dtype), tree)

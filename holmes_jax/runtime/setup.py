@@ -45,7 +45,6 @@ from holmes_jax.runtime.data.loader import (
 )
 from holmes_jax.runtime.engine.mesh import collectives_block
 from holmes_jax.runtime.model.decoder import attention_kernel
-from holmes_jax.runtime.program import compute_dtype
 from holmes_jax.runtime.rundir.checkpoint import init_state_from
 from holmes_jax.runtime.rundir.devices import peak_tflops
 from holmes_jax.runtime.rundir.metrics import MetricsLogger
@@ -58,6 +57,7 @@ from holmes_jax.runtime.rundir.paths import (
     outputs_line,
     sibling,
 )
+from holmes_jax.runtime.state import compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,8 +48,9 @@ from holmes_jax.core.config import CheckpointConfig, Config, ModelConfig
 from holmes_jax.core.errors import ConfigError, one_line
 from holmes_jax.core.yamlio import plain
 from holmes_jax.runtime.hf.files import is_hf_dir, read_hf_for_run
-from holmes_jax.runtime.program import Program, TrainState
+from holmes_jax.runtime.program import Program
 from holmes_jax.runtime.rundir.storage import committed_steps, storage_path
+from holmes_jax.runtime.state import TrainState
 
 _OK, _UNUSABLE, _WRONG_MODEL = 0, 1, 2  # outcome of reading one step on one process
 # The model keys that decide parameter shapes (and the architecture); a checkpoint must
