@@ -300,12 +300,12 @@ class Launch:
         limit = status_channel.MAX_LINE
         with stream:
             while line := stream.readline(limit + 1):
-                whole = line.endswith("\n")
-                while not line.endswith("\n") and (more := stream.readline(limit + 1)):
-                    line = more  # the rest of an over-long line: dropped with it
-                event, problem = status_channel.parse(line.rstrip("\n"))
-                if not whole:
-                    problem = f"a line over {limit} characters"
+                if len(line.rstrip("\n")) > limit:  # read no more of it than the limit
+                    while line and not line.endswith("\n"):
+                        line = stream.readline(limit + 1)  # the rest, dropped
+                    event, problem = None, f"a line over {limit} characters"
+                else:  # a whole line, or the last one cut off by the worker's exit
+                    event, problem = status_channel.parse(line.rstrip("\n"))
                 if event is None:
                     who = f"{worker.host} (process {worker.process_id})"
                     self.say(f"{who}: status line ignored: {problem}")

@@ -27,9 +27,6 @@ from typing import Any
 from holmes_jax.core.diloco_config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.sections import (
-    DATA_SOURCES,
-    PROGRESS_MODES,
-    TOKEN_DTYPES,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -44,9 +41,6 @@ from holmes_jax.core.yamlio import apply_override, build_dataclass, choices, pla
 
 __all__ = [
     "CONFIG_CHOICES",
-    "DATA_SOURCES",
-    "PROGRESS_MODES",
-    "TOKEN_DTYPES",
     "CheckpointConfig",
     "Config",
     "DataConfig",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import (
@@ -41,8 +41,6 @@ from holmes_jax.core.spec import (
 DataSource = Literal["stdlib", "text", "tokens"]
 TokenDtype = Literal["uint16", "uint32"]
 ProgressMode = Literal["auto", "bar", "plain", "none"]
-DATA_SOURCES, TOKEN_DTYPES = get_args(DataSource), get_args(TokenDtype)
-PROGRESS_MODES = get_args(ProgressMode)
 
 
 @dataclass(frozen=True)

@@ -53,16 +53,12 @@ GradBucketChoice = Literal[GradBuckets, "auto"]
 CrossIslandDtype = Literal["same", "bf16", "int8", "fp8"]
 CrossIslandChoice = Literal[CrossIslandDtype, "auto"]
 
-SCHEDULES, SCHEDULE_CHOICES = get_args(Schedule), get_args(ScheduleChoice)
+# The sets code iterates over or checks against outside the config reader.
+SCHEDULES = get_args(Schedule)
 REMAT_POLICIES, REMAT_CHOICES = get_args(RematPolicy), get_args(RematChoice)
-ATTENTION_KERNELS, ARCHS, PRECISIONS = (
-    get_args(AttentionKernel),
-    get_args(Arch),
-    get_args(Precision),
-)
-OUTER_DTYPES, DILOCO_CHOICES = get_args(OuterDtype), get_args(DilocoEnabled)
+ARCHS, OUTER_DTYPES = get_args(Arch), get_args(OuterDtype)
 GRAD_BUCKETS, GRAD_BUCKET_CHOICES = get_args(GradBuckets), get_args(GradBucketChoice)
-CROSS_ISLAND_DTYPES, CROSS_ISLAND_CHOICES = get_args(CrossIslandDtype), get_args(CrossIslandChoice)
+CROSS_ISLAND_DTYPES = get_args(CrossIslandDtype)
 
 
 def resolve_grad_buckets(value: str, blocking: bool) -> str:

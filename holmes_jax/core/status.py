@@ -5,7 +5,8 @@ of a pipe and its number in ``HOLMES_STATUS_FD``. The main process writes one JS
 per line to it; the launcher reads them beside the human-readable output, so what
 restarts and fault injection act on does not depend on ``logging.progress`` or on the
 wording of a progress line. Without ``HOLMES_STATUS_FD`` (a run not under the launcher),
-:func:`report` does nothing.
+or when it names no pipe, :func:`report` does nothing. The first report removes the
+variable from the environment, so the processes this one starts never inherit it.
 
 The events, with the fields each must carry:
 
@@ -29,12 +30,12 @@ import stat
 from typing import IO, Any
 
 STATUS_FD_VAR = "HOLMES_STATUS_FD"
-# event -> {field: the types it may hold}
-EVENTS: dict[str, dict[str, tuple[type, ...]]] = {
-    "run_dir": {"path": (str,)},
-    "resumed": {"step": (int,)},
-    "compiled": {"seconds": (int, float), "detail": (str,)},
-    "step": {"step": (int,)},
+# event -> {field: (the types it may hold, its least value or None)}
+EVENTS: dict[str, dict[str, tuple[tuple[type, ...], int | None]]] = {
+    "run_dir": {"path": ((str,), None)},
+    "resumed": {"step": ((int,), 0)},
+    "compiled": {"seconds": ((int, float), 0), "detail": ((str,), None)},
+    "step": {"step": ((int,), 1)},
 }
 MAX_LINE = 64 * 1024  # a longer line is not a status line
 
@@ -83,14 +84,14 @@ def check(record: Any) -> str:
     extra = set(record) - set(want) - {"event"}
     if extra:
         return f"unknown field(s) {sorted(extra)} for event {event!r}"
-    for name, types in want.items():
+    for name, (types, least) in want.items():
         value = record.get(name)
         if isinstance(value, bool) or not isinstance(value, types):
             return f"{event}.{name}={value!r}: must be {' or '.join(t.__name__ for t in types)}"
         if isinstance(value, float) and not math.isfinite(value):
             return f"{event}.{name}={value!r}: must be finite"
-        if name in ("step", "seconds") and value < (1 if event == "step" else 0):
-            return f"{event}.{name}={value!r}: must be >= {1 if event == 'step' else 0}"
+        if least is not None and value < least:
+            return f"{event}.{name}={value!r}: must be >= {least}"
     return ""
 
 

@@ -97,7 +97,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         cfg.train.max_skipped_steps, logger.message, lambda: saves.newest(),
         agree=several and program.diloco, outer_sync=outer.syncs,
     )  # fmt: skip
-    last_saved = start if resumed else None  # never save past max_skipped_steps in a row:
+    last_saved = start if resumed else None
+    # The guard settles before every save: never past train.max_skipped_steps in a row.
     saves = Saves(cfg, ckpt, program, outer, logger.message, last_saved, guard.settle)
     stepper = Stepper(program, guard, logger, cache)
     book = Logbook(cfg, logger, program, outer, data.eval_set, stepper, start)

@@ -197,7 +197,7 @@ class MetricsLogger:
             self._bar.set_postfix(post)
         elif self.mode == "plain":
             print(format_record(rec), flush=True)
-        status.report("step", step=rec["step"])
+        self.report("step", step=rec["step"])
 
     def report(self, event: str, **fields) -> None:
         """One event on the launcher's status channel (:mod:`holmes_jax.core.status`)."""
