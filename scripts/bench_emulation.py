@@ -239,6 +239,7 @@ def burst_rows(periods_us: list[int]) -> list[dict]:
                     cmd + [f"{g:.3f}" for g in gaps], capture_output=True, text=True,
                     check=True, timeout=120,
                 )  # fmt: skip
+                throttled = groups.throttling()[host].throttled
             walls = sorted(float(x) for x in out.stdout.split())
             row = {
                 "bench": "emulation",
@@ -252,6 +253,7 @@ def burst_rows(periods_us: list[int]) -> list[dict]:
                 "wall_ms_min": walls[0],
                 "wall_ms_median": statistics.median(walls),
                 "wall_ms_max": walls[-1],
+                "throttled_periods": throttled,
             }
             emit(row)
             rows.append(row)

@@ -338,5 +338,8 @@ def test_bench_emulation_times_bursts_at_each_period_and_removes_its_groups():
         assert r["at_share_ms"] == pytest.approx(bench.BURST_MS * r["period_us"] / r["quota_us"])
         # One thread's 10 ms of CPU takes 10 ms of wall time at least.
         assert bench.BURST_MS <= r["wall_ms_min"] <= r["wall_ms_median"] <= r["wall_ms_max"]
-        assert r["wall_ms_max"] < 3 * r["at_share_ms"]
+        # The quota is enforced: the kernel held the group back. A burst of 3 quotas or more
+        # cannot run through unthrottled (it would touch at most 2 periods), so each of the 24
+        # did. A loaded machine stretches wall time, so it has no ceiling here.
+        assert r["throttled_periods"] >= (24 if r["quota_us"] * 3 <= 1e3 * bench.BURST_MS else 1)
     assert not any(n.startswith(f"hj{os.getpid()}-") for n in os.listdir(cgroups.CPU_ROOT))
