@@ -133,7 +133,7 @@ CASES = [
     # zb: each backward split into input gradient (B) and deferred weight gradient (W)
     (2, 4, 1, (1, 7), 2, "zb", True, "gpt2"),
     (4, 2, 1, (1, 3, 2, 2), 8, "zb", False, "gpt2"),
-    (4, 1, 2, (2, 2, 1, 3), 2, "zb", True, "gpt2"),
+    (4, 2, 1, (2, 2, 1, 3), 2, "zb", True, "gpt2"),  # fewer micro-batches than stages
     (2, 2, 2, (3, 5), 4, "zb", False, "llama"),  # stash over B-only residuals, GQA, rotary
 ]
 
