@@ -152,6 +152,14 @@ def launch(mesh, env, run_dir, flags, overrides=()):
     return done.stdout
 
 
+def restart_of(line: str) -> tuple[int, int, int]:
+    """``(restart, checkpoint step (0: none), steps lost)`` of a "training resumed" line."""
+    m = re.search(r"\(restart (\d+) from (?:checkpoint step (\d+)|step 0 \(no checkpoint\)), "
+                  r"(\d+) steps? lost; ", line)  # fmt: skip
+    assert m, line
+    return int(m[1]), int(m[2] or 0), int(m[3])
+
+
 def records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -228,14 +236,14 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     resumed = [line for line in lines if line.startswith("launch: training resumed")]
     assert "launch: --fail-host roce-0@2:+2: SIGKILL to roce-0 at step 2, away for 2 s" in lines
     assert "launch: --fail-host ib-0@4: SIGKILL to ib-0 at step 4" in lines
-    assert any(
-        line.startswith("launch: roce-0 (process 1) exited with signal SIGKILL at step 2; ")
-        and line.endswith("then restart 1 of 3")
-        for line in lines
-    ), out[-4000:]
+    # A SIGKILL lands a moment after the launcher reads the step it was due at: a busy
+    # machine may finish one more step first, so steps lost are at least those up to it.
+    exited = [re.match(r"launch: roce-0 \(process 1\) exited with signal SIGKILL at step (\d+); "
+                       r".*then restart 1 of 3$", line) for line in lines]  # fmt: skip
+    assert any(m and int(m[1]) >= 2 for m in exited), out[-4000:]
     assert len(resumed) == 2, out[-4000:]
-    assert "(restart 1 from step 0 (no checkpoint), 2 steps lost; " in resumed[0]
-    assert "(restart 2 from checkpoint step 3, 1 step lost; " in resumed[1]
+    assert restart_of(resumed[0])[:2] == (1, 0) and restart_of(resumed[0])[2] >= 2, resumed
+    assert restart_of(resumed[1])[:2] == (2, 3) and restart_of(resumed[1])[2] >= 1, resumed
     assert all(line.endswith("compilation cache: hit)") for line in resumed), resumed
     assert out.count("restart: continuing the run in ") == 2
     assert not (tmp_path / "chaos-2").exists()
@@ -264,7 +272,8 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
         "re-planned for the survivors, from the newest checkpoint" in lines
     ), out[-4000:]
     resumed = [line for line in lines if line.startswith("launch: training resumed")]
-    assert len(resumed) == 1 and "(restart 1 from checkpoint step 2, 1 step lost" in resumed[0]
+    assert len(resumed) == 1 and restart_of(resumed[0])[:2] == (1, 2), resumed
+    assert restart_of(resumed[0])[2] >= 1, resumed  # the SIGKILL at step 3 may land after 4
     replanned = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-planned for" in x]
     assert len(replanned) == 1 and replanned[0].startswith("re-planned for the survivors "
         "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip
