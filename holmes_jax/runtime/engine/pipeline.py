@@ -8,7 +8,8 @@ c·slots + layers - 1. The schedules' tables (GPipe, 1F1B, interleaved 1F1B, ZB-
 :mod:`holmes_jax.runtime.engine.tick_ops`.
 
 The step (``PipelineEngine.loss_and_grads``) is one ``shard_map``, manual over ``replica``,
-``stage`` and ``data``. ``tensor`` stays automatic: GSPMD does tensor parallelism in a stage.
+``stage`` and ``data``. A ``tensor`` axis > 1 stays automatic (the partitioner does tensor
+parallelism in a stage); one of size 1 is manual too, so the body's ops carry no shardings.
 
 1. ``_local``: the local batch ``[B/d, T+1]`` as M microbatches ``[M, B/(dM), T+1]``.
 2. ``_tick``, per tick: each stage runs the op its table names (FWD, BWD, WGT or nothing).
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA, STAGE
+from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA, STAGE, TENSOR
 from holmes_jax.core.config import ModelConfig
 from holmes_jax.core.spec import GRAD_BUCKETS
 from holmes_jax.planner.schedule import BWD, FWD, IDLE, WGT, Schedule, make_schedule
@@ -119,6 +120,13 @@ class PipelineEngine:
         self.independent = options.independent_replicas and mesh.shape[REPLICA] > 1
         self.replica = 1 if self.independent else mesh.shape[REPLICA]  # reduced over
         self.grad_dims = grad_dims
+        # The body is manual over every axis but tensor, which the partitioner splits inside
+        # it. A tensor axis of size 1 is manual too: left to the partitioner it puts a
+        # sharding on every op of the body (15,600 in a 2-stage interleaved step of 52,000
+        # HLO lines), which costs a quarter of its compile and changes nothing it computes.
+        self.manual = {REPLICA, STAGE, DATA} | ({TENSOR} if mesh.shape[TENSOR] == 1 else set())
+        unsplit = tuple((name, None) for name, _ in PIPELINE_RULES)
+        self.rules = unsplit if TENSOR in self.manual else PIPELINE_RULES
         self.per_layer = options.grad_buckets == "layer"
         self.wire = check_format(options.cross_island_dtype)
         self.crossing = frozenset() if self.wire == "same" else frozenset(options.crossing)
@@ -165,12 +173,12 @@ class PipelineEngine:
             mesh=self.mesh,
             in_specs=(param_specs, PartitionSpec(BATCH_AXES), PartitionSpec()),
             out_specs=(scalar, grad_specs, scalar),
-            axis_names={REPLICA, STAGE, DATA},
+            axis_names=self.manual,
             # Off: checked, the vjp of parameters replicated over data would all-reduce each
             # layer's gradient (zero.py reduces per bucket); chain_sum's sums type as varying.
             check_vma=False,
         )
-        with nn.logical_axis_rules(PIPELINE_RULES):
+        with nn.logical_axis_rules(self.rules):
             return fn(params, batch, step)
 
     def _dims(self, params):
