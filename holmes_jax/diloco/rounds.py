@@ -58,6 +58,12 @@ class SyncConfig:
     quorum_timeout_s: float = 60.0
     probe_s: float = 1.0  # seconds to wait for a peer's /status or a connection
     round_tokens: int = 1 << 40
+    reply_timeout_s: float | None = None  # a socket silent this long ends (None: the quorum's)
+
+    @property
+    def silence_s(self) -> float:
+        """Seconds a peer's socket may stay silent before its request or reply ends."""
+        return self.quorum_timeout_s if self.reply_timeout_s is None else self.reply_timeout_s
 
     def expect(self, shapes: dict[str, tuple[int, ...]], islands) -> Expect:
         """What an island with these settings takes from its peers on a lane of

@@ -78,6 +78,9 @@ class OuterSync:
       shapes: the lane's keys and shapes (required when ``state`` is None).
       security: the shared key and TLS (default: neither).
       say: prints one line (refusals, once per peer and reason); default stderr.
+      clock: the seconds the quorum timeout and the acknowledgement waits count in
+        (default :func:`time.monotonic`); a waiter re-reads it when :attr:`cond` is
+        notified, so a test that advances it need not sleep.
     """
 
     def __init__(
@@ -90,8 +93,10 @@ class OuterSync:
         shapes=None,
         security: Security | None = None,
         say: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.island, self.peers, self.cfg = island, dict(peers), cfg
+        self.clock = clock
         self.security = security or Security()
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.cut: set[int] = set()  # islands whose link to this one is cut (tests)
@@ -108,7 +113,7 @@ class OuterSync:
             self.peers[island],
             self._handle,
             self.r.max_body,
-            cfg.quorum_timeout_s,  # a reply stalled this long ends: its peer is not waited for
+            cfg.silence_s,  # a reply stalled this long ends: its peer is not waited for
             self.say,
             Verifier(key) if key else None,
             self.security.tls_server,
@@ -182,7 +187,7 @@ class OuterSync:
             if leader == self.island:
                 mine = Delta(self.island, want, lineage, tokens, frozenset(dead), average, delta)
                 with self.cond:
-                    accepted = self.r.accept(mine, time.monotonic())
+                    accepted = self.r.accept(mine, self.clock())
                     self.cond.notify_all()
                 if accepted and self._await_result(want):
                     self._await_fetched(want)
@@ -439,10 +444,10 @@ class OuterSync:
     def _await_result(self, want: int) -> bool:
         """Wait until round ``want`` is closed, closing it here if this island leads
         (all members in, or the quorum timeout passed). False: not closed in time."""
-        end = time.monotonic() + self.cfg.quorum_timeout_s + self.cfg.probe_s
+        end = self.clock() + self.cfg.quorum_timeout_s + self.cfg.probe_s
         with self.cond:
             while self.r.round < want:
-                now = time.monotonic()
+                now = self.clock()
                 if self.r.leader == self.island and self.r.open:
                     if self.r.due(now):
                         self.r.close()
@@ -463,14 +468,14 @@ class OuterSync:
         within its upload time of the leader's own. Without the wait the leader, which
         transfers nothing, would run ahead by its members' download time, and a member whose
         download plus upload exceeds ``quorum_timeout_s`` would miss every round."""
-        began = time.monotonic()
+        began = self.clock()
         with self.cond:
             while waiting := self.r.unacknowledged(want):
                 if any(self.sending.get(i) for i in waiting):
                     self.cond.wait(self.cfg.quorum_timeout_s)
                     continue
                 last = max([began] + [self.sent_at.get(i, 0.0) for i in waiting])
-                now = time.monotonic()
+                now = self.clock()
                 if now >= last + self.cfg.quorum_timeout_s:
                     return
                 self.cond.wait(last + self.cfg.quorum_timeout_s - now)
@@ -480,7 +485,7 @@ class OuterSync:
         with self.cond:
             self.sending[peer] = self.sending.get(peer, 0) + change
             if change < 0 and done:  # a reply cut short is silence: the wait does not restart
-                self.sent_at[peer] = time.monotonic()
+                self.sent_at[peer] = self.clock()
             self.cond.notify_all()
 
     def _handle(self, req: Request) -> Reply:
@@ -526,7 +531,7 @@ class OuterSync:
                 self.cond.notify_all()
             raise
         with self.cond:
-            ok = self.r.accept(delta, time.monotonic())
+            ok = self.r.accept(delta, self.clock())
             late = not ok and self.r.is_late(delta)  # for a round of this lineage closed
             self.cond.notify_all()
         return Reply(json.dumps({"refused": not ok, "late": late}).encode())

@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -208,21 +207,18 @@ def alone_config(run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory):
-    """The uninterrupted run of :func:`alone_config`: (history, run dir, seconds)."""
+    """The uninterrupted run of :func:`alone_config`: (history, run dir)."""
     run_dir = tmp_path_factory.mktemp("alone") / "run"
-    began = time.monotonic()
-    history = run(alone_config(run_dir))
-    return history, run_dir, time.monotonic() - began
+    return run(alone_config(run_dir)), run_dir
 
 
 def test_a_silent_peer_is_dropped_and_the_island_trains_on(alone):
     """Its first outer step waits ``quorum_timeout_s`` for the peer, then every round is its
     own, to the last step; the metrics name the island."""
-    history, run_dir, took = alone
+    history, run_dir = alone
     assert [r["step"] for r in history] == list(range(1, 9))
     assert all(r["island"] == "island0" for r in history)
     assert history[1]["step_time_s"] >= 1.0  # step 2 held the first round: the timeout
-    assert took < 60
     written = records(run_dir / "island0" / "metrics.jsonl")
     assert sorted(written) == list(range(1, 9))
     assert sorted(p.name for p in (run_dir / "island0" / "checkpoints" / "outer").iterdir()) == [
@@ -231,13 +227,18 @@ def test_a_silent_peer_is_dropped_and_the_island_trains_on(alone):
         "8.lane0.outer",
         "8.lane1.outer",
     ]
+    for lane in (0, 1):  # the last round was its own: island 0 alone, leading
+        meta, _ = unpack(
+            (run_dir / "island0" / "checkpoints" / "outer" / f"8.lane{lane}.outer").read_bytes()
+        )
+        assert (meta["round"], meta["members"], meta["leader"]) == (4, [0], 0)
 
 
 def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
     """Resumed from the uninterrupted run's checkpoint at step 4 (an outer step) with the
     outer state saved beside it (global model, momentum 0.9, round): the losses after the
     resume are the uninterrupted run's."""
-    history, run_dir, _ = alone
+    history, run_dir = alone
     src, dst = run_dir / "island0" / "checkpoints", tmp_path / "run" / "island0" / "checkpoints"
     shutil.copytree(src / "4", dst / "4")  # the uninterrupted run's checkpoint at step 4
     (dst / "outer").mkdir()

@@ -9,12 +9,12 @@ by hand from the state before the attack, so the attack changed nothing.
 """
 
 import dataclasses
+import functools
 import http.client
 import os
 import socket
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -37,7 +37,17 @@ from holmes_jax.diloco.transport import (
     server_context,
 )
 from holmes_jax.diloco.wire import WireError, pack, unpack
-from tests.diloco.test_sync import KEYS, expected, free_ports, inner, same, start_state
+from tests.diloco.test_sync import (
+    KEYS,
+    expected,
+    free_ports,
+    in_threads,
+    inner,
+    same,
+    start_state,
+    sync_all,
+    wait_for,
+)
 
 KEY = b"0123456789abcdef0123456789abcdef"
 CFG = SyncConfig(
@@ -96,9 +106,7 @@ def honest_round(nodes, seed=40):
     glob, mom = dict(nodes[0].glob), dict(nodes[0].mom)
     thetas = [inner(n, seed + i) for i, n in enumerate(nodes)]
     tokens = [100, 200, 300]
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(n.sync, t, k) for n, t, k in zip(nodes, thetas, tokens, strict=True)]
-        [f.result(timeout=30) for f in futures]
+    sync_all(nodes, thetas, tokens)
     want_g, want_m = expected(glob, mom, thetas, tokens)
     for n in nodes:
         assert same(n.glob, nodes[0].glob) and same(n.mom, nodes[0].mom)
@@ -348,12 +356,17 @@ def test_a_member_s_nan_delta_leaves_it_out_of_the_round(trio):
     # the island's own check would abstain: send its delta as a buggy peer would
     delta = {k: nodes[2].glob[k] - thetas[2][k] for k in KEYS}
     began = time.monotonic()
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(nodes[i].sync, thetas[i], 100 * (i + 1)) for i in range(2)]
-        while not nodes[0].r.open:  # sent during the round (before it, it would be waited for)
-            time.sleep(0.001)
-        futures.append(pool.submit(nodes[2].sync_delta, delta, 300))
-        [f.result(timeout=30) for f in futures]
+
+    def round_open():  # sent during the round (before it, it would be waited for)
+        with nodes[0].cond:
+            return bool(nodes[0].r.open)
+
+    def buggy_peer():
+        wait_for(round_open)
+        nodes[2].sync_delta(delta, 300)
+
+    in_threads(*[functools.partial(nodes[i].sync, thetas[i], 100 * (i + 1)) for i in range(2)],
+               buggy_peer)  # fmt: skip
     assert time.monotonic() - began < PATIENT.quorum_timeout_s / 2  # not waited for
     want_g, want_m = expected(glob, mom, thetas[:2], [100, 200])
     for n in nodes:
@@ -373,9 +386,7 @@ def test_an_abstaining_island_equals_an_absent_one(trio):
     thetas = [inner(n, 60 + i) for i, n in enumerate(nodes)]
     thetas[1] = {k: v * np.float32(np.inf) for k, v in thetas[1].items()}  # diverged
     began = time.monotonic()
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(n.sync, t, 100) for n, t in zip(nodes, thetas, strict=True)]
-        [f.result(timeout=30) for f in futures]
+    sync_all(nodes, thetas, [100] * 3)
     assert time.monotonic() - began < PATIENT.quorum_timeout_s / 2
     want_g, _ = expected(glob, mom, [thetas[0], thetas[2]], [100, 100])
     for n in nodes:
@@ -459,8 +470,7 @@ def test_a_reply_longer_than_any_reply_is_not_read():
                 head += conn.recv(4096)
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n{}" % (1 << 40))
 
-    with ThreadPoolExecutor(1) as pool:
-        served = pool.submit(answer)
+    def ask():
         client = OuterSync(1, {0: address, 1: free_ports(1)[0]}, CFG, start_state())
         try:
             assert client.r.max_reply() < 1 << 20
@@ -468,7 +478,8 @@ def test_a_reply_longer_than_any_reply_is_not_read():
                 client._status(0)
         finally:
             client.close()
-        served.result(timeout=30)
+
+    in_threads(answer, ask)
     listener.close()
 
 
@@ -518,13 +529,11 @@ def test_a_tls_round_trip_with_mutual_certificates(certs):
     tls = (certs["island.pem"], certs["island.key"], certs["ca.pem"])
     security = Security(KEY, server_context(*tls), client_context(*tls))
     peers = free_ports(2)
-    nodes = [OuterSync(i, peers, CFG, start_state(), security=security) for i in range(2)]
+    nodes = [OuterSync(i, peers, PATIENT, start_state(), security=security) for i in range(2)]
     try:
         glob, mom = start_state()
         thetas = [inner(n, 70 + i) for i, n in enumerate(nodes)]
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(n.sync, t, 1) for n, t in zip(nodes, thetas, strict=True)]
-            [f.result(timeout=30) for f in futures]
+        sync_all(nodes, thetas, [1, 1])
         want_g, _ = expected(glob, mom, thetas, [1, 1])
         assert same(nodes[0].glob, nodes[1].glob) and nodes[1].round == 1
         np.testing.assert_allclose(nodes[1].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6)
