@@ -78,7 +78,7 @@ def test_token_file_is_each_document_encoded(tmp_path, capsys, monkeypatch):
     assert "--set data.token_dtype=uint16" in said
 
     corpus = load_corpus(_data(out, "uint16"), vocab_size=300)
-    assert len(corpus.train) + len(corpus.eval) == len(want)
+    assert corpus.train.tokens + corpus.eval.tokens == len(want)
     with pytest.raises(ConfigError, match="holds uint16 tokens .* set data.token_dtype=uint16"):
         load_corpus(_data(out, "uint32"), vocab_size=300)
 
@@ -100,7 +100,8 @@ def test_a_vocabulary_past_65536_writes_uint32(tmp_path, capsys):
            str(tmp_path / "in.txt"), "--out", str(out))  # fmt: skip
     assert np.fromfile(out, np.uint32).tolist() == [1, 69999, 65536, 42]
     corpus = load_corpus(_data(out, "uint32"), vocab_size=70_000)
-    assert corpus.train.dtype == np.uint32
+    read = [split.read(np.arange(split.tokens), 1)[:, 0] for split in (corpus.train, corpus.eval)]
+    assert np.concatenate(read).tolist() == [1, 69999, 65536, 42]  # read back as uint32
 
 
 def test_a_tokenizer_that_cuts_change_gets_whole_files(tmp_path, capsys, monkeypatch):

@@ -150,11 +150,13 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from: ``stdlib``, the running interpreter's standard library (an
     offline corpus every machine has); ``text``, a text file or a directory of them (both
-    byte-tokenized); or ``tokens``, a raw token file that ``python -m holmes_jax.data
-    prepare`` writes."""
+    byte-tokenized); or ``tokens``, token shards that ``python -m holmes_jax.data prepare``
+    writes: a file, a directory, a glob or a list of them, local or a URL (``gs://``,
+    ``s3://``)."""
 
     source: DataSource = "stdlib"  # the corpus (see above)
-    path: str | None = None  # text file or directory (text), raw token file (tokens)
+    # text: a file or directory; tokens: shard file(s), directory, glob, or a list of them
+    path: str | tuple[str, ...] | None = None
     token_dtype: TokenDtype = "uint16"  # dtype of a raw token file
     eval_fraction: float = 0.05  # share of the corpus held out for evaluation
     max_bytes: int = 16_000_000  # bytes of text read (stdlib, text); 0 = no cap
@@ -168,7 +170,13 @@ class DataConfig:
             # Existence is checked when the corpus is loaded (runtime/data/loader.py), so
             # configs for clusters validate on machines that do not hold their data.
             if not self.path:
-                raise ConfigError(f"data.path=None: required when data.source='{self.source}'")
+                raise ConfigError(
+                    f"data.path={self.path!r}: required when data.source='{self.source}'"
+                )
+            if self.source == "text" and not isinstance(self.path, str):
+                raise ConfigError(
+                    f"data.path={list(self.path)}: data.source='text' reads one file or directory"
+                )
         elif self.path:
             raise ConfigError(
                 f"data.path='{self.path}': only used with data.source=text or tokens "

@@ -97,8 +97,8 @@ BAD_CASES = [
     (["parallel.stages=2", "parallel.layers_per_stage=[1,2]"], "must sum to model.num_layers=4"),
     (
         ["data.source=tokens", "data.path=/no/such/file.bin"],
-        "data.path='/no/such/file.bin': token file does not exist; write it with python -m "
-        "holmes_jax.data prepare --tokenizer HF_DIR --input TEXT --out /no/such/file.bin",
+        "data.path=/no/such/file.bin: no such file or directory; python -m holmes_jax.data "
+        "prepare --tokenizer HF_DIR --input TEXT --out /no/such/file.bin writes token shards",
     ),
     (["data.source=text", "data.path=/no/such/dir"], "data.path='/no/such/dir': file does not"),
     (["nodot=1"], "--set nodot=1: key must be section.key"),

@@ -7,20 +7,20 @@ Three sources, chosen by ``data.source``:
   has the same offline corpus. ``site-packages`` / ``dist-packages`` are skipped.
 - ``text``: one text file (split by its tail) or a directory of text files (split by file).
   Byte tokenizer, like ``stdlib``.
-- ``tokens``: a pre-tokenized raw ``uint16`` / ``uint32`` file (native little-endian ids,
-  nothing else), opened with ``np.memmap`` and never read whole into memory; eval is its
-  last ``eval_fraction`` of tokens. ``python -m holmes_jax.data prepare`` writes one from
-  a Hugging Face tokenizer (:mod:`holmes_jax.runtime.data.prepare`), with a sidecar
-  ``<file>.json``. The sidecar's ``dtype`` must equal ``data.token_dtype``, because a
-  uint32 file read as uint16 passes every other check. A file without a sidecar is read as
-  ``data.token_dtype``.
+- ``tokens``: a set of pre-tokenized shards, raw ``uint16`` / ``uint32`` ids with their
+  sidecars (:mod:`holmes_jax.runtime.data.shards`: a file, a directory, a glob or a list,
+  local or remote), never read whole into memory; eval is the last ``eval_fraction`` of
+  the set's tokens. ``python -m holmes_jax.data prepare`` writes them from a Hugging Face
+  tokenizer (:mod:`holmes_jax.runtime.data.prepare`). A sidecar's ``dtype`` must equal
+  ``data.token_dtype``, because a uint32 file read as uint16 passes every other check.
 
 Multi-file sources are split *by file*, so eval text is never seen in training: files are
 ranked by the CRC-32 of their relative path and the lowest-ranked go to eval until they
 hold ``eval_fraction`` of the bytes (at least one file, never all of them).
 
 Batches are a pure function of ``(seed, step)`` (:class:`BatchSampler`): a resumed run only
-needs the step to see exactly the batches an uninterrupted run sees. Each process gathers
+needs the step to see exactly the batches an uninterrupted run sees. A window never crosses
+a shard's end. Each process gathers
 only the rows of the global batch that its devices hold (:func:`local_rows`) and
 :func:`make_batch` assembles the global ``jax.Array`` from them.
 
@@ -30,9 +30,7 @@ Nothing happens at import time, and jax is imported only inside :func:`local_row
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -41,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from holmes_jax.core.errors import ConfigError, one_line
+from holmes_jax.core.errors import ConfigError
+from holmes_jax.runtime.data.shards import TOKEN_DTYPES, ShardSet, check_shards, list_shards
 
 if TYPE_CHECKING:
     import jax
@@ -49,13 +48,10 @@ if TYPE_CHECKING:
     from holmes_jax.core.sections import DataConfig
 
 SOURCES = ("stdlib", "text", "tokens")
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 TOKENS_SIDECAR = ".json"  # <token file>.json: {"dtype": ..., "tokens": ..., ...}
 BYTE_VOCAB_SIZE = 256
 # Directories under the stdlib that hold third-party packages, not the standard library.
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-# Elements per chunk when scanning a memmap for its largest token id (16 MiB of uint32).
-_SCAN_CHUNK = 1 << 22
 
 
 class ByteTokenizer:
@@ -95,13 +91,14 @@ class Corpus:
     """A tokenized corpus split into train and eval.
 
     Attributes:
-        train: 1-D token ids (np.ndarray or np.memmap), dtype uint8/uint16/uint32.
-        eval: 1-D token ids, disjoint text from ``train``.
+        train: 1-D token ids (np.ndarray or np.memmap, dtype uint8/uint16/uint32), or a
+            shard set (``data.source=tokens``).
+        eval: the same kind, disjoint text from ``train``.
         description: one human-readable line (source, size of each split).
     """
 
-    train: np.ndarray
-    eval: np.ndarray
+    train: np.ndarray | ShardSet
+    eval: np.ndarray | ShardSet
     description: str
 
 
@@ -141,7 +138,9 @@ def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
             raise ConfigError(
                 f"data.token_dtype={cfg.token_dtype!r}: must be one of {', '.join(TOKEN_DTYPES)}"
             )
-        return _load_tokens(_existing_path(path, source), cfg.token_dtype, frac, vocab_size)
+        if not path:
+            raise ConfigError(f"data.path={path!r}: must be set for data.source='tokens'")
+        return _load_tokens(path, cfg.token_dtype, frac, vocab_size)
 
     if vocab_size < BYTE_VOCAB_SIZE:
         raise ConfigError(
@@ -170,19 +169,14 @@ def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
 
 
 def _existing_path(path: str | None, source: str) -> Path:
-    """The path of a file-backed source, checked to exist."""
+    """The path of a text source, checked to exist."""
     if not path:
         raise ConfigError(f"data.path={path!r}: must be set for data.source={source!r}")
+    if not isinstance(path, str):
+        raise ConfigError(f"data.path={list(path)}: data.source={source!r} reads one path")
     p = Path(path).expanduser()
-    if not p.exists() and source == "tokens":
-        raise ConfigError(
-            f"data.path={path!r}: token file does not exist; write it with python -m "
-            f"holmes_jax.data prepare --tokenizer HF_DIR --input TEXT --out {shlex.quote(path)}"
-        )
     if not p.exists():
         raise ConfigError(f"data.path={path!r}: file does not exist")
-    if source == "tokens" and not p.is_file():
-        raise ConfigError(f"data.path={path!r}: must be a file for data.source='tokens'")
     return p
 
 
@@ -286,69 +280,40 @@ def _load_text_file(path: Path, frac: float, max_bytes: int) -> Corpus:
     return Corpus(train=train, eval=ev, description=description)
 
 
-def _load_tokens(path: Path, dtype_name: str, frac: float, vocab_size: int) -> Corpus:
-    """A raw pre-tokenized file as a memmap; eval = its tail. Checks ids < vocab_size."""
-    dtype = np.dtype(TOKEN_DTYPES[dtype_name])
-    size = path.stat().st_size
-    if size % dtype.itemsize:
-        raise ConfigError(
-            f"data.path='{path}': size {size} bytes is not a multiple of "
-            f"{dtype.itemsize} (data.token_dtype={dtype_name!r})"
-        )
-    if size < 2 * dtype.itemsize:
-        raise ConfigError(f"data.path='{path}': holds {size // dtype.itemsize} tokens, needs >= 2")
-    _check_sidecar(path, dtype_name)
-    tokens = np.memmap(path, dtype=dtype, mode="r")  # [size // itemsize]
-    # Largest id chunk by chunk, so the file is streamed once and never held whole.
-    top = max(int(tokens[i : i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK))
-    if top >= vocab_size:
-        raise ConfigError(
-            f"data.path='{path}': holds token id {top}, must be < model.vocab_size={vocab_size}"
-        )
-    train, ev = _tail_split(tokens, frac)
+def _load_tokens(path, dtype_name: str, frac: float, vocab_size: int) -> Corpus:
+    """A shard set (``path``: :func:`~holmes_jax.runtime.data.shards.list_shards`); eval =
+    the tail of its tokens. Checks every shard against the dtype and the vocabulary."""
+    shards = check_shards(list_shards(path, dtype_name), vocab_size)
+    total = sum(s.tokens for s in shards)
+    if total < 2:
+        raise ConfigError(f"data.path={path}: holds {total} tokens, needs >= 2")
+    where = shards[0].url if len(shards) == 1 else f"{len(shards)} shards from {path}"
+    whole = ShardSet.of_shards(shards, vocab_size, where)
+    train, ev = whole.split_tail(frac)
     description = (
-        f"tokens ({path}, {dtype_name}): {len(train):,} train tokens, {len(ev):,} eval tokens"
+        f"tokens ({where}, {dtype_name}): {train.tokens:,} train tokens, {ev.tokens:,} eval tokens"
     )
     return Corpus(train=train, eval=ev, description=description)
-
-
-def _check_sidecar(path: Path, dtype_name: str) -> None:
-    """A token file's ``<file>.json`` (when there is one) must name ``dtype_name``."""
-    sidecar = Path(str(path) + TOKENS_SIDECAR)
-    if not sidecar.is_file():
-        return
-    try:
-        written = json.loads(sidecar.read_text())["dtype"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(
-            f"data.path='{path}': its {sidecar.name} cannot be read ({one_line(e)})"
-        ) from None
-    if written != dtype_name:
-        raise ConfigError(
-            f"data.token_dtype={dtype_name!r}: {path} holds {written} tokens (its "
-            f"{sidecar.name} says so); set data.token_dtype={written}"
-        )
 
 
 # ----------------------------------------------------------------------------- batches
 
 
-def _check_split(tokens: np.ndarray, seq_len: int, split: str) -> None:
-    if tokens.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+def as_shards(tokens: np.ndarray | ShardSet, seq_len: int, split: str) -> ShardSet:
+    """``tokens`` as a shard set, checked to hold a window of ``seq_len + 1`` tokens."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ConfigError(f"model.seq_len={seq_len!r}: must be an integer >= 1")
-    if len(tokens) < seq_len + 1:
+    if not isinstance(tokens, ShardSet):
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        tokens = ShardSet.of_array(tokens, split)
+    if tokens.positions(seq_len + 1) < 1:
+        longest = max((r.length for r in tokens.ranges), default=0)
         raise ConfigError(
-            f"model.seq_len={seq_len}: the {split} split has {len(tokens)} tokens, "
-            f"fewer than seq_len + 1 = {seq_len + 1}"
+            f"model.seq_len={seq_len}: the {split} split has {tokens.tokens} tokens, "
+            f"{longest} in its longest shard, fewer than seq_len + 1 = {seq_len + 1}"
         )
-
-
-def _gather(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
-    """Windows tokens[s : s + width] for each start s, as int32 [len(starts), width]."""
-    idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width, dtype=np.int64)
-    return np.asarray(tokens[idx], dtype=np.int32)
+    return tokens
 
 
 class BatchSampler:
@@ -371,7 +336,7 @@ class BatchSampler:
         """Creates a sampler.
 
         Args:
-            tokens: 1-D token ids (may be a memmap).
+            tokens: 1-D token ids (may be a memmap), or a shard set.
             seq_len: tokens per input row; each row holds seq_len + 1 tokens.
             global_batch_size: rows in the global batch B.
             seed: non-negative data seed.
@@ -384,24 +349,23 @@ class BatchSampler:
             ConfigError: the split is shorter than seq_len + 1 tokens, or a bad
                 batch size or seed.
         """
-        _check_split(tokens, seq_len, split)
+        self.tokens = as_shards(tokens, seq_len, split)
         if global_batch_size < 1:
             raise ConfigError(f"train.global_batch_size={global_batch_size}: must be >= 1")
         if seed < 0:
             raise ConfigError(f"train.seed={seed}: must be >= 0")
-        self.tokens = tokens
         self.seq_len = int(seq_len)
         self.drawn = int(global_batch_size)  # rows drawn per step
         self.offset, self.global_batch_size = window or (0, self.drawn)
         self.seed = int(seed)
 
     def starts(self, step: int) -> np.ndarray:
-        """Start offsets of all B rows at step (of the window's rows), int64 [B]."""
+        """Window positions of all B rows at step (of the window's rows), int64 [B]: in a
+        token array, the offsets."""
         if step < 0:
             raise ValueError(f"step={step}: must be >= 0")
         rng = np.random.default_rng((self.seed, step))
-        # Last valid start leaves room for seq_len + 1 tokens.
-        drawn = rng.integers(0, len(self.tokens) - self.seq_len, size=self.drawn)
+        drawn = rng.integers(0, self.tokens.positions(self.seq_len + 1), size=self.drawn)
         return drawn[self.offset : self.offset + self.global_batch_size]
 
     def rows(self, step: int, row_indices: np.ndarray) -> np.ndarray:
@@ -415,15 +379,15 @@ class BatchSampler:
             int32 [R, seq_len + 1]; inputs are [:, :-1], targets [:, 1:].
         """
         starts = self.starts(step)[np.asarray(row_indices, dtype=np.int64)]  # [R]
-        return _gather(self.tokens, starts, self.seq_len + 1)
+        return self.tokens.read(starts, self.seq_len + 1)
 
     def global_batch(self, step: int) -> np.ndarray:
         """All rows at step: int32 [B, seq_len + 1]."""
-        return _gather(self.tokens, self.starts(step), self.seq_len + 1)
+        return self.tokens.read(self.starts(step), self.seq_len + 1)
 
 
 def eval_batches(
-    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
+    tokens: np.ndarray | ShardSet, seq_len: int, batch_size: int, num_batches: int
 ) -> list[np.ndarray]:
     """Fixed eval batches spread evenly over a split.
 
@@ -432,7 +396,7 @@ def eval_batches(
     enough.
 
     Args:
-        tokens: 1-D eval token ids.
+        tokens: 1-D eval token ids, or a shard set.
         seq_len: tokens per input row.
         batch_size: rows per batch.
         num_batches: number of batches.
@@ -443,14 +407,14 @@ def eval_batches(
     Raises:
         ConfigError: the split is shorter than seq_len + 1 tokens, or a count is < 1.
     """
-    _check_split(tokens, seq_len, "eval")
+    tokens = as_shards(tokens, seq_len, "eval")
     if batch_size < 1 or num_batches < 1:
         raise ConfigError(
             f"eval batch_size={batch_size}, num_batches={num_batches}: both must be >= 1"
         )
     n = batch_size * num_batches
-    starts = np.linspace(0, len(tokens) - seq_len - 1, n).astype(np.int64)  # [n]
-    windows = _gather(tokens, starts, seq_len + 1)  # [n, seq_len + 1]
+    starts = np.linspace(0, tokens.positions(seq_len + 1) - 1, n).astype(np.int64)  # [n]
+    windows = tokens.read(starts, seq_len + 1)  # [n, seq_len + 1]
     return list(windows.reshape(num_batches, batch_size, seq_len + 1))
 
 

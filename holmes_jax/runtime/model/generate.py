@@ -11,7 +11,7 @@
   config stored with the step (the same config; every step directory carries it).
 - **Tokenizer** (:func:`text_tokenizer`): bytes for ``data.source`` stdlib and text. For
   ``tokens``, the Hugging Face tokenizer that ``python -m holmes_jax.data prepare`` names in
-  the token file's sidecar, else that of the Hugging Face import the checkpoint descends
+  the shards' sidecars or index, else that of the Hugging Face import the checkpoint descends
   from. ``--tokenizer`` overrides both. Nothing is downloaded.
 - **Decoding** (:class:`Generator`): one jitted step per new token, compiled once per model
   and number of samples, whatever the prompt length, the number of new tokens, the
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 from typing import Any
@@ -42,8 +41,9 @@ import numpy as np
 
 from holmes_jax.core.config import Config, ModelConfig, config_from_dict, load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.runtime.data.loader import TOKENS_SIDECAR, ByteTokenizer
+from holmes_jax.runtime.data.loader import ByteTokenizer
 from holmes_jax.runtime.data.prepare import load_tokenizer, wrap_ids
+from holmes_jax.runtime.data.shards import list_shards
 from holmes_jax.runtime.hf.convert import import_origin
 from holmes_jax.runtime.model.decoder import GPT, init_model
 from holmes_jax.runtime.rundir.checkpoint import find_step, read_params
@@ -134,17 +134,16 @@ def text_tokenizer(cfg: Config, meta: dict[str, Any], path: str | None = None):
     if cfg.data.source != "tokens":
         return ByteTokenizer()
     data = cfg.data.path
-    sidecar = f"{data}{TOKENS_SIDECAR}"
-    named = None
     try:
-        with open(sidecar) as f:
-            named = json.load(f).get("tokenizer")
-    except (OSError, ValueError, AttributeError):
-        pass
+        named = next(
+            (s.tokenizer for s in list_shards(data, cfg.data.token_dtype) if s.tokenizer), None
+        )
+    except ConfigError:  # the shards are not on this machine: the import may name it
+        named = None
     if named is not None:
         if not os.path.exists(named):
             raise ConfigError(
-                f"data.path={data}: its tokenizer {named} (named in {sidecar}) is not on "
+                f"data.path={data}: its tokenizer {named} (named in its sidecars) is not on "
                 f"this machine; {_TOKENIZER_HINT}"
             )
         return HFTokenizer(load_tokenizer(named), named)
@@ -152,7 +151,7 @@ def text_tokenizer(cfg: Config, meta: dict[str, Any], path: str | None = None):
     if source and os.path.isfile(os.path.join(source, "tokenizer.json")):
         return HFTokenizer(load_tokenizer(source), source)
     raise ConfigError(
-        f"data.path={data}: no {os.path.basename(sidecar)} beside it names the tokenizer of "
+        f"data.path={data}: no sidecar or index of its shards names the tokenizer of "
         f"these tokens and the checkpoint descends from no imported model; {_TOKENIZER_HINT}"
     )
 

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.runtime.data import loader as data
+from holmes_jax.runtime.data import shards
 
 
 @dataclass(frozen=True)
@@ -172,21 +173,20 @@ def test_token_file_memmap_round_trip(tmp_path, dtype):
     corpus = data.load_corpus(
         DataCfg(source="tokens", path=str(path), token_dtype=dtype, eval_fraction=0.1), vocab
     )
-    assert isinstance(corpus.train, np.memmap) and isinstance(corpus.eval, np.memmap)
-    assert corpus.train.dtype == np.dtype(dtype)
-    assert len(corpus.eval) == 500
-    assert np.array_equal(np.concatenate([corpus.train, corpus.eval]), tokens)
+    assert (corpus.train.tokens, corpus.eval.tokens) == (4500, 500)
+    each = [split.read(np.arange(split.tokens), 1)[:, 0] for split in (corpus.train, corpus.eval)]
+    assert np.array_equal(np.concatenate(each), tokens)  # windows of 1: every token, in order
     batch = data.BatchSampler(corpus.train, seq_len=8, global_batch_size=2, seed=0).global_batch(0)
     assert batch.max() < vocab
 
 
 def test_token_file_out_of_vocab(tmp_path):
     path = tmp_path / "t.bin"
-    tokens = np.zeros(3 * data._SCAN_CHUNK // 2, dtype=np.uint16)
+    tokens = np.zeros(3 * shards._SCAN_CHUNK // 2, dtype=np.uint16)
     tokens[-1] = 512  # in the second scan chunk
     tokens.tofile(path)
     cfg = DataCfg(source="tokens", path=str(path))
-    assert len(data.load_corpus(cfg, vocab_size=513).train) > 0
+    assert data.load_corpus(cfg, vocab_size=513).train.tokens > 0
     with pytest.raises(ConfigError, match="512") as err:
         data.load_corpus(cfg, vocab_size=512)
     _assert_one_line(err, "model.vocab_size")

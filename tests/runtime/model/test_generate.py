@@ -169,7 +169,7 @@ def test_the_command_decodes_with_the_token_files_tokenizer(tmp_path, capsys):
     assert ids[0] == tok.token_to_id("<s>") and hf.decode(ids[1:]) == "def f(x):"
 
     (tmp_path / "t.bin.json").unlink()
-    with pytest.raises(ConfigError, match=r"^data.path=.*t.bin: no t.bin.json .* --tokenizer PATH"):
+    with pytest.raises(ConfigError, match=r"^data.path=.*t.bin: no sidecar .* --tokenizer PATH"):
         text_tokenizer(cfg, meta)
     assert text_tokenizer(cfg, meta, str(tmp_path / "tok")).path == str(tmp_path / "tok")
     (tmp_path / "t.bin.json").write_text(json.dumps({"tokenizer": str(tmp_path / "gone")}))
