@@ -97,8 +97,9 @@ def test_token_file_is_each_document_encoded(tmp_path, capsys, monkeypatch):
 
 def _data(path, dtype):
     return SimpleNamespace(
-        source="tokens", path=str(path), token_dtype=dtype, eval_fraction=0.1, max_bytes=0
-    )
+        source="tokens", path=str(path), token_dtype=dtype, eval_fraction=0.1, max_bytes=0,
+        mixture=(), eval=(),
+    )  # fmt: skip
 
 
 def test_a_vocabulary_past_65536_writes_uint32(tmp_path, capsys):

@@ -146,6 +146,26 @@ class ModelConfig:
             )
 
 
+NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a mixture source's or eval set's name (a metric key)
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One source of ``data.mixture``: a shard set (as ``data.path``) and its weight."""
+
+    name: str
+    path: str | tuple[str, ...]
+    weight: float = 1.0  # its share of every batch's rows, relative to the others'
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """One of ``data.eval``: a held-out shard set (as ``data.path``), logged by name."""
+
+    name: str
+    path: str | tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from: ``stdlib``, the running interpreter's standard library (an
@@ -160,12 +180,41 @@ class DataConfig:
     token_dtype: TokenDtype = "uint16"  # dtype of a raw token file
     eval_fraction: float = 0.05  # share of the corpus held out for evaluation
     max_bytes: int = 16_000_000  # bytes of text read (stdlib, text); 0 = no cap
+    # tokens, instead of data.path: [{name, path, weight}], each source its weight's share
+    # of every batch's rows; each one's held-out tail is evaluated as eval/<name>/loss
+    mixture: tuple[MixSource, ...] = ()
+    # tokens: [{name, path}], held-out shard sets, each evaluated as eval/<name>/loss
+    eval: tuple[EvalSet, ...] = ()
+    prefetch: int = 2  # batches each process reads ahead of the step
 
     def validate(self) -> None:
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction={self.eval_fraction}: must be in (0, 1)")
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes={self.max_bytes}: must be >= 0 (0 = no cap)")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch={self.prefetch}: must be >= 0 (0 = no read-ahead)")
+        for key, sets in (("data.mixture", self.mixture), ("data.eval", self.eval)):
+            if sets and self.source != "tokens":
+                raise ConfigError(f"{key}: needs data.source=tokens (data.source={self.source!r})")
+            names = [s.name for s in sets]
+            for i, name in enumerate(names):
+                if not NAME.fullmatch(name) or name in names[:i]:
+                    raise ConfigError(
+                        f"{key}[{i}].name={name!r}: must be unique, of letters, digits, "
+                        "'_', '.' and '-'"
+                    )
+        if self.mixture:
+            weights = [m.weight for m in self.mixture]
+            if min(weights) < 0 or not sum(weights) > 0:
+                raise ConfigError(
+                    f"data.mixture weights {weights}: each must be >= 0 and their sum > 0"
+                )
+            if self.path:
+                raise ConfigError(
+                    f"data.path={self.path!r}: unset it with data.mixture (each source has its own)"
+                )
+            return
         if self.source in ("text", "tokens"):
             # Existence is checked when the corpus is loaded (runtime/data/loader.py), so
             # configs for clusters validate on machines that do not hold their data.

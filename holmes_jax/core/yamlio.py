@@ -329,6 +329,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}={short(value)}: expected a list of {_type_name(item)}")
         return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):  # an entry of a list of mappings (data.mixture)
+        if isinstance(value, hint):
+            return value
+        return build_dataclass(hint, value, key + ".")
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -93,9 +93,9 @@ class Logbook:
     """Records log steps (module doc); ``history`` holds the records, as returned by
     :func:`holmes_jax.runtime.loop.run`."""
 
-    def __init__(self, cfg: Config, logger, program, outer, eval_set, stepper: Stepper, start):
+    def __init__(self, cfg: Config, logger, program, outer, data, stepper: Stepper, start):
         self.cfg, self.logger, self.program, self.outer = cfg, logger, program, outer
-        self.eval_set, self.stepper = eval_set, stepper
+        self.data, self.stepper = data, stepper
         self.history: list[dict[str, Any]] = []
         self.window_start: float | None = None  # the window's first step's dispatch
         self.window_steps = 0
@@ -123,6 +123,7 @@ class Logbook:
             values = fetch_metrics(metrics)  # waits for this step
         elapsed = (time.perf_counter() - self.window_start) / self.window_steps
         rec = self.logger.record(step, values, elapsed)
+        rec.update(self.data.report(self.window_steps))
         if self.outer.name is not None:
             rec["island"] = self.outer.name
         if self.first:
@@ -132,13 +133,26 @@ class Logbook:
             rec["peak_memory_gb"] = memory
         if self.evaluates(step):
             with jax.profiler.TraceAnnotation("eval", step=step):
-                rec["eval_loss"] = evaluate(
-                    self.program, self.outer.eval_params(state), self.eval_set
-                )
+                rec.update(self._evaluate(state))
         self.history.append(rec)
         self.logger.write(rec, advance=step - self.logged_at)
         self.logged_at, self.first = step, False
         self.window_start, self.window_steps = None, 0  # the next starts at its first step
+
+    def _evaluate(self, state) -> dict[str, float]:
+        """``eval_loss`` (the held-out tail's, or a mixture's sources' weighted mean) and
+        ``eval/<name>/loss`` of each named set."""
+        params = self.outer.eval_params(state)
+        losses = {
+            name: evaluate(self.program, params, b) for name, b in self.data.eval_sets.items()
+        }
+        out = {f"eval/{name}/loss": loss for name, loss in losses.items() if name}
+        if "" in losses:
+            out["eval_loss"] = losses[""]
+        elif self.data.weights:
+            pairs = zip(self.data.names, self.data.weights, strict=True)
+            out["eval_loss"] = sum(w * losses[n] for n, w in pairs)
+        return out
 
     def leave_out(self, seconds: float) -> None:
         """Leave ``seconds`` (the profiler writing its trace) out of the window's time."""

@@ -101,7 +101,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     # The guard settles before every save: never past train.max_skipped_steps in a row.
     saves = Saves(cfg, ckpt, program, outer, logger.message, last_saved, guard.settle)
     stepper = Stepper(program, guard, logger, cache)
-    book = Logbook(cfg, logger, program, outer, data.eval_set, stepper, start)
+    book = Logbook(cfg, logger, program, outer, data, stepper, start)
     profiler = StepProfiler(cfg, start, logger.message, r.topology)
     step = start
     try:
@@ -124,6 +124,7 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         saves.finish(step, state)
     finally:
         profiler.close(step, state)  # a run stopped inside the profiled window
+        data.feed.close()
         outer.close()
         saves.close()
         logger.close()

@@ -36,12 +36,12 @@ from holmes_jax.planner.plans import memory_inputs_of, predict_run, resolve_auto
 from holmes_jax.planner.report import format_preference, format_run_plan
 from holmes_jax.planner.strategy import predict_diloco, resolve_diloco
 from holmes_jax.planner.topology import Topology
+from holmes_jax.runtime.data.feed import Feed
 from holmes_jax.runtime.data.loader import (
     BatchSampler,
     eval_batches,
     load_corpus,
     local_rows,
-    make_batch,
 )
 from holmes_jax.runtime.engine.mesh import collectives_block
 from holmes_jax.runtime.model.decoder import attention_kernel
@@ -149,7 +149,8 @@ def initial_state(program, cfg: Config, logical) -> tuple[Any, str | None]:
 
 
 class Data:
-    """The corpus, the sampler of training batches and the evaluation batches.
+    """The corpus, this process's rows of each training batch (read ahead: ``feed``) and
+    the evaluation batches by set name ("" for the held-out tail of ``data.path``).
 
     An independent DiLoCo island (``share``) takes its rows of each global batch, and the
     whole batch's evaluation windows: the same draws as a whole-batch run's.
@@ -158,22 +159,48 @@ class Data:
     def __init__(self, cfg: Config, program, share=None):
         corpus = load_corpus(cfg.data, cfg.model.vocab_size)
         seq, batch_size, seed = cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.seed
-        self.sampler = BatchSampler(corpus.train, seq, batch_size, seed)
-        n_eval = cfg.train.eval_batches
-        if share is not None:
-            window = (share.offset, share.rows)
-            self.sampler = BatchSampler(corpus.train, seq, share.total, seed, window=window)
-            n_eval = eval_batch_count(share, n_eval)
+        window = (share.offset, share.rows) if share is not None else None
+        drawn = share.total if share is not None else batch_size
+        n_eval = (
+            eval_batch_count(share, cfg.train.eval_batches) if share else cfg.train.eval_batches
+        )
+        self.sampler = BatchSampler(
+            corpus.train, seq, drawn, seed, window=window, weights=list(corpus.weights) or None
+        )
         self.sharding = program.shardings.batch
-        self.eval_set = [
-            _global_batch(rows, self.sharding)
-            for rows in eval_batches(corpus.eval, seq, batch_size, n_eval)
-        ]
-        self.description = corpus.description
+        sets = {"": corpus.eval} if corpus.eval is not None else {}
+        self.eval_sets = {
+            name: [
+                _global_batch(rows, self.sharding)
+                for rows in eval_batches(s, seq, batch_size, n_eval)
+            ]
+            for name, s in {**sets, **corpus.evals}.items()
+        }
+        self.names, self.weights, self.description = (
+            corpus.names,
+            corpus.weights,
+            corpus.description,
+        )
+        mine = local_rows(self.sharding, self.sampler.global_batch_size)
+        self.shape = (self.sampler.global_batch_size, seq + 1)
+        self.feed = Feed(
+            lambda step: self.sampler.rows(step, mine), cfg.data.prefetch, cfg.train.steps,
+            self.sampler.source_rows if corpus.names else None,
+        )  # fmt: skip
 
     def batch(self, step: int) -> jax.Array:
         """Step ``step + 1``'s batch, this process's rows of it on its devices."""
-        return make_batch(self.sampler, step, self.sharding)
+        rows = self.feed.get(step)
+        return jax.make_array_from_process_local_data(self.sharding, rows, self.shape)
+
+    def report(self, steps: int) -> dict[str, float]:
+        """Metrics of the last ``steps`` steps: the mean seconds a step waited for its rows,
+        and each mixture source's tokens so far (``tokens_<name>``)."""
+        out = {"data_wait_s": self.feed.take_wait() / max(steps, 1)}
+        if self.feed.rows is not None:
+            tokens = self.feed.rows * (self.shape[1] - 1)
+            out.update({f"tokens_{n}": int(t) for n, t in zip(self.names, tokens, strict=True)})
+        return out
 
 
 def make_logger(cfg: Config, r: Resolved) -> MetricsLogger:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,11 +95,19 @@ class Corpus:
             shard set (``data.source=tokens``).
         eval: the same kind, disjoint text from ``train``.
         description: one human-readable line (source, size of each split).
+        names: a mixture's source names (``data.mixture``); ``train`` is then a list of
+            shard sets, one per source, in this order, and ``eval`` None.
+        weights: a mixture's weight per source, summing to 1.
+        evals: the named held-out sets, evaluated and logged by name: a mixture's
+            sources' tails, then ``data.eval``'s sets.
     """
 
-    train: np.ndarray | ShardSet
-    eval: np.ndarray | ShardSet
+    train: np.ndarray | ShardSet | list[ShardSet]
+    eval: np.ndarray | ShardSet | None
     description: str
+    names: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
+    evals: dict[str, ShardSet] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -138,9 +146,15 @@ def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
             raise ConfigError(
                 f"data.token_dtype={cfg.token_dtype!r}: must be one of {', '.join(TOKEN_DTYPES)}"
             )
-        if not path:
+        if cfg.mixture:
+            corpus = _load_mixture(cfg, vocab_size)
+        elif not path:
             raise ConfigError(f"data.path={path!r}: must be set for data.source='tokens'")
-        return _load_tokens(path, cfg.token_dtype, frac, vocab_size)
+        else:
+            corpus = _load_tokens(path, cfg.token_dtype, frac, vocab_size)
+        evals = {e.name: _load_tokens(e.path, cfg.token_dtype, None, vocab_size) for e in cfg.eval}
+        held = {name: c.train for name, c in evals.items()}
+        return replace(corpus, evals={**corpus.evals, **held})
 
     if vocab_size < BYTE_VOCAB_SIZE:
         raise ConfigError(
@@ -280,20 +294,41 @@ def _load_text_file(path: Path, frac: float, max_bytes: int) -> Corpus:
     return Corpus(train=train, eval=ev, description=description)
 
 
-def _load_tokens(path, dtype_name: str, frac: float, vocab_size: int) -> Corpus:
+def _load_tokens(path, dtype_name: str, frac: float | None, vocab_size: int) -> Corpus:
     """A shard set (``path``: :func:`~holmes_jax.runtime.data.shards.list_shards`); eval =
-    the tail of its tokens. Checks every shard against the dtype and the vocabulary."""
+    the tail of its tokens (``frac`` None: no eval, the whole set is ``train``). Checks
+    every shard against the dtype and the vocabulary."""
     shards = check_shards(list_shards(path, dtype_name), vocab_size)
     total = sum(s.tokens for s in shards)
     if total < 2:
         raise ConfigError(f"data.path={path}: holds {total} tokens, needs >= 2")
     where = shards[0].url if len(shards) == 1 else f"{len(shards)} shards from {path}"
     whole = ShardSet.of_shards(shards, vocab_size, where)
+    if frac is None:
+        return Corpus(train=whole, eval=None, description=f"{where}: {whole.tokens:,} tokens")
     train, ev = whole.split_tail(frac)
     description = (
         f"tokens ({where}, {dtype_name}): {train.tokens:,} train tokens, {ev.tokens:,} eval tokens"
     )
     return Corpus(train=train, eval=ev, description=description)
+
+
+def _load_mixture(cfg: DataConfig, vocab_size: int) -> Corpus:
+    """``data.mixture``: each source's shard set, its tail held out as ``evals[name]``."""
+    parts = [
+        _load_tokens(m.path, cfg.token_dtype, cfg.eval_fraction, vocab_size) for m in cfg.mixture
+    ]
+    total = sum(m.weight for m in cfg.mixture)
+    weights = tuple(m.weight / total for m in cfg.mixture)
+    names = tuple(m.name for m in cfg.mixture)
+    each = ", ".join(
+        f"{n} {w:.0%} ({p.train.tokens:,})" for n, w, p in zip(names, weights, parts, strict=True)
+    )
+    return Corpus(
+        train=[p.train for p in parts], eval=None, names=names, weights=weights,
+        evals={n: p.eval for n, p in zip(names, parts, strict=True)},
+        description=f"tokens ({cfg.token_dtype}): a mixture of {each} train tokens",
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- batches
@@ -316,27 +351,59 @@ def as_shards(tokens: np.ndarray | ShardSet, seq_len: int, split: str) -> ShardS
     return tokens
 
 
+GOLDEN = 0.6180339887498949  # the offsets of mixture_rows: a low-discrepancy sequence
+
+
+def mixture_rows(weights: np.ndarray, rows: int, step: int, seed: int) -> np.ndarray:
+    """Rows of each source in step ``step``'s batch of ``rows``: every source its quota
+    ``rows·w`` rounded down, and the leftover rows by systematic sampling over the quotas'
+    fractions at the offset ``frac((step + seed)·φ)``, so each gets its quota rounded down
+    or up, the counts sum to ``rows``, and over N steps every source's rows are within
+    O(log N) of ``N·rows·w`` (a Weyl sequence visits each fraction's arc in proportion).
+
+    Args:
+      weights: [S] non-negative, summing to 1.
+    Returns:
+      int64 [S].
+    """
+    quota = rows * weights
+    base = np.floor(quota).astype(np.int64)
+    left = rows - int(base.sum())
+    if left == 0:
+        return base
+    ends = np.cumsum(quota - base)
+    ends[-1] = left  # the fractions sum to ``left`` up to rounding
+    offset = ((step + seed) * GOLDEN) % 1.0
+    hits = np.searchsorted(ends, offset + np.arange(left), side="right")  # [left]
+    return base + np.bincount(hits, minlength=len(weights))
+
+
 class BatchSampler:
-    """Random windows of a token array, a pure function of (seed, step).
+    """Random windows of a token array, a shard set or a weighted mixture of them, a pure
+    function of (seed, step).
 
     Batches have no hidden state, so resuming at step k sees exactly the batches an
-    uninterrupted run sees; the data position in a checkpoint is just the step.
+    uninterrupted run sees; the data position in a checkpoint is just the step. A mixture's
+    batch holds each source's rows in proportion to its weight (:func:`mixture_rows`), in
+    an order shuffled per step, so any window of it (a DiLoCo island's) is a mixture too.
     """
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | ShardSet | list[ShardSet],
         seq_len: int,
         global_batch_size: int,
         seed: int,
         *,
         split: str = "train",
         window: tuple[int, int] | None = None,
+        weights: list[float] | None = None,
     ):
         """Creates a sampler.
 
         Args:
-            tokens: 1-D token ids (may be a memmap), or a shard set.
+            tokens: 1-D token ids (may be a memmap), a shard set, or a list of shard sets
+                (a mixture, with ``weights``).
             seq_len: tokens per input row; each row holds seq_len + 1 tokens.
             global_batch_size: rows in the global batch B.
             seed: non-negative data seed.
@@ -344,12 +411,18 @@ class BatchSampler:
             window: ``(offset, rows)``: this sampler's batch is rows ``[offset, offset +
                 rows)`` of the B-row batch (an independent DiLoCo island's share); its
                 ``global_batch_size`` is then ``rows``.
+            weights: a mixture's weight per set (non-negative, a positive sum).
 
         Raises:
             ConfigError: the split is shorter than seq_len + 1 tokens, or a bad
                 batch size or seed.
         """
-        self.tokens = as_shards(tokens, seq_len, split)
+        sets = tokens if isinstance(tokens, list) else [tokens]
+        self.sets = [as_shards(t, seq_len, split) for t in sets]
+        w = np.asarray(weights if weights is not None else [1.0] * len(sets), np.float64)
+        if len(w) != len(sets) or (w < 0).any() or not w.sum() > 0:
+            raise ConfigError(f"data.mixture weights {w.tolist()}: must be >= 0, sum > 0")
+        self.weights = w / w.sum()
         if global_batch_size < 1:
             raise ConfigError(f"train.global_batch_size={global_batch_size}: must be >= 1")
         if seed < 0:
@@ -359,14 +432,33 @@ class BatchSampler:
         self.offset, self.global_batch_size = window or (0, self.drawn)
         self.seed = int(seed)
 
-    def starts(self, step: int) -> np.ndarray:
-        """Window positions of all B rows at step (of the window's rows), int64 [B]: in a
-        token array, the offsets."""
+    def draws(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(set, window position) of each row at ``step`` (of the window's rows), int64
+        [B] each; with one set, the positions alone are what they always were."""
         if step < 0:
             raise ValueError(f"step={step}: must be >= 0")
         rng = np.random.default_rng((self.seed, step))
-        drawn = rng.integers(0, self.tokens.positions(self.seq_len + 1), size=self.drawn)
-        return drawn[self.offset : self.offset + self.global_batch_size]
+        width = self.seq_len + 1
+        if len(self.sets) == 1:
+            pos = rng.integers(0, self.sets[0].positions(width), size=self.drawn)
+            src = np.zeros(self.drawn, np.int64)
+        else:
+            counts = mixture_rows(self.weights, self.drawn, step, self.seed)
+            src = np.repeat(np.arange(len(self.sets)), counts)
+            pos = np.concatenate(
+                [
+                    rng.integers(0, s.positions(width), size=c)
+                    for s, c in zip(self.sets, counts, strict=True)
+                ]
+            )
+            order = rng.permutation(self.drawn)
+            src, pos = src[order], pos[order]
+        cut = slice(self.offset, self.offset + self.global_batch_size)
+        return src[cut], pos[cut]
+
+    def source_rows(self, step: int) -> np.ndarray:
+        """Rows of each set in this sampler's batch at ``step``, int64 [sets]."""
+        return np.bincount(self.draws(step)[0], minlength=len(self.sets))
 
     def rows(self, step: int, row_indices: np.ndarray) -> np.ndarray:
         """Selected rows of the global batch at step.
@@ -378,12 +470,20 @@ class BatchSampler:
         Returns:
             int32 [R, seq_len + 1]; inputs are [:, :-1], targets [:, 1:].
         """
-        starts = self.starts(step)[np.asarray(row_indices, dtype=np.int64)]  # [R]
-        return self.tokens.read(starts, self.seq_len + 1)
+        src, pos = self.draws(step)
+        pick = np.asarray(row_indices, dtype=np.int64)  # [R]
+        return self._read(src[pick], pos[pick])
 
     def global_batch(self, step: int) -> np.ndarray:
         """All rows at step: int32 [B, seq_len + 1]."""
-        return self.tokens.read(self.starts(step), self.seq_len + 1)
+        return self._read(*self.draws(step))
+
+    def _read(self, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        out = np.empty((len(src), self.seq_len + 1), np.int32)
+        for i in np.unique(src):
+            rows = np.flatnonzero(src == i)
+            out[rows] = self.sets[i].read(pos[rows], self.seq_len + 1)
+        return out
 
 
 def eval_batches(

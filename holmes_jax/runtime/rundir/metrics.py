@@ -40,6 +40,8 @@ def tag(key: str) -> str:
     ``loss`` -> ``train/loss``."""
     if key.startswith(EVAL_PREFIX):
         return "eval/" + key[len(EVAL_PREFIX) :]
+    if key.startswith("eval/"):  # eval/<name>/loss: an evaluation set of its own
+        return key
     return f"train/{key}"
 
 

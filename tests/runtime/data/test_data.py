@@ -18,13 +18,15 @@ from holmes_jax.runtime.data import shards
 
 @dataclass(frozen=True)
 class DataCfg:
-    """Stand-in for the lead's DataConfig (same attribute names)."""
+    """Stand-in for DataConfig (its attribute names; no checks before the loader's)."""
 
     source: str = "stdlib"
     path: str | None = None
     token_dtype: str = "uint16"
     eval_fraction: float = 0.05
     max_bytes: int = 2_000_000
+    mixture: tuple = ()
+    eval: tuple = ()
 
 
 @pytest.fixture(scope="module")
