@@ -34,6 +34,7 @@ class Feed:
         self.ahead: dict[int, Future] = {}
         self.waited = 0.0  # seconds the step waited for rows, since the last take()
         self.rows: np.ndarray | None = None  # each source's rows in steps 0 .. the last got
+        self.counted = -1  # the last step counted (a step got twice counts once)
 
     def get(self, step: int) -> np.ndarray:
         """Step ``step``'s rows; the reads of the next steps are started."""
@@ -47,10 +48,10 @@ class Feed:
             for s in range(step + 1, min(step + 1 + self.depth, self.last)):
                 if s not in self.ahead:
                     self.ahead[s] = self.pool.submit(self.read, s)
-        if self.counts is not None:
+        if self.counts is not None and step != self.counted:
             if self.rows is None:  # the first step got (a resume's): steps before it count
                 self.rows = sum((self.counts(s) for s in range(step)), self.counts(step) * 0)
-            self.rows = self.rows + self.counts(step)
+            self.rows, self.counted = self.rows + self.counts(step), step
         return rows
 
     def take_wait(self) -> float:

@@ -84,6 +84,7 @@ def test_the_feed_reads_ahead_and_counts_waits_and_sources():
     assert feed.rows.tolist() == [15, 6] and feed.take_wait() > 0 and feed.take_wait() == 0
     resumed = Feed(read, depth=0, last=6, counts=counts)
     resumed.get(4)  # steps 0..3 count too
+    resumed.get(4)  # got again (compiled with, then trained on): counted once
     assert resumed.rows.tolist() == [10, 5]
     feed.close()
 
