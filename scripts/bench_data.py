@@ -1,6 +1,6 @@
 """Benchmark: the token loader against the step, opening shard sets, and prepare's scaling.
 
-    .venv/bin/python scripts/bench_data.py [--shards 100] [--steps 100] [--prepare-mb 8]
+    .venv/bin/python scripts/bench_data.py [--shards 100] [--steps 100] [--prepare-mb 32]
 
 One JSON line per part:
 
@@ -167,7 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", type=int, default=100)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--prepare-mb", type=int, default=8)
+    ap.add_argument("--prepare-mb", type=int, default=32)
     args = ap.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as work:
