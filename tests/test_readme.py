@@ -56,7 +56,7 @@ def _joined(lines: list[str]) -> list[str]:
 
 def block_commands(path: str) -> list[str]:
     """Command lines inside the fenced code blocks of the Markdown file ``path``."""
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", _read(path), flags=re.S)
+    blocks = re.findall(r"```[\w-]*\n(.*?)```", _read(path), flags=re.S)  # any language
     return [line for b in blocks for line in _joined(b.splitlines())]
 
 

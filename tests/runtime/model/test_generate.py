@@ -15,7 +15,7 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.runtime.data.prepare import prepare
+from holmes_jax.runtime.data.prepare import Request, prepare
 from holmes_jax.runtime.loop import run
 from holmes_jax.runtime.model.decoder import GPT, init_model
 from holmes_jax.runtime.model.generate import (
@@ -152,9 +152,10 @@ def test_the_command_decodes_with_the_token_files_tokenizer(tmp_path, capsys):
     through the tokenizer that ``prepare`` recorded beside the token file."""
     tok = bpe_tokenizer(tmp_path / "tok", bos=True)
     (tmp_path / "text.txt").write_text(TEXT)
-    prepare(str(tmp_path / "tok"), str(tmp_path / "text.txt"), str(tmp_path / "t.bin"))
+    out = tmp_path / "tokens"
+    prepare(Request(str(tmp_path / "tok"), (str(tmp_path / "text.txt"),), str(out)), workers=1)
     vocab = tok.get_vocab_size()
-    data = ["data.source=tokens", f"data.path={tmp_path}/t.bin", f"model.vocab_size={vocab}"]
+    data = ["data.source=tokens", f"data.path={out}", f"model.vocab_size={vocab}"]
     cfg = load_config(None, [*ARCHS["gpt2"], *data])
     save_params(str(tmp_path / "ckpt"), random_params(cfg), cfg)
 
@@ -168,11 +169,12 @@ def test_the_command_decodes_with_the_token_files_tokenizer(tmp_path, capsys):
     ids = hf.encode("def f(x):")
     assert ids[0] == tok.token_to_id("<s>") and hf.decode(ids[1:]) == "def f(x):"
 
-    (tmp_path / "t.bin.json").unlink()
-    with pytest.raises(ConfigError, match=r"^data.path=.*t.bin: no sidecar .* --tokenizer PATH"):
+    for named in (out / "index.json", out / "shard-00000.bin.json"):  # nothing names it now
+        named.unlink()
+    with pytest.raises(ConfigError, match=r"^data.path=.*tokens: no sidecar .* --tokenizer PATH"):
         text_tokenizer(cfg, meta)
     assert text_tokenizer(cfg, meta, str(tmp_path / "tok")).path == str(tmp_path / "tok")
-    (tmp_path / "t.bin.json").write_text(json.dumps({"tokenizer": str(tmp_path / "gone")}))
+    (out / "shard-00000.bin.json").write_text(json.dumps({"tokenizer": str(tmp_path / "gone")}))
     with pytest.raises(ConfigError, match=r"tokenizer .*/gone .* is not on this machine"):
         text_tokenizer(cfg, meta)
 
