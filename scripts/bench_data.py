@@ -16,8 +16,10 @@ One JSON line per part:
   index), and the host memory (RSS) of a process that opened them and read 20 batches,
   in a fresh process each (target: < 2 s for 1,000; memory within 10%).
 - ``prepare``: ``python -m holmes_jax.data prepare`` on ``--prepare-mb`` MB of JSONL with a
-  byte-level BPE trained here, with 1 worker and with one per core: tokens/s and the
-  speed-up (target >= 1.7x on 2 cores).
+  byte-level BPE trained here, with 1 worker and with one per core, interleaved, the
+  median of ``--prepare-repeats``: tokens/s and the speed-up (target >= 1.7x on 2 cores);
+  beside it the machine's ceiling, one 1-worker prepare per core at once, each on its
+  share of the corpus (no coordination at all). ``--parts`` picks parts.
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ def open_cost(path: str) -> dict:
     return json.loads(out)
 
 
-def prepare_rate(work: str, mb: int) -> dict:
-    """prepare's tokens/s with 1 worker and with one per core."""
+def prepare_rate(work: str, mb: int, repeats: int) -> dict:
+    """prepare's tokens/s with 1 worker, with one per core, and the ceiling: one 1-worker
+    prepare per core at once, each on its part of the corpus (median of ``repeats``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = np.random.default_rng(1)
@@ -147,20 +150,42 @@ def prepare_rate(work: str, mb: int) -> dict:
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(lines[:200], trainers.BpeTrainer(vocab_size=4000, show_progress=False))
     tok.save(os.path.join(work, "tokenizer.json"))
+    halves = []  # the corpus cut in one part per core, for the ceiling
     cores = len(os.sched_getaffinity(0))
-    out = {"mb": mb, "cores": cores}
-    for workers in (1, cores):
+    for i in range(cores):
+        halves.append(os.path.join(work, f"part{i}.jsonl"))
+        with open(halves[-1], "w") as f:
+            f.writelines(lines[i * len(lines) // cores : (i + 1) * len(lines) // cores])
+    out = {"mb": mb, "cores": cores, "repeats": repeats}
+    runs = {"1": [], str(cores): [], "ceiling": []}
+    for r in range(repeats):  # interleaved, so a burst of load hits every variant alike
+        for workers in (1, cores):
+            began = time.perf_counter()
+            tokens = _prepare(work, [corpus], f"out{workers}-{r}", workers)
+            runs[str(workers)].append(tokens / (time.perf_counter() - began))
         began = time.perf_counter()
-        said = subprocess.run(
-            [sys.executable, "-m", "holmes_jax.data", "prepare", "--tokenizer", work, "--input",
-             corpus, "--out", os.path.join(work, f"out{workers}"), "--workers", str(workers),
-             "--quiet"], cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        took = time.perf_counter() - began
-        tokens = int(re.search(r"wrote ([0-9,]+) tokens", said).group(1).replace(",", ""))
-        out[f"tokens_per_s_{workers}"] = round(tokens / took)
-    out["speedup"] = round(out[f"tokens_per_s_{cores}"] / out["tokens_per_s_1"], 2)
+        procs = [_prepare(work, [h], f"ceil{i}-{r}", 1, wait=False) for i, h in enumerate(halves)]
+        if any(p.wait() for p in procs):
+            raise SystemExit("bench_data: a ceiling prepare failed")
+        runs["ceiling"].append(tokens / (time.perf_counter() - began))
+    rate = {k: float(np.median(v)) for k, v in runs.items()}
+    out.update({f"tokens_per_s_{k}": round(v) for k, v in rate.items()})
+    out["spread"] = {
+        k: [round(min(v) / rate[k], 2), round(max(v) / rate[k], 2)] for k, v in runs.items()
+    }
+    out["speedup"] = round(rate[str(cores)] / rate["1"], 2)
+    out["ceiling_speedup"] = round(rate["ceiling"] / rate["1"], 2)
     return out
+
+
+def _prepare(work: str, inputs: list[str], out: str, workers: int, wait: bool = True):
+    """prepare's token count (``wait``), else its running process."""
+    argv = [sys.executable, "-m", "holmes_jax.data", "prepare", "--tokenizer", work, "--quiet"]
+    argv += ["--input", *inputs, "--out", os.path.join(work, out), "--workers", str(workers)]
+    if not wait:
+        return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
+    said = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"wrote ([0-9,]+) tokens", said).group(1).replace(",", ""))
 
 
 def main() -> None:
@@ -168,36 +193,54 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=100)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prepare-mb", type=int, default=32)
+    ap.add_argument("--prepare-repeats", type=int, default=3)
+    ap.add_argument("--parts", default="run,loader,open,prepare", help="comma-separated")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as work:
-        byte_set = os.path.join(work, "bytes")
-        write_set(byte_set, args.shards, 200_000, 256)
-        big_set = os.path.join(work, "big")
-        write_set(big_set, args.shards, 1_000_000, 50304)
-        run = quickstart_run(byte_set, args.steps)
-        print(json.dumps({"part": "run", **run, "load": load}), flush=True)
-        seq, batch = SHAPES["quickstart"][:2]
-        consumed = {
-            "quickstart": batch * seq / run["step_s"],
-            "gpt-1.3b": SHAPES["gpt-1.3b"][2] * 2048 / predicted_step("configs/gpt-1.3b.yaml"),
-        }
-        for shape, root in (("quickstart", byte_set), ("gpt-1.3b", big_set)):
-            rate, need = loader_rate(root, shape), consumed[shape]
-            row = {"part": "loader", "shape": shape, "shards": args.shards}
-            row.update(tokens_per_s=round(rate), step_tokens_per_s=round(need))
-            print(json.dumps({**row, "ahead": round(rate / need, 1)}), flush=True)
-        for n in (10, 1000):
-            root = os.path.join(work, f"open{n}")
-            write_set(root, n, 4096, 256)
-            os.rename(os.path.join(root, "index.json"), os.path.join(root, "index.off"))
-            by_sidecars = open_cost(root)
-            os.rename(os.path.join(root, "index.off"), os.path.join(root, "index.json"))
-            by_index = open_cost(root)
-            row = {"part": "open", "shards": n, "sidecars_s": round(by_sidecars["open_s"], 3)}
-            row.update(index_s=round(by_index["open_s"], 3), rss_mb=round(by_sidecars["rss_mb"], 1))
-            print(json.dumps(row), flush=True)
-        print(json.dumps({"part": "prepare", **prepare_rate(work, args.prepare_mb), "load": load}))
+        if parts & {"run", "loader"}:
+            run_and_loader(work, args, load, "loader" in parts)
+        if "open" in parts:
+            for n in (10, 1000):
+                print(json.dumps({"part": "open", "shards": n, **open_parts(work, n)}), flush=True)
+        if "prepare" in parts:
+            rate = prepare_rate(work, args.prepare_mb, args.prepare_repeats)
+            print(json.dumps({"part": "prepare", **rate, "load": load}))
+
+
+def run_and_loader(work: str, args, load: float, loader: bool) -> None:
+    """The ``run`` part, then (``loader``) the ``loader`` part against its step."""
+    byte_set = os.path.join(work, "bytes")
+    write_set(byte_set, args.shards, 200_000, 256)
+    run = quickstart_run(byte_set, args.steps)
+    print(json.dumps({"part": "run", **run, "load": load}), flush=True)
+    if not loader:
+        return
+    big_set = os.path.join(work, "big")
+    write_set(big_set, args.shards, 1_000_000, 50304)
+    seq, batch = SHAPES["quickstart"][:2]
+    consumed = {
+        "quickstart": batch * seq / run["step_s"],
+        "gpt-1.3b": SHAPES["gpt-1.3b"][2] * 2048 / predicted_step("configs/gpt-1.3b.yaml"),
+    }
+    for shape, root in (("quickstart", byte_set), ("gpt-1.3b", big_set)):
+        rate, need = loader_rate(root, shape), consumed[shape]
+        row = {"part": "loader", "shape": shape, "shards": args.shards}
+        row.update(tokens_per_s=round(rate), step_tokens_per_s=round(need))
+        print(json.dumps({**row, "ahead": round(rate / need, 1)}), flush=True)
+
+
+def open_parts(work: str, n: int) -> dict:
+    """Opening ``n`` shards by their sidecars and by their index, and the memory after."""
+    root = os.path.join(work, f"open{n}")
+    write_set(root, n, 4096, 256)
+    os.rename(os.path.join(root, "index.json"), os.path.join(root, "index.off"))
+    by_sidecars = open_cost(root)
+    os.rename(os.path.join(root, "index.off"), os.path.join(root, "index.json"))
+    by_index = open_cost(root)
+    row = {"sidecars_s": round(by_sidecars["open_s"], 3), "index_s": round(by_index["open_s"], 3)}
+    return {**row, "rss_mb": round(by_sidecars["rss_mb"], 1)}
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def run_ok(capsys, *argv) -> str:
 
 
 def test_token_file_is_each_document_encoded(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 32)  # many cuts inside each file
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 32)  # many cuts inside each file
     tok = bpe_tokenizer(tmp_path / "model", bos=True)
     texts = documents(tmp_path / "text")
     out = tmp_path / "train"
@@ -119,7 +119,7 @@ def test_a_vocabulary_past_65536_writes_uint32(tmp_path, capsys):
 
 def test_a_tokenizer_that_cuts_change_gets_whole_files(tmp_path, capsys, monkeypatch):
     """SentencePiece-style: a prefix space on every sequence, so pieces would differ."""
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 16)
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 16)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
     tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(vocab_size=200))
@@ -180,7 +180,7 @@ def formats(directory, texts) -> dict[str, str]:
 
 
 def test_every_format_and_worker_count_gives_the_same_tokens(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 64)  # long documents are cut
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 64)  # long documents are cut
     tok = bpe_tokenizer(tmp_path / "model")
     texts = [TEXT * (i % 3 + 1) for i in range(7)]
     eos = tok.token_to_id("<|endoftext|>")
@@ -198,7 +198,7 @@ def test_every_format_and_worker_count_gives_the_same_tokens(tmp_path, capsys, m
 
 
 def test_a_stopped_prepare_resumes_to_the_same_shards(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 64)
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 64)
     bpe_tokenizer(tmp_path / "model")
     inputs = formats(tmp_path / "in", [TEXT * (i % 3 + 1) for i in range(9)])
     argv = ["--tokenizer", str(tmp_path / "model"), "--input", inputs["jsonl"], inputs["text"],
@@ -248,3 +248,32 @@ def test_bad_jsonl_lines_stop_the_run_or_are_skipped_and_counted(tmp_path, capsy
         capsys, "--tokenizer", str(tmp_path / "model"), "--field", "body", "--input",
         formats(tmp_path / "in", ["x"])["parquet"], "--out", str(tmp_path / "c"),
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("text", [True, False], ids=["text", "jsonl"])
+def test_tasks_end_at_the_first_safe_cut_past_their_size(tmp_path, monkeypatch, text):
+    """Byte ranges tile the file; each ends at the first newline past ``task_bytes``
+    (text: whose next line opens with a non-space character, multi-byte ones included),
+    found across the scan's block edges."""
+    monkeypatch.setattr(prepare_module, "_SCAN", 5)  # many block edges
+    rng = np.random.default_rng(0)
+    heads = ["word", "  indented", "中文", "😀x", "\ttab", "", "\u3000wide space", "x = 1"]
+    data = "".join(heads[i] + "\n" for i in rng.integers(0, len(heads), 300)).encode()
+    path = tmp_path / "in.txt"
+    path.write_bytes(data)
+
+    def safe(cut: int) -> bool:
+        if data[cut - 1 : cut] != b"\n":
+            return False
+        head = data[cut : cut + 4].decode("utf-8", "ignore")[:1]
+        return not text or (head != "" and not head.isspace())
+
+    ranges = list(prepare_module._ranges(path, len(data), 23, text=text))
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    for start, stop in ranges[:-1]:
+        assert safe(stop), (start, stop)
+        assert not any(safe(c) for c in range(start + 23, stop)), (start, stop)
+    assert len(ranges) > 20
+    (tmp_path / "empty.txt").write_bytes(b"")
+    assert list(prepare_module._ranges(tmp_path / "empty.txt", 0, 23, text)) == [(0, 0)]

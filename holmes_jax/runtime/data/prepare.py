@@ -9,41 +9,52 @@ tokenizer, one worker per core.
   recursively, in sorted order). A ``.jsonl`` file holds one document per line, the
   string at ``--field``; a ``.parquet`` or ``.arrow`` file (what Hugging Face ``datasets``
   writes with ``to_parquet`` and ``save_to_disk``) one per row of the column ``--field``,
-  read with pyarrow a record batch at a time; any other file is one UTF-8 document. Each
-  is wrapped the way the tokenizer's post-processor wraps one sequence (Llama 3:
-  ``<|begin_of_text|>`` before it) and followed by ``--eos TOKEN`` when given.
+  read with pyarrow; any other file is one UTF-8 document. Each is wrapped the way the
+  tokenizer's post-processor wraps one sequence (Llama 3: ``<|begin_of_text|>`` before
+  it) and followed by ``--eos TOKEN`` when given.
+- **Tasks**: the main process cuts the input into tasks of about :data:`TASK_BYTES` (at
+  most ``--shard-tokens`` bytes): a byte range of a JSONL file (whole lines) or of a text
+  file (ending after a newline whose next line starts with a non-space character), or a
+  record batch of a table's column. A worker reads, parses and tokenizes its task itself
+  and sends back ids in the output dtype, so the main process only plans, orders and
+  writes, and the workers scale with the cores. Tasks come back in order, at most two per
+  worker in flight; they do not depend on the worker count, and neither do the shards.
 - **Output**: ``DIR/shard-00000.bin``, ... of at least ``--shard-tokens`` tokens each (a
-  shard ends at a piece boundary, below), raw ids in the dtype the vocabulary needs
+  shard ends at a task boundary), raw ids in the dtype the vocabulary needs
   (:func:`~holmes_jax.runtime.data.loader.token_dtype_for`), each written whole then
   renamed, with its sidecar (:mod:`~holmes_jax.runtime.data.shards`: dtype, tokens,
   documents, largest id, vocabulary, tokenizer); then ``DIR/index.json``, which lists them
   all, so a reader opens the set with one read.
-- **Resume**: ``DIR/prepare-state.json`` records the finished shards and how many pieces
+- **Resume**: ``DIR/prepare-state.json`` records the finished shards and how many tasks
   they hold; a run stopped at any point and started again with the same arguments skips
-  those pieces (read, not tokenized) and writes exactly the shards an uninterrupted run
-  writes. Other arguments on a directory with a state are a one-line error.
+  those tasks (planned, not read or tokenized) and writes exactly the shards an
+  uninterrupted run writes. Other arguments on a directory with a state are a one-line
+  error.
 - **Bad input**: a ``.jsonl`` line that is not JSON or lacks a string ``--field`` is a
   one-line error naming the file and line; with ``--skip-bad`` it is skipped, and the
-  lines skipped are counted in the last line printed.
+  lines skipped are counted in the last line printed. Text that is not UTF-8 is a
+  one-line error naming the file and byte.
 
-Large text documents are encoded in pieces of about :data:`PIECE_BYTES`, cut after a
-newline whose next line starts with a non-space character. For regex pre-tokenizers
-(GPT-2, Llama 3) such a cut is a pre-token boundary, so the ids equal those of encoding the
-whole document; a tokenizer for which a probe shows otherwise (a SentencePiece normalizer
-that prefixes every sequence) gets each document whole. Pieces go to the workers in
-batches of :data:`BATCH_PIECES` and come back in order, so the shards do not depend on
-the worker count.
+Inside a task, long documents are encoded in pieces of about :data:`PIECE_CHARS`
+characters (tokenizers slow down on megabyte strings), cut like text ranges. For regex
+pre-tokenizers (GPT-2, Llama 3) such a cut is a pre-token boundary, so the ids equal those
+of encoding the whole document; a tokenizer for which a probe shows otherwise (a
+SentencePiece normalizer that prefixes every sequence) gets each document whole, and each
+text file as one task.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -52,11 +63,12 @@ from holmes_jax.core.errors import ConfigError, one_line
 from holmes_jax.runtime.data.loader import text_files, token_dtype_for
 from holmes_jax.runtime.data.shards import INDEX, SIDECAR
 
-PIECE_BYTES = 1 << 18  # text per encoded piece (256 KiB)
-BATCH_PIECES = 16  # pieces per task sent to a worker
+TASK_BYTES = 1 << 20  # input per task sent to a worker (1 MiB)
+PIECE_CHARS = 1 << 18  # text per encoded piece (256 Ki characters)
 SHARD_TOKENS = 1 << 26  # default --shard-tokens: 67M tokens, 128 MiB of uint16
 STATE = "prepare-state.json"
 TABLE_SUFFIXES = (".parquet", ".arrow")
+_SCAN = 1 << 16  # bytes read at a time looking for a task's end
 # Cuts the probe checks: (text before the cut, text after it), each cut after a newline.
 _PROBES = (
     ("Hello, world.\n", "Second line, 2 numbers: 12345."),
@@ -110,6 +122,48 @@ class Request:
         }
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What every task is tokenized with (sent to each worker once)."""
+
+    tokenizer: str
+    prefix: tuple[int, ...]  # ids before each document (the post-processor's)
+    suffix: tuple[int, ...]  # ids after it (the post-processor's, then --eos)
+    field: str
+    skip_bad: bool
+    whole: bool  # documents are never cut (the cut probe failed)
+    piece_chars: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One worker's input: ``kind`` "text" or "jsonl" with the byte range [start, stop)
+    of ``path``, or "table" with ``column`` (a pyarrow array of strings). ``size`` is the
+    input bytes it stands for (the progress bar's unit)."""
+
+    kind: str
+    path: str
+    size: int
+    start: int = 0
+    stop: int = 0
+    first: bool = True  # text: the range opens its file's document
+    last: bool = True  # text: the range closes it
+    column: Any = None
+
+
+@dataclass
+class _Done:
+    """A task's ids and what it met."""
+
+    ids: np.ndarray  # (tokens,) in the output dtype
+    documents: int = 0
+    max_id: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> JSONL lines
+    bad: tuple[int, str] | None = None  # (byte offset of the first bad line, reason)
+    error: str | None = None  # the task cannot be read: the one line to raise
+
+
 @dataclass
 class _Shard:
     """The shard being filled."""
@@ -137,41 +191,54 @@ def prepare(req: Request, workers: int | None = None, progress: bool = True) -> 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
     tok = load_tokenizer(req.tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype_name = token_dtype_for(vocab)
     prefix, suffix = wrap_ids(tok)
     if req.eos is not None:
         eos_id = tok.token_to_id(req.eos)
         if eos_id is None:
             raise ConfigError(f"--eos={req.eos!r}: not a token of {req.tokenizer}")
         suffix = [*suffix, eos_id]
+    settings = _Settings(
+        req.tokenizer, tuple(prefix), tuple(suffix), req.field, req.skip_bad,
+        whole=not _cuts_are_safe(tok), piece_chars=PIECE_CHARS, dtype=token_dtype_for(vocab),
+    )  # fmt: skip
     files = _inputs(req.inputs)
     out = Path(req.out)
     if not out.parent.is_dir():
         raise ConfigError(f"--out={req.out}: directory {out.parent} does not exist")
     if (out / INDEX).exists():
         raise ConfigError(f"--out={req.out}: holds a finished shard set ({INDEX}); use another")
-    state = _resume_state(out, req)
-    writer = _Writer(out, req, dtype_name, vocab, state)
-    whole = not _cuts_are_safe(tok)
-    pieces = _Pieces(files, req, whole, skip=state["pieces"])
+    plan = {"task_bytes": min(TASK_BYTES, req.shard_tokens), "piece_chars": PIECE_CHARS}
+    state = _resume_state(out, req, plan)
+    writer = _Writer(out, req, settings.dtype, vocab, state)
+    tasks = _tasks(files, req.field, settings.whole, plan["task_bytes"])
     total = sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True, disable=not progress)
     bar.update(state["bytes"])
     began, tokens = time.perf_counter(), 0
-    with _encoder(req.tokenizer, workers) as encode:
-        for batch, ids in encode(_batches(pieces), prefix, suffix):
-            for (size, _first, last), piece_ids in zip(batch, ids, strict=True):
-                writer.add(piece_ids, last, size)
-                tokens += len(piece_ids)
-            bar.update(sum(size for size, _, _ in batch))
+    with _Workers(settings, workers) as run:
+        for task, done in run(itertools.islice(tasks, state["tasks"], None)):
+            if done.error:
+                raise ConfigError(done.error)
+            if done.bad and not (req.skip_bad and writer.first_skipped):
+                where = f"{task.path}:{_line_at(task.path, done.bad[0])}"
+                if not req.skip_bad:
+                    raise ConfigError(
+                        f"--input: {where}: {done.bad[1]} (--field={req.field}; --skip-bad "
+                        "skips such lines)"
+                    )
+                writer.first_skipped = where
+            writer.add(done, task.size)
+            tokens += len(done.ids)
+            bar.update(task.size)
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - began, 1e-9):,.0f} tokens/s")
     bar.close()
-    return writer.finish(pieces)
+    return writer.finish()
 
 
-def _resume_state(out: Path, req: Request) -> dict:
+def _resume_state(out: Path, req: Request, plan: dict) -> dict:
     """The state of a stopped run in ``out`` with these arguments, else a fresh one."""
-    fresh = {"request": req.key(), "shards": [], "pieces": 0, "bytes": 0}
+    fresh = {"request": req.key(), "plan": plan, "shards": [], "tasks": 0, "bytes": 0}
+    fresh.update(skipped={}, first_skipped="")
     path = out / STATE
     if not path.exists():
         out.mkdir(exist_ok=True)
@@ -185,24 +252,33 @@ def _resume_state(out: Path, req: Request) -> dict:
             f"--out={req.out}: holds a stopped prepare of other arguments ({STATE}); give "
             "the same ones to resume it, or another --out"
         )
+    if state.get("plan") != plan:
+        raise ConfigError(
+            f"--out={req.out}: holds a prepare stopped by another version, with tasks "
+            f"{state.get('plan')} where this one makes {plan}; start it again in another --out"
+        )
     return state
 
 
 class _Writer:
-    """Fills shards in order and writes each whole, with its sidecar and the state."""
+    """Fills shards in task order and writes each whole, with its sidecar and the state."""
 
     def __init__(self, out: Path, req: Request, dtype: str, vocab: int, state: dict):
         self.out, self.req, self.dtype, self.vocab, self.state = out, req, dtype, vocab, state
         self.shard = _Shard()
-        self.pieces, self.bytes = state["pieces"], state["bytes"]
+        self.tasks, self.bytes = state["tasks"], state["bytes"]
+        self.skipped: dict[str, int] = dict(state["skipped"])
+        self.first_skipped: str = state["first_skipped"]
 
-    def add(self, ids: np.ndarray, last: bool, size: int) -> None:
+    def add(self, done: _Done, size: int) -> None:
         s = self.shard
-        s.parts.append(ids)
-        s.tokens += len(ids)
-        s.documents += last
-        s.max_id = max(s.max_id, int(ids.max()) if len(ids) else 0)
-        self.pieces += 1
+        s.parts.append(done.ids)
+        s.tokens += len(done.ids)
+        s.documents += done.documents
+        s.max_id = max(s.max_id, done.max_id)
+        for reason, n in done.skipped.items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + n
+        self.tasks += 1
         self.bytes += size
         if s.tokens >= self.req.shard_tokens:
             self._write()
@@ -214,7 +290,7 @@ class _Writer:
         try:
             with open(tmp, "wb") as f:
                 for part in s.parts:
-                    f.write(part.astype(self.dtype).tobytes())
+                    f.write(part.tobytes())
             os.replace(tmp, self.out / name)
         except OSError as e:
             raise ConfigError(f"--out={self.req.out}: cannot be written ({one_line(e)})") from None
@@ -224,11 +300,12 @@ class _Writer:
         del side["path"]
         _write_json(self.out / (name + SIDECAR), side)
         self.state["shards"].append(entry)
-        self.state.update(pieces=self.pieces, bytes=self.bytes)
+        self.state.update(tasks=self.tasks, bytes=self.bytes, skipped=self.skipped)
+        self.state["first_skipped"] = self.first_skipped
         _write_json(self.out / STATE, self.state)  # after the shard: a resume never loses one
         self.shard = _Shard()
 
-    def finish(self, pieces: _Pieces) -> str:
+    def finish(self) -> str:
         if self.shard.tokens:
             self._write()
         shards = self.state["shards"]
@@ -240,7 +317,11 @@ class _Writer:
         index.update(tokenizer=os.path.abspath(self.req.tokenizer), eos=self.req.eos, shards=shards)
         _write_json(self.out / INDEX, index)
         (self.out / STATE).unlink()
-        skipped = f"; skipped {pieces.skipped_summary()}" if pieces.skipped else ""
+        skipped = ""
+        if self.skipped:
+            kinds = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+            lines = sum(self.skipped.values())
+            skipped = f"; skipped {lines} bad line(s) ({kinds}; the first {self.first_skipped})"
         return (
             f"wrote {total:,} tokens ({self.dtype}, vocabulary {self.vocab}) of {docs:,} "
             f"documents in {len(shards)} shard(s) to {self.req.out}{skipped}; train on them "
@@ -256,7 +337,7 @@ def _write_json(path: Path, value) -> None:
     os.replace(tmp, path)
 
 
-# ----------------------------------------------------------------------------- inputs
+# ----------------------------------------------------------------------------- tasks
 
 
 def _inputs(inputs: tuple[str, ...]) -> list[Path]:
@@ -276,69 +357,75 @@ def _inputs(inputs: tuple[str, ...]) -> list[Path]:
     return files
 
 
-class _Pieces:
-    """The pieces of every document of ``files`` in order, as ``(text, bytes, first,
-    last)``; the first ``skip`` are read and dropped (a resume)."""
-
-    def __init__(self, files: list[Path], req: Request, whole: bool, skip: int):
-        self.files, self.req, self.whole, self.skip = files, req, whole, skip
-        self.skipped: dict[str, int] = {}  # reason -> lines (--skip-bad)
-        self.first_skipped = ""
-
-    def __iter__(self) -> Iterator[tuple[str, int, bool, bool]]:
-        n = 0
-        for path in self.files:
-            for item in self._of(path):
-                n += 1
-                if n > self.skip:
-                    yield item
-
-    def _of(self, path: Path) -> Iterator[tuple[str, int, bool, bool]]:
+def _tasks(files: list[Path], key: str, whole: bool, task_bytes: int) -> Iterator[_Task]:
+    """The tasks of ``files``, in order (module doc)."""
+    for path in files:
         suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            for text in self._jsonl(path):
-                yield from _cut(text, self.whole)
-        elif suffix in TABLE_SUFFIXES:
-            for text in _table_texts(path, self.req.field):
-                yield from _cut(text, self.whole)
-        else:
-            yield from _text_pieces(path, self.whole)
-
-    def _jsonl(self, path: Path) -> Iterator[str]:
-        key = self.req.field
-        with open(path, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    text = json.loads(raw)
-                    reason = None if isinstance(text, dict) else "not a JSON object"
-                except ValueError:
-                    reason = "not JSON"
-                if reason is None:
-                    text = text.get(key)
-                    reason = None if isinstance(text, str) else f"no string {key!r}"
-                if reason is not None:
-                    self._bad(path, number, reason)
-                    continue
-                yield text
-
-    def _bad(self, path: Path, number: int, reason: str) -> None:
-        if not self.req.skip_bad:
-            raise ConfigError(
-                f"--input: {path}:{number}: {reason} (--field={self.req.field}; --skip-bad "
-                "skips such lines)"
-            )
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        self.first_skipped = self.first_skipped or f"{path}:{number}"
-
-    def skipped_summary(self) -> str:
-        kinds = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
-        return f"{sum(self.skipped.values())} bad line(s) ({kinds}; the first {self.first_skipped})"
+        if suffix in TABLE_SUFFIXES:
+            yield from _table_tasks(path, key, task_bytes)
+            continue
+        kind = "jsonl" if suffix == ".jsonl" else "text"
+        size = path.stat().st_size
+        if kind == "text" and whole:
+            yield _Task(kind, str(path), size, 0, size)
+            continue
+        for start, stop in _ranges(path, size, task_bytes, text=kind == "text"):
+            yield _Task(kind, str(path), stop - start, start, stop, start == 0, stop == size)
 
 
-def _table_texts(path: Path, key: str) -> Iterator[str]:
-    """The strings of column ``key`` of a Parquet or Arrow file, a record batch at a time."""
+def _ranges(path: Path, size: int, task_bytes: int, text: bool) -> Iterator[tuple[int, int]]:
+    """Byte ranges covering ``path``, each ending at its first cut (:func:`_next_cut`)
+    after ``task_bytes``; an empty file is one empty range."""
+    start = 0
+    with open(path, "rb") as f:
+        while True:
+            far = start + task_bytes
+            stop = size if far >= size else _next_cut(f, far, size, text)
+            yield start, stop
+            if stop >= size:
+                return
+            start = stop
+
+
+def _next_cut(f, pos: int, size: int, text: bool) -> int:
+    """The first offset >= ``pos`` just after a newline (``text``: one whose next line
+    starts with a non-space character), or ``size``."""
+    at = pos - 1
+    while at < size:
+        f.seek(at)
+        block = f.read(_SCAN + 4)  # 4 bytes past the scan: the next line's first character
+        i = block.find(b"\n")
+        while 0 <= i < _SCAN:
+            cut = at + i + 1
+            if not text or cut >= size or _opens_line(block[i + 1 : i + 5]):
+                return min(cut, size)
+            i = block.find(b"\n", i + 1)
+        at += _SCAN
+    return size
+
+
+def _opens_line(head: bytes) -> bool:
+    """Whether the UTF-8 ``head`` starts with a non-space character (a safe cut)."""
+    char = head.decode("utf-8", "replace")[:1]
+    return char not in ("", "\ufffd") and not char.isspace()
+
+
+def _line_at(path: str, offset: int) -> int:
+    """The 1-based line of ``path`` holding byte ``offset``."""
+    lines, read = 1, 0
+    with open(path, "rb") as f:
+        while read < offset:
+            block = f.read(min(_SCAN * 16, offset - read))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            read += len(block)
+    return lines
+
+
+def _table_tasks(path: Path, key: str, task_bytes: int) -> Iterator[_Task]:
+    """Record batches of column ``key`` of a Parquet or Arrow file, about ``task_bytes``
+    of text each (a Parquet file's, by its metadata; an Arrow file's as written)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -352,15 +439,30 @@ def _table_texts(path: Path, key: str) -> Iterator[str]:
             names = pf.schema_arrow.names
             if key not in names:
                 raise ConfigError(f"--field={key}: not a column of {path} ({names})")
-            batches = pf.iter_batches(columns=[key])
+            rows = pf.metadata.num_rows
+            batch_rows = max(1, rows * task_bytes // max(_text_bytes(pf.metadata, key), 1))
+            batches = pf.iter_batches(batch_size=batch_rows, columns=[key])
         else:
-            batches = _arrow_batches(pa, path, key)
+            batches = list(_arrow_batches(pa, path, key))  # memory-mapped: headers only
+            rows = sum(b.num_rows for b in batches)
+        size, read, told = path.stat().st_size, 0, 0
         for batch in batches:
-            for text in batch.column(0).to_pylist():
-                if isinstance(text, str):
-                    yield text
+            read += batch.num_rows
+            share = size * read // max(rows, 1) - told
+            told += share
+            yield _Task("table", str(path), share, column=batch.column(0))
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"--input: {path} cannot be read ({one_line(e)})") from None
+
+
+def _text_bytes(meta, key: str) -> int:
+    """The uncompressed bytes of column ``key`` in a Parquet file's metadata."""
+    leaves = [i for i in range(meta.num_columns) if meta.schema.column(i).path == key]
+    return sum(
+        meta.row_group(g).column(i).total_uncompressed_size
+        for g in range(meta.num_row_groups)
+        for i in leaves
+    )
 
 
 def _arrow_batches(pa, path: Path, key: str):
@@ -380,88 +482,125 @@ def _arrow_batches(pa, path: Path, key: str):
         yield batch.select([key])
 
 
-def _text_pieces(path: Path, whole: bool) -> Iterator[tuple[str, int, bool, bool]]:
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            yield from _cut(f, whole)
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"--input: {path} is not UTF-8 text (byte {e.start} of a block: {e.reason})"
-        ) from None
+# ----------------------------------------------------------------------------- workers
+
+_SET: _Settings | None = None  # each worker's settings and tokenizer (_load_worker)
+_TOKENIZER = None
 
 
-def _cut(text, whole: bool) -> Iterator[tuple[str, int, bool, bool]]:
-    """(text, bytes, first, last) pieces of one document: ``text`` a string or an open
-    text file; cut after newlines (module doc). An empty document is one empty piece."""
-    pieces = _raw_pieces(text, whole)
-    last, first = next(pieces), True
-    for piece in pieces:
-        yield *last, first, False
-        last, first = piece, False
-    yield *last, first, True
+def _load_worker(settings: _Settings) -> None:
+    global _SET, _TOKENIZER
+    _SET, _TOKENIZER = settings, load_tokenizer(settings.tokenizer)
 
 
-def _raw_pieces(text, whole: bool) -> Iterator[tuple[str, int]]:
-    if isinstance(text, str):
-        size = len(text.encode("utf-8"))
-        if whole or size <= PIECE_BYTES:
-            yield text, size
-            return
-        text = text.splitlines(keepends=True)
-    elif whole:
-        body = text.read()
-        yield body, len(body.encode("utf-8"))
+def _work(task: _Task) -> _Done:
+    """Read, parse and tokenize one task (in a worker)."""
+    s = _SET
+    skipped, bad = {}, None
+    if task.kind == "table":
+        docs = [text for text in task.column.to_pylist() if isinstance(text, str)]
+    else:
+        with open(task.path, "rb") as f:
+            f.seek(task.start)
+            data = f.read(task.stop - task.start)
+        if task.kind == "jsonl":
+            docs, skipped, bad = _jsonl(data, task.start, s.field)
+            if bad and not s.skip_bad:
+                return _Done(np.zeros(0, s.dtype), bad=bad)
+        else:
+            try:
+                docs = [data.decode("utf-8")]
+            except UnicodeDecodeError as e:
+                return _Done(np.zeros(0, s.dtype), error=(
+                    f"--input: {task.path} is not UTF-8 text (byte {task.start + e.start}: "
+                    f"{e.reason})"
+                ))  # fmt: skip
+    pieces = [
+        (text, first, last)
+        for doc in docs
+        for text, first, last in _cut(doc, s.whole, s.piece_chars)
+    ]
+    if task.kind == "text":  # a range is part of its file's one document
+        pieces = [(text, first and task.first, last and task.last) for text, first, last in pieces]
+    ids = _encode(pieces, s)
+    return _Done(
+        ids, documents=sum(last for *_, last in pieces),
+        max_id=int(ids.max()) if len(ids) else 0, skipped=skipped, bad=bad,
+    )  # fmt: skip
+
+
+def _encode(pieces: list[tuple[str, bool, bool]], s: _Settings) -> np.ndarray:
+    """The ids of ``pieces``, with the prefix on a document's first piece and the suffix
+    on its last, a few pieces at a time (long strings encode slower)."""
+    encode = getattr(_TOKENIZER, "encode_batch_fast", _TOKENIZER.encode_batch)
+    group = max(1, TASK_BYTES // s.piece_chars)
+    ids: list[int] = []
+    for i in range(0, len(pieces), group):
+        chunk = pieces[i : i + group]
+        for (_, first, last), enc in zip(
+            chunk, encode([text for text, *_ in chunk], add_special_tokens=False), strict=True
+        ):
+            if first:
+                ids += s.prefix
+            ids += enc.ids
+            if last:
+                ids += s.suffix
+    return np.array(ids, dtype=s.dtype)
+
+
+def _jsonl(data: bytes, start: int, key: str):
+    """The documents of whole JSONL lines ``data`` (at byte ``start`` of their file), the
+    bad lines by reason, and the first bad line's (offset, reason)."""
+    docs, skipped, bad = [], {}, None
+    at = start
+    for raw in data.split(b"\n"):
+        offset, at = at, at + len(raw) + 1
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+            reason = None if isinstance(value, dict) else "not a JSON object"
+        except ValueError:
+            reason = "not JSON"
+        if reason is None:
+            value = value.get(key)
+            reason = None if isinstance(value, str) else f"no string {key!r}"
+        if reason is not None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+            bad = bad or (offset, reason)
+            continue
+        docs.append(value)
+    return docs, skipped, bad
+
+
+def _cut(text: str, whole: bool, piece_chars: int) -> Iterator[tuple[str, bool, bool]]:
+    """(text, first, last) pieces of one document, cut after newlines whose next line
+    starts with a non-space character (module doc). An empty document is one empty
+    piece."""
+    if whole or len(text) <= piece_chars:
+        yield text, True, True
         return
-    lines: list[str] = []
-    size = 0
-    for line in text:
-        if size >= PIECE_BYTES and line[:1].strip():
-            yield "".join(lines), size
-            lines, size = [], 0
-        lines.append(line)
-        size += len(line.encode("utf-8"))
-    yield "".join(lines), size
+    lines = text.split("\n")
+    lines = [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+    pieces, piece, size = [], [], 0
+    for line in lines:
+        if size >= piece_chars and line[:1].strip():
+            pieces.append("".join(piece))
+            piece, size = [], 0
+        piece.append(line)
+        size += len(line)
+    pieces.append("".join(piece))
+    for i, p in enumerate(pieces):
+        yield p, i == 0, i == len(pieces) - 1
 
 
-def _batches(pieces) -> Iterator[list[tuple[str, int, bool, bool]]]:
-    batch = []
-    for piece in pieces:
-        batch.append(piece)
-        if len(batch) == BATCH_PIECES:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+class _Workers:
+    """``run(tasks)``: yields ``(task, done)`` in task order, from ``workers`` processes
+    (None: one per core; 1: this process), with at most two tasks per worker in flight
+    (a table's batches are read no faster than they are tokenized)."""
 
-
-# ----------------------------------------------------------------------------- encoding
-
-_TOKENIZER = None  # each worker's, loaded once (_load_worker)
-
-
-def _load_worker(path: str) -> None:
-    global _TOKENIZER
-    _TOKENIZER = load_tokenizer(path)
-
-
-def _encode(task) -> tuple[list[tuple[int, bool, bool]], list[np.ndarray]]:
-    """A batch's ``(bytes, first, last)`` and ids: each piece's, with the wrap's prefix on
-    a document's first piece and its suffix (and ``--eos``) on its last."""
-    batch, prefix, suffix = task
-    encoded = _TOKENIZER.encode_batch([text for text, *_ in batch], add_special_tokens=False)
-    out = []
-    for (_, _, first, last), enc in zip(batch, encoded, strict=True):
-        ids = [*(prefix if first else ()), *enc.ids, *(suffix if last else ())]
-        out.append(np.asarray(ids, np.int64))
-    return [meta for _, *meta in batch], out
-
-
-class _encoder:
-    """``encode(batches, prefix, suffix)``: yields ``(meta, ids)`` per batch, in order,
-    from ``workers`` processes (None: one per core; 1: this process)."""
-
-    def __init__(self, tokenizer: str, workers: int | None):
-        self.tokenizer = tokenizer
+    def __init__(self, settings: _Settings, workers: int | None):
+        self.settings = settings
         self.workers = workers or len(os.sched_getaffinity(0))
         self.pool = None
 
@@ -470,14 +609,25 @@ class _encoder:
             # spawned, not forked: the tokenizer's threads (or jax's, in a notebook) would
             # hold locks a forked child can never take
             ctx = multiprocessing.get_context("spawn")
-            self.pool = ctx.Pool(self.workers, _load_worker, (self.tokenizer,))
+            self.pool = ctx.Pool(self.workers, _load_worker, (self.settings,))
         else:
-            _load_worker(self.tokenizer)
-        return self.encode
+            _load_worker(self.settings)
+        return self.run
 
-    def encode(self, batches, prefix, suffix):
-        tasks = ((batch, prefix, suffix) for batch in batches)
-        yield from self.pool.imap(_encode, tasks) if self.pool else map(_encode, tasks)
+    def run(self, tasks: Iterable[_Task]) -> Iterator[tuple[_Task, _Done]]:
+        if self.pool is None:
+            for task in tasks:
+                yield task, _work(task)
+            return
+        window = collections.deque()
+        for task in tasks:
+            window.append((task, self.pool.apply_async(_work, (task,))))
+            if len(window) > 2 * self.workers:
+                done, result = window.popleft()
+                yield done, result.get()
+        while window:
+            done, result = window.popleft()
+            yield done, result.get()
 
     def __exit__(self, *exc):
         if self.pool is None:

@@ -69,8 +69,8 @@ def import_hf(
 
     The config's model section comes from ``config.json`` (llama's ``seq_len``:
     ``max_position_embeddings`` up to :data:`LLAMA_SEQ_LEN`); ``checkpoint.init_from``
-    points at the checkpoint and ``data`` at ``out_dir/train.tokens`` (made by
-    ``python -m holmes_jax.data prepare``); ``overrides`` (``"train.steps=100"``) go on
+    points at the checkpoint and ``data`` at the shard directory ``out_dir/data`` (made
+    by ``python -m holmes_jax.data prepare --out out_dir/data``); ``overrides`` (``"train.steps=100"``) go on
     top. The model's shape must match the tensors, except ``model.seq_len`` of a GPT-2,
     which may be shorter (later positions are dropped).
 
@@ -93,7 +93,7 @@ def import_hf(
         "model": model,
         "data": {
             "source": "tokens",
-            "path": os.path.join(out_dir, "train.tokens"),
+            "path": os.path.join(out_dir, "data"),
             "token_dtype": token_dtype_for(vocab) if isinstance(vocab, int) else "uint16",
         },
         "checkpoint": {"init_from": ckpt_dir},

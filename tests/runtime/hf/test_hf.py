@@ -305,7 +305,8 @@ def test_round_trip_through_a_pipelined_tensor_parallel_step(tmp_path, capsys):
     model.save_pretrained(tmp_path / "hf")
     import_hf(str(tmp_path / "hf"), str(tmp_path / "imp"), progress=False)
     tokens = np.random.default_rng(2).integers(0, VOCAB, 4096).astype(np.uint16)
-    tokens.tofile(tmp_path / "imp" / "train.tokens")
+    (tmp_path / "imp" / "data").mkdir()  # the data.path the import names: a shard directory
+    tokens.tofile(tmp_path / "imp" / "data" / "shard-00000.bin")
     overrides = [
         "parallel.stages=2",
         "parallel.layers_per_stage=[1,3]",
