@@ -183,10 +183,13 @@ class Data:
         )
         mine = local_rows(self.sharding, self.sampler.global_batch_size)
         self.shape = (self.sampler.global_batch_size, seq + 1)
-        self.feed = Feed(
-            lambda step: self.sampler.rows(step, mine), cfg.data.prefetch, cfg.train.steps,
-            self.sampler.source_rows if corpus.names else None,
-        )  # fmt: skip
+
+        def read(step: int) -> tuple[np.ndarray, np.ndarray | None]:
+            if not corpus.names:  # one source: no counts to keep
+                return self.sampler.rows(step, mine), None
+            return self.sampler.rows_and_sources(step, mine)
+
+        self.feed = Feed(read, cfg.data.prefetch, cfg.train.steps, self.sampler.source_rows_before)
 
     def batch(self, step: int) -> jax.Array:
         """Step ``step + 1``'s batch, this process's rows of it on its devices."""

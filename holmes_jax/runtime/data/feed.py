@@ -22,14 +22,21 @@ class Feed:
     """``get(step)``: the rows ``read(step)`` returns, read up to ``depth`` steps ahead.
 
     Args:
-      read: the rows of one step (a pure function of it).
+      read: ``(rows, counts)`` of one step (a pure function of it): this process's rows,
+        and the batch's rows of each mixture source (or None: not a mixture).
       depth: steps read ahead (0: each read when asked).
       last: steps at or past it are never read ahead (the run ends there).
-      counts: the rows of each mixture source at a step (a pure function of it), or None.
+      before: the counts summed over the steps before a step (a resume's first), or None.
     """
 
-    def __init__(self, read: Callable[[int], np.ndarray], depth: int, last: int, counts=None):
-        self.read, self.depth, self.last, self.counts = read, depth, last, counts
+    def __init__(
+        self,
+        read: Callable[[int], tuple[np.ndarray, np.ndarray | None]],
+        depth: int,
+        last: int,
+        before: Callable[[int], np.ndarray] | None = None,
+    ):
+        self.read, self.depth, self.last, self.before = read, depth, last, before
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if depth else None
         self.ahead: dict[int, Future] = {}
         self.waited = 0.0  # seconds the step waited for rows, since the last take()
@@ -40,7 +47,7 @@ class Feed:
         """Step ``step``'s rows; the reads of the next steps are started."""
         began = time.perf_counter()
         future = self.ahead.pop(step, None)
-        rows = future.result() if future is not None else self.read(step)
+        rows, counts = future.result() if future is not None else self.read(step)
         self.waited += time.perf_counter() - began
         if self.pool is not None:
             for stale in [s for s in self.ahead if s < step]:  # a jump back (a resume)
@@ -48,10 +55,10 @@ class Feed:
             for s in range(step + 1, min(step + 1 + self.depth, self.last)):
                 if s not in self.ahead:
                     self.ahead[s] = self.pool.submit(self.read, s)
-        if self.counts is not None and step != self.counted:
+        if counts is not None and step != self.counted:
             if self.rows is None:  # the first step got (a resume's): steps before it count
-                self.rows = sum((self.counts(s) for s in range(step)), self.counts(step) * 0)
-            self.rows, self.counted = self.rows + self.counts(step), step
+                self.rows = self.before(step) if self.before else np.zeros_like(counts)
+            self.rows, self.counted = self.rows + counts, step
         return rows
 
     def take_wait(self) -> float:

@@ -354,7 +354,9 @@ def as_shards(tokens: np.ndarray | ShardSet, seq_len: int, split: str) -> ShardS
 GOLDEN = 0.6180339887498949  # the offsets of mixture_rows: a low-discrepancy sequence
 
 
-def mixture_rows(weights: np.ndarray, rows: int, step: int, seed: int) -> np.ndarray:
+def mixture_rows(
+    weights: np.ndarray, rows: int, step: int, seed: int, steps: int = 1
+) -> np.ndarray:
     """Rows of each source in step ``step``'s batch of ``rows``: every source its quota
     ``rows·w`` rounded down, and the leftover rows by systematic sampling over the quotas'
     fractions at the offset ``frac((step + seed)·φ)``, so each gets its quota rounded down
@@ -363,19 +365,27 @@ def mixture_rows(weights: np.ndarray, rows: int, step: int, seed: int) -> np.nda
 
     Args:
       weights: [S] non-negative, summing to 1.
+      steps: the counts of steps ``[step, step + steps)``, summed (vectorised).
     Returns:
       int64 [S].
     """
     quota = rows * weights
     base = np.floor(quota).astype(np.int64)
     left = rows - int(base.sum())
+    total = base * steps
     if left == 0:
-        return base
+        return total
     ends = np.cumsum(quota - base)
     ends[-1] = left  # the fractions sum to ``left`` up to rounding
-    offset = ((step + seed) * GOLDEN) % 1.0
-    hits = np.searchsorted(ends, offset + np.arange(left), side="right")  # [left]
-    return base + np.bincount(hits, minlength=len(weights))
+    for first in range(step, step + steps, _STEPS_AT_ONCE):
+        at = np.arange(first, min(first + _STEPS_AT_ONCE, step + steps), dtype=np.int64)
+        offset = ((at + seed) * GOLDEN) % 1.0  # [n]
+        hits = np.searchsorted(ends, (offset[:, None] + np.arange(left)).ravel(), side="right")
+        total += np.bincount(hits, minlength=len(weights))
+    return total
+
+
+_STEPS_AT_ONCE = 1 << 14  # mixture_rows: steps per vectorised chunk (memory: this x sources)
 
 
 class BatchSampler:
@@ -459,6 +469,21 @@ class BatchSampler:
     def source_rows(self, step: int) -> np.ndarray:
         """Rows of each set in this sampler's batch at ``step``, int64 [sets]."""
         return np.bincount(self.draws(step)[0], minlength=len(self.sets))
+
+    def source_rows_before(self, step: int) -> np.ndarray:
+        """Rows of each set in this sampler's batches at steps ``[0, step)``, int64 [sets]:
+        summed in closed form for the whole batch, one draw a step for a window of it."""
+        if len(self.sets) == 1:
+            return np.array([self.global_batch_size * step], np.int64)
+        if self.global_batch_size == self.drawn:
+            return mixture_rows(self.weights, self.drawn, 0, self.seed, steps=step)
+        return sum((self.source_rows(s) for s in range(step)), np.zeros(len(self.sets), np.int64))
+
+    def rows_and_sources(self, step: int, row_indices: np.ndarray):
+        """``(rows(step, row_indices), source_rows(step))``, from one draw."""
+        src, pos = self.draws(step)
+        pick = np.asarray(row_indices, dtype=np.int64)  # [R]
+        return self._read(src[pick], pos[pick]), np.bincount(src, minlength=len(self.sets))
 
     def rows(self, step: int, row_indices: np.ndarray) -> np.ndarray:
         """Selected rows of the global batch at step.

@@ -70,9 +70,9 @@ def import_hf(
     The config's model section comes from ``config.json`` (llama's ``seq_len``:
     ``max_position_embeddings`` up to :data:`LLAMA_SEQ_LEN`); ``checkpoint.init_from``
     points at the checkpoint and ``data`` at the shard directory ``out_dir/data`` (made
-    by ``python -m holmes_jax.data prepare --out out_dir/data``); ``overrides`` (``"train.steps=100"``) go on
-    top. The model's shape must match the tensors, except ``model.seq_len`` of a GPT-2,
-    which may be shorter (later positions are dropped).
+    by ``python -m holmes_jax.data prepare --out out_dir/data``); ``overrides``
+    (``"train.steps=100"``) go on top. The model's shape must match the tensors, except
+    ``model.seq_len`` of a GPT-2, which may be shorter (later positions are dropped).
 
     Returns:
       One line saying what was written.

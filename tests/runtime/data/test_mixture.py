@@ -58,6 +58,30 @@ def test_a_mixture_batch_is_a_pure_function_of_the_step_at_any_host_count():
     assert len({sampler.global_batch(s)[:, 0].tobytes() for s in range(5)}) == 5  # rows move
 
 
+@pytest.mark.parametrize("window", [None, (3, 7)], ids=["batch", "island"])
+def test_the_rows_before_a_step_sum_every_step_s(window):
+    """A resume's source counts: closed form for the batch (in chunks), a loop for an
+    island's window; both equal the per-step counts summed, and one draw gives the rows
+    and the counts."""
+    kw = dict(seq_len=15, global_batch_size=16, seed=5, weights=[0.45, 0.3, 0.2, 0.05])
+    sampler = BatchSampler(sources(4), **kw, window=window)
+    each = np.array([sampler.source_rows(s) for s in range(1000)])
+    for step in (0, 1, 17, 1000):
+        assert np.array_equal(sampler.source_rows_before(step), each[:step].sum(axis=0)), step
+    rows, counts = sampler.rows_and_sources(9, np.arange(4))
+    assert np.array_equal(rows, sampler.rows(9, np.arange(4)))
+    assert np.array_equal(counts, sampler.source_rows(9))
+
+
+def test_mixture_rows_sums_steps_in_chunks(monkeypatch):
+    from holmes_jax.runtime.data import loader
+
+    w = np.array([0.45, 0.3, 0.2, 0.05])
+    each = sum(mixture_rows(w, 13, s, seed=3) for s in range(40, 140))
+    monkeypatch.setattr(loader, "_STEPS_AT_ONCE", 7)  # 100 steps in 15 chunks
+    assert np.array_equal(mixture_rows(w, 13, 40, seed=3, steps=100), each)
+
+
 def test_an_island_s_window_holds_every_source():
     sampler = BatchSampler(sources(), 15, 16, seed=5, window=(0, 8), weights=[0.5, 0.3, 0.2])
     seen = sum(sampler.source_rows(step) for step in range(200))
@@ -71,10 +95,10 @@ def test_the_feed_reads_ahead_and_counts_waits_and_sources():
         asked.append(step)
         if step == 3:
             ready.set()
-        return np.full(2, step)
+        return np.full(2, step), np.array([step, 1])  # rows; rows of two sources
 
-    counts = lambda step: np.array([step, 1])  # noqa: E731 (rows of two sources)
-    feed = Feed(read, depth=3, last=6, counts=counts)
+    before = lambda step: sum(read(s)[1] for s in range(step))  # noqa: E731
+    feed = Feed(read, depth=3, last=6, before=before)
     assert feed.get(0).tolist() == [0, 0]
     assert ready.wait(HANG_S)  # steps 1..3 are read in the background
     assert feed.get(1).tolist() == [1, 1] and sorted(feed.ahead) == [2, 3, 4]  # 4 now asked
@@ -82,7 +106,7 @@ def test_the_feed_reads_ahead_and_counts_waits_and_sources():
         feed.get(step)
     assert sorted(asked) == [0, 1, 2, 3, 4, 5]  # never past ``last``
     assert feed.rows.tolist() == [15, 6] and feed.take_wait() > 0 and feed.take_wait() == 0
-    resumed = Feed(read, depth=0, last=6, counts=counts)
+    resumed = Feed(read, depth=0, last=6, before=before)
     resumed.get(4)  # steps 0..3 count too
     resumed.get(4)  # got again (compiled with, then trained on): counted once
     assert resumed.rows.tolist() == [10, 5]
