@@ -38,6 +38,7 @@ from holmes_jax.cluster.distributed import (
 )
 from holmes_jax.core.config import Config
 from holmes_jax.planner.report import format_step_check
+from holmes_jax.runtime.data.digest import DIGEST, combine
 from holmes_jax.runtime.nonfinite import SKIPPED, SkipGuard
 from holmes_jax.runtime.rundir import compile_cache
 from holmes_jax.runtime.rundir.devices import peak_memory_gb
@@ -307,7 +308,8 @@ def fetch_metrics(metrics: dict[str, jax.Array]) -> dict[str, Any]:
     loss and grad norm, ``[R]`` sharded over ``replica``) are averaged here, on the host,
     and the skipped steps summed; with several processes they are first gathered with
     ``process_allgather`` (only on the steps that log, so the inner steps between stay free
-    of cross-island traffic)."""
+    of cross-island traffic). The batch digest comes back an int
+    (:mod:`~holmes_jax.runtime.data.digest`)."""
     out = {}
     for key, value in metrics.items():
         if not value.is_fully_addressable and not value.is_fully_replicated:
@@ -315,6 +317,9 @@ def fetch_metrics(metrics: dict[str, jax.Array]) -> dict[str, Any]:
 
             value = multihost_utils.process_allgather(value, tiled=True)
         value = np.asarray(jax.device_get(value))
+        if key == DIGEST:
+            out[key] = combine(value)
+            continue
         out[key] = (value.sum() if key == SKIPPED else value.mean()) if value.ndim else value
     return out
 

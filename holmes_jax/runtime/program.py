@@ -45,6 +45,7 @@ from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import resolve_grad_buckets
 from holmes_jax.diloco.outer_step import OuterStep, due_fragments, in_warmup, stack_spec
 from holmes_jax.planner.grid import load_mesh_topology
+from holmes_jax.runtime.data.digest import DIGEST, batch_digest
 from holmes_jax.runtime.engine.compress import crossing_pairs
 from holmes_jax.runtime.engine.mesh import batch_sharding, collectives_block, replicated
 from holmes_jax.runtime.engine.pipeline import EngineOptions, PipelineEngine
@@ -175,6 +176,7 @@ class Program:
         per_replica = NamedSharding(mesh, PartitionSpec(REPLICA))
         metrics = (
             {"loss": per_replica, "grad_norm": per_replica, "lr": replicated(mesh)}
+            | {DIGEST: per_replica}
             | skip_metrics({"total": per_replica, "run": per_replica})
             if self.diloco
             else replicated(mesh)
@@ -541,6 +543,7 @@ class Program:
         lr = self.schedule(step_count(state.opt_state))
         state = self._update(state, grads, grad_norm, ok)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **skip_metrics(state.skips)}
+        metrics[DIGEST] = batch_digest(batch, self.replicas if self.diloco else 0)
         return state, metrics
 
     def _update(self, state: TrainState, grads, grad_norm, ok) -> TrainState:

@@ -85,6 +85,11 @@ def losses(path):
     return {r["step"]: r["loss"] for r in map(json.loads, open(path))}
 
 
+def digests(path):
+    """``{step: data_digest}`` (its batch) of a metrics JSON-lines file (later wins)."""
+    return {r["step"]: r["data_digest"] for r in map(json.loads, open(path))}
+
+
 def wait_for_step(procs, metrics, step, timeout=HANG_S):
     """Return once ``metrics`` logs ``step`` (or later); fail if a process exits first.
 

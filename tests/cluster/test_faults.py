@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from holmes_jax.cluster.launcher import free_port
@@ -24,7 +25,6 @@ from tests.cluster.procs import (
     FOUR,
     TWO,
     compare,
-    losses,
     start_job,
     two_host_mesh,
     wait,
@@ -136,11 +136,12 @@ class Straight:
     """The uninterrupted run of JOB through ``launch``: what every fault test compares with."""
 
     mesh: Path  # cpu8-two-hosts.yaml
-    cache: str  # the --set that points the run at its compilation cache
+    flags: list  # the --sets of every run: its compilation cache, and data from shards
     env: dict  # proc_env without jax's cache variables: the config's cache is the one used
     out: str  # launch's stdout
     records: list  # its metrics records
     losses: dict  # {step: loss}
+    digests: dict  # {step: data_digest}: its batches
 
 
 def launch(mesh, env, run_dir, flags, overrides=()):
@@ -166,19 +167,27 @@ def records(path):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, proc_env):
-    """Run JOB once, uninterrupted, with the compilation cache in its own directory (a path:
-    ``auto`` is off on CPU): the fault tests compare with its losses, and their attempts
-    compile from its cache instead of cold."""
+    """Run JOB once, uninterrupted, on a directory of token shards, with the compilation
+    cache in its own directory (a path: ``auto`` is off on CPU): the fault tests compare
+    with its losses and batch digests, and their attempts compile from its cache instead
+    of cold."""
     root = tmp_path_factory.mktemp("straight")
     mesh = two_host_mesh(root)
     env = {k: v for k, v in proc_env.items() if not k.startswith("JAX_")}
     env["JAX_PLATFORMS"] = "cpu"
-    cache = f"train.compilation_cache={root / 'compile_cache'}"
-    out = launch(mesh, env, root / "run", ["--max-restarts", "0"], [cache])
+    (root / "shards").mkdir()
+    rng = np.random.default_rng(6)
+    for i in range(3):  # raw uint16 shards without sidecars (read as data.token_dtype)
+        rng.integers(0, 256, 30_000).astype(np.uint16).tofile(root / "shards" / f"{i}.bin")
+    flags = [f"train.compilation_cache={root / 'compile_cache'}", "data.source=tokens"]
+    flags.append(f"data.path={root / 'shards'}")
+    out = launch(mesh, env, root / "run", ["--max-restarts", "0"], flags)
     recs = records(root / "run" / "metrics.jsonl")
     got = {r["step"]: r["loss"] for r in recs}
     assert sorted(got) == list(range(1, 7)), out[-3000:]
-    return Straight(mesh, cache, env, out, recs, got)
+    assert "tokens (3 shards from " in out, out[-3000:]
+    digests = {r["step"]: r["data_digest"] for r in recs}
+    return Straight(mesh, flags, env, out, recs, got, digests)
 
 
 def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, straight):
@@ -186,7 +195,7 @@ def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, straig
     three seeded random steps: both processes, process 0 (the coordinator) and process 1
     (each of which ends the other), in a seeded order; the same command restarted until it
     finishes. Every loss any attempt logged equals the uninterrupted run's at that step."""
-    job = JOB + [f"parallel.mesh={straight.mesh}", "checkpoint.every=1", straight.cache]
+    job = JOB + [f"parallel.mesh={straight.mesh}", "checkpoint.every=1", *straight.flags]
     job += [f"checkpoint.dir={tmp_path / 'chaos'}"]
     rng = random.Random(15)
     kill_at = sorted(rng.sample(range(2, 6), 3))
@@ -210,11 +219,12 @@ def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, straig
             codes = wait(procs)
             log = (tmp_path / f"chaos-{attempt}-0.log").read_text()
             assert codes == [0, 0], log[-3000:]
-        attempts.append(losses(metrics) if metrics.exists() else {})
-    logged = {s for got in attempts for s in got}
+        attempts.append(records(metrics) if metrics.exists() else [])
+    logged = {r["step"] for got in attempts for r in got}
     assert logged == set(range(1, 7)), (kill_at, victims, attempts)
     for got in attempts:
-        compare(got, straight.losses, atol=1e-6)
+        compare({r["step"]: r["loss"] for r in got}, straight.losses, atol=1e-6)
+        assert all(r["data_digest"] == straight.digests[r["step"]] for r in got), got
 
 
 def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_path, straight):
@@ -229,7 +239,7 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     assert "compiled in " in straight.out and "(compilation cache: miss)" in straight.out
     chaos = tmp_path / "chaos"
     flags = ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"]
-    out = launch(straight.mesh, straight.env, chaos, flags, [straight.cache, SYNC_SAVES])
+    out = launch(straight.mesh, straight.env, chaos, flags, [*straight.flags, SYNC_SAVES])
     saved = out.index(f"] checkpoint step 3: {chaos}/checkpoints/3\n")
     assert saved < out.index("launch: --fail-host ib-0@4: SIGKILL"), out[-4000:]
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
@@ -252,6 +262,7 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     assert [r["step"] for r in recs if "compile_s" in r] == [1, 1, 4]  # three attempts
     for r in recs:  # bitwise: the same plan and data order on every attempt
         assert r["loss"] == straight.losses[r["step"]], (r, straight.losses)
+        assert r["data_digest"] == straight.digests[r["step"]], (r, straight.digests)
 
 
 def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_path, straight):
@@ -264,7 +275,7 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     roce-0 dies."""
     survivors = tmp_path / "survivors"
     flags = ["--fail-host", "roce-0@3:permanent", "--rejoin-timeout", "1"]
-    overrides = [straight.cache, "checkpoint.every=2", SYNC_SAVES]
+    overrides = [*straight.flags, "checkpoint.every=2", SYNC_SAVES]
     out = launch(straight.mesh, straight.env, survivors, flags, overrides)
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
     assert (
@@ -280,8 +291,9 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
         "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip
     recs = records(survivors / "metrics.jsonl")
     assert {r["step"] for r in recs} == set(range(1, 7))
-    for r in recs:
+    for r in recs:  # one host of 4 devices now: the same batches, token for token
         assert abs(r["loss"] - straight.losses[r["step"]]) < 1e-4, (r, straight.losses)
+        assert r["data_digest"] == straight.digests[r["step"]], (r, straight.digests)
     final = [r for r in recs if r["step"] == 6 and "eval_loss" in r][-1]
     straight_eval = [r for r in straight.records if "eval_loss" in r][-1]["eval_loss"]
     assert abs(final["eval_loss"] - straight_eval) < 0.02 * straight_eval

@@ -17,7 +17,17 @@ import pytest
 
 from holmes_jax.core.config import load_config
 from holmes_jax.runtime.loop import run
-from tests.cluster.procs import FOUR, TINY, TWO, compare, losses, start_job, wait, wait_for_step
+from tests.cluster.procs import (
+    FOUR,
+    TINY,
+    TWO,
+    compare,
+    digests,
+    losses,
+    start_job,
+    wait,
+    wait_for_step,
+)
 from tests.common import HANG_S, ROOT, as_flags
 
 EMULATED = TINY + [
@@ -31,9 +41,13 @@ GLOO = "[Gloo] Rank"  # gloo's connection report, hidden by the launcher unless 
 pytestmark = pytest.mark.slow
 
 
-def _reference(overrides):
+def _history(overrides):
     cfg = load_config(None, [o.replace("meshes/", f"{ROOT}/meshes/") for o in overrides])
-    return {r["step"]: r["loss"] for r in run(cfg)}
+    return run(cfg)
+
+
+def _reference(overrides):
+    return {r["step"]: r["loss"] for r in _history(overrides)}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +82,10 @@ def test_four_processes_through_the_launcher_match_one(tmp_path, env):
     assert re.fullmatch(r"launch: \d+ lines of library output hidden .*", lines[-1])
     got = losses(metrics)
     assert sorted(got) == [1, 2, 3]
-    compare(got, _reference(FOUR))
+    reference = _history(FOUR)
+    compare(got, {r["step"]: r["loss"] for r in reference})
+    # four hosts read the batches one process reads, token for token
+    assert digests(metrics) == {r["step"]: r["data_digest"] for r in reference}
 
 
 def test_two_processes_stop_lose_a_peer_and_resume(tmp_path, two_reference, env):

@@ -30,6 +30,7 @@ from holmes_jax.diloco.outer_step import (
     fragment_slots,
     in_warmup,
 )
+from holmes_jax.runtime.data.digest import DIGEST, batch_digest, combine
 from holmes_jax.runtime.engine.mesh import build_mesh
 from holmes_jax.runtime.loop import run
 from holmes_jax.runtime.model.decoder import GPT
@@ -127,6 +128,19 @@ def test_h1_lr1_equals_hierarchical_data_parallel_on_equal_rows(average, hierarc
         for r in range(2):
             _close(jax.tree.map(lambda a, r=r: a[r], got.params), ref.params)
     assert sync[-1][0] != sync[0][0]  # the steps moved the model
+
+
+def test_each_replica_digests_its_rows_and_they_add_up_to_the_batch_s(average, hierarchical):
+    """Under DiLoCo the batch digest is per replica (no cross-island sum in the step); the
+    host's sum is the digest of the same batch trained without DiLoCo."""
+    rows = _rows(0, same_halves=False)
+    digests = []
+    for program in (average, hierarchical):
+        batch = jax.device_put(rows, program.shardings.batch)
+        _, metrics = program.train_step(program.init(0), batch)
+        digests.append(np.asarray(metrics[DIGEST]))
+    assert digests[0].shape == (2,) and digests[0][0] != digests[0][1]
+    assert combine(digests[0]) == combine(digests[1]) == int(batch_digest(rows))
 
 
 def test_h1_lr1_is_the_mean_of_each_replicas_adamw_step(average, tiny_config):

@@ -76,6 +76,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, make_program):
     np.testing.assert_allclose(
         [r["loss"] for r in first + second], [r["loss"] for r in full_hist], rtol=0, atol=1e-6
     )
+    digests = [r["data_digest"] for r in full_hist]  # the batches, token for token
+    assert [r["data_digest"] for r in first + second] == digests and len(set(digests)) == 6
     assert second[0]["eval_loss"] == pytest.approx(full_hist[2]["eval_loss"], abs=1e-6)
     ref, meta_full = _read_final(make_program, full, f"{tmp_path}/full")
     got, meta = _read_final(make_program, interrupted, f"{tmp_path}/resumed")

@@ -31,6 +31,7 @@ from holmes_jax.core import status
 from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import FlopsPerToken
+from holmes_jax.runtime.data.digest import DIGEST
 
 EVAL_PREFIX = "eval_"  # record keys of evaluation (eval_loss): tagged eval/...
 
@@ -161,7 +162,8 @@ class MetricsLogger:
             self.num_devices,
             self.peak_tflops,
         )
-        rec: dict[str, Any] = {"step": step, **{k: float(v) for k, v in values.items()}}
+        rec: dict[str, Any] = {"step": step}
+        rec.update({k: v if isinstance(v, int) else float(v) for k, v in values.items()})
         rec.update(
             step_time_s=step_time_s,
             tokens_per_s=tp.tokens_per_s,
@@ -182,7 +184,7 @@ class MetricsLogger:
         scalars = {
             tag(key): value
             for key, value in rec.items()
-            if key != "step" and isinstance(value, int | float)
+            if key not in ("step", DIGEST) and isinstance(value, int | float)
         }
         if self._tb is not None:
             for name, value in scalars.items():

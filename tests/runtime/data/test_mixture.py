@@ -145,21 +145,25 @@ def test_a_mixture_and_eval_sets_load_from_the_config(tmp_path):
         load_config(None, [*flags[1:], "data.source=stdlib"])
 
 
-def test_a_run_on_a_mixture_logs_each_source_and_eval_set(tmp_path):
+def test_a_run_on_a_mixture_resumes_on_the_same_batches_and_counts(tmp_path):
+    """A mixture of shard sets, 4 steps, uninterrupted; then stopped after step 2 (a
+    checkpoint) and resumed in a new run: every step's batch digest (its tokens, token for
+    token) and source counts equal the uninterrupted run's, and the eval sets log by name."""
     from holmes_jax.runtime.loop import run
 
     rng = np.random.default_rng(0)
     write_sets(tmp_path, {n: rng.integers(0, 256, 20_000) for n in ("web", "code", "wiki")})
     flags = mixture_flags(tmp_path, {"web": 0.75, "code": 0.25}, evals=["wiki"])
-    run_flags = [
-        "train.steps=4",
-        "train.eval_every=4",
-        "train.eval_batches=1",
-        "logging.log_every=2",
-    ]
-    quiet = ["logging.progress=none", "train.run_dir=null", "model.vocab_size=256"]
-    history = run(load_config(None, [*TINY_RUN, *flags, *run_flags, *quiet]))
-    last = history[-1]
+    run_flags = ["train.steps=4", "train.eval_every=4", "train.eval_batches=1"]
+    quiet = ["logging.progress=none", "logging.log_every=1", "model.vocab_size=256"]
+    base = [*TINY_RUN, *flags, *run_flags, *quiet, "data.prefetch=3"]
+    straight = run(load_config(None, [*base, "train.run_dir=null"]))
+    stopped = load_config(None, [*base, f"train.run_dir={tmp_path / 'run'}", "data.prefetch=0"])
+    history = run(stopped, stop_at_step=2) + run(stopped)
+    keys = ("step", "data_digest", "tokens_web", "tokens_code")
+    assert [[r[k] for k in keys] for r in history] == [[r[k] for k in keys] for r in straight]
+    assert len({r["data_digest"] for r in straight}) == 4
+    last = straight[-1]
     assert last["tokens_web"] + last["tokens_code"] == 4 * 8 * 32  # 4 steps of 8 rows of 32
     assert last["tokens_web"] == 3 * last["tokens_code"]
     assert all(r["data_wait_s"] >= 0 for r in history)
