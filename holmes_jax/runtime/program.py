@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from holmes_jax.core.axes import DATA, REPLICA
+from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA
 from holmes_jax.core.config import Config
 from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import resolve_grad_buckets
@@ -173,14 +173,15 @@ class Program:
 
         # Metrics: loss and grad norm per replica under DiLoCo ([R] over replica: a mean
         # here would be a cross-island collective every step), else replicated scalars.
+        # The batch digest: one partial sum per shard of the batch's rows, where they are.
         per_replica = NamedSharding(mesh, PartitionSpec(REPLICA))
+        each = per_replica if self.diloco else replicated(mesh)
         metrics = (
-            {"loss": per_replica, "grad_norm": per_replica, "lr": replicated(mesh)}
-            | {DIGEST: per_replica}
-            | skip_metrics({"total": per_replica, "run": per_replica})
-            if self.diloco
-            else replicated(mesh)
+            {"loss": each, "grad_norm": each, "lr": replicated(mesh)}
+            | skip_metrics({"total": each, "run": each})
+            | {DIGEST: NamedSharding(mesh, PartitionSpec(BATCH_AXES))}
         )
+        self.batch_shards = mesh.shape[REPLICA] * mesh.shape[DATA]
         self.shardings = sh = Shardings(
             params=param_sharding,
             state=state,
@@ -543,7 +544,7 @@ class Program:
         lr = self.schedule(step_count(state.opt_state))
         state = self._update(state, grads, grad_norm, ok)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **skip_metrics(state.skips)}
-        metrics[DIGEST] = batch_digest(batch, self.replicas if self.diloco else 0)
+        metrics[DIGEST] = batch_digest(batch, self.batch_shards)
         return state, metrics
 
     def _update(self, state: TrainState, grads, grad_norm, ok) -> TrainState:

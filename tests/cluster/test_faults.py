@@ -307,7 +307,9 @@ def test_nan_faults_stop_every_worker_with_exit_4_and_no_restart(tmp_path, strai
     run_dir = tmp_path / "nan"
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(straight.mesh)]
     cmd += ["--grace", "1", "--fail-host", "roce-0@3:nan", "--fail-host", "ib-0@2:nan", "--"]
-    cmd += as_flags([*JOB, f"train.run_dir={run_dir}", "train.max_skipped_steps=1"])
+    cmd += as_flags(
+        [*JOB, *straight.flags, f"train.run_dir={run_dir}", "train.max_skipped_steps=1"]
+    )
     done = subprocess.run(cmd, cwd=ROOT, env=straight.env, capture_output=True, text=True,
                           timeout=HANG_S)  # fmt: skip
     out = done.stdout
