@@ -11,7 +11,14 @@ from typing import Literal
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.keyfile import read_key
 from holmes_jax.core.sections import ModelConfig, ParallelConfig, _positive
-from holmes_jax.core.spec import STEPS, DilocoEnabled, OuterDtype
+from holmes_jax.core.spec import (
+    SPARSE_BITS,
+    SPARSE_CHUNK_MAX,
+    SPARSE_CHUNK_MIN,
+    STEPS,
+    DilocoEnabled,
+    OuterDtype,
+)
 
 # spmd: one jax job, islands are the replica axis; independent: one job per island, the outer
 # sync between jobs over the host-level protocol (holmes_jax.diloco.sync).
@@ -50,6 +57,12 @@ class DilocoConfig:
     outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD
     fragments: int = 1  # streaming DiLoCo above 1; at most inner_steps and num_layers
     outer_dtype: OuterDtype = "fp32"  # what crosses the link (the outer state stays fp32)
+    # outer_dtype sparse (independent): each chunk of sparse_chunk values (a power of two,
+    # 16..32768) sends its sparse_k largest in sparse_bits bits (2, 4, 8 or 32) with one
+    # scale; what it does not send is kept and added to the next round's delta
+    sparse_chunk: int = 4096
+    sparse_k: int = 64
+    sparse_bits: int = 2
     auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
     # K: the first K steps each end with plain averaging of the replicas (every fragment,
     # outer lr 1, momentum untouched); then rounds of H steps.
@@ -107,6 +120,7 @@ class DilocoConfig:
                 f"diloco.overlap_steps={self.overlap_steps}: must be in [0, diloco.inner_steps="
                 f"{self.inner_steps}) (a round merges before the next is sent; 0 = in step)"
             )
+        self._validate_sparse()
         if self.mode == "independent":
             self._validate_independent()
         elif self.overlap_steps:
@@ -145,6 +159,24 @@ class DilocoConfig:
             raise ConfigError(
                 f"diloco.enabled=true: needs parallel.replica >= 2 (got {parallel.replica}) "
                 "or a parallel.mesh with several islands: DiLoCo runs across replicas"
+            )
+
+    def _validate_sparse(self) -> None:
+        c, k, bits = self.sparse_chunk, self.sparse_k, self.sparse_bits
+        if not (SPARSE_CHUNK_MIN <= c <= SPARSE_CHUNK_MAX and c & (c - 1) == 0):
+            raise ConfigError(
+                f"diloco.sparse_chunk={c}: must be a power of two in [{SPARSE_CHUNK_MIN}, "
+                f"{SPARSE_CHUNK_MAX}] "
+                "(positions travel in log2(chunk) bits)"
+            )
+        if not 1 <= k <= c:
+            raise ConfigError(f"diloco.sparse_k={k}: must be in [1, diloco.sparse_chunk={c}]")
+        if bits not in SPARSE_BITS:
+            raise ConfigError(f"diloco.sparse_bits={bits}: must be one of {list(SPARSE_BITS)}")
+        if self.outer_dtype == "sparse" and self.mode != "independent":
+            raise ConfigError(
+                "diloco.outer_dtype=sparse: needs diloco.mode=independent (the spmd outer "
+                "step is one all-gather inside the program, in fp32, bf16 or int8)"
             )
 
     def _validate_independent(self) -> None:

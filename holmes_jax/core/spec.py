@@ -44,7 +44,10 @@ AttentionKernel = Literal["auto", "xla", "cudnn"]
 Arch = Literal["gpt2", "llama"]  # model.arch (holmes_jax.runtime.model.decoder)
 Precision = Literal["fp32", "bf16"]
 # What crosses the link at a DiLoCo outer step (the outer state itself stays fp32).
-OuterDtype = Literal["fp32", "bf16", "int8"]
+OuterDtype = Literal["fp32", "bf16", "int8", "sparse"]
+# outer_dtype sparse (holmes_jax.diloco.sparse): value bits, and the chunk's bounds (powers
+# of two; a chunk's count travels as uint16)
+SPARSE_BITS, SPARSE_CHUNK_MIN, SPARSE_CHUNK_MAX = (2, 4, 8, 32), 16, 1 << 15
 DilocoEnabled = Literal[True, False, "auto"]  # auto: the planner decides
 # parallel.grad_buckets: when the data-parallel gradient reduction runs (runtime.engine.zero).
 GradBuckets = Literal["layer", "step"]

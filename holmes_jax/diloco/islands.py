@@ -45,7 +45,7 @@ from holmes_jax.diloco.rounds import SyncConfig
 from holmes_jax.diloco.scope import Share, steps_after_round, steps_to_rounds
 from holmes_jax.diloco.sync import OuterSync, Shards
 from holmes_jax.diloco.transport import Security, client_context, live_round, server_context
-from holmes_jax.diloco.wire import WireError, unpack
+from holmes_jax.diloco.wire import WireError, pack, unpack
 
 PROBE_S = 1.0  # seconds to wait for a peer's /status at start
 COMPILE_WAIT_S = 3600  # several processes: how long they wait for the slowest to compile
@@ -161,7 +161,7 @@ class IslandSync:
         shapes = {k: v for k, v in self.layout.block_shapes().items() if _lane(k) == lane}
         return self._sync_config.expect(shapes, range(len(self.d.peers)))
 
-    def _serve(self, lane: int, state) -> OuterSync:
+    def _serve(self, lane: int, state, residual: Shards | None = None) -> OuterSync:
         """Lane ``lane``'s protocol, served at this island's address of it.
 
         Raises:
@@ -180,6 +180,7 @@ class IslandSync:
                 shapes=shapes,
                 security=self.security,
                 say=say,
+                residual=residual,
             )
         except OSError as err:
             host, port = self.peers[lane][self.share.island]
@@ -251,7 +252,7 @@ class IslandSync:
         for lane in self.peers:
             own = self._part(theta, lane)
             outer, meta = saved[lane] if found else ((own, _zeros(own)), {})
-            sync = self.syncs[lane] = self._serve(lane, outer)
+            sync = self.syncs[lane] = self._serve(lane, outer, meta.pop("residual", None))
             sync.r.restore({"round": rounds, **meta})  # round, tokens, lineage, parent, fork
         self.snap = theta
         self.last_step = step
@@ -405,17 +406,18 @@ class IslandSync:
         """Every process: the outer state of each of its lanes (:meth:`OuterSync.snapshot`:
         global model, momentum, round, tokens, lineage) beside checkpoint ``step``, as
         ``<directory>/outer/<step>.lane<l>.outer`` (:mod:`~holmes_jax.diloco.wire`'s
-        format; written whole, then renamed), so a resume without a live peer continues
-        the global model exactly. With ``diloco.overlap_steps`` a round in flight at the save
-        is not part of it."""
+        format; written whole, then renamed), and with ``outer_dtype`` sparse the lane's
+        error-feedback buffer as ``<step>.lane<l>.residual``, so a resume without a live
+        peer continues the global model, and what the island has not sent yet, exactly.
+        With ``diloco.overlap_steps`` a round in flight at the save is not part of it."""
         folder = epath.Path(directory) / OUTER_DIR
         folder.mkdir(parents=True, exist_ok=True)
         for lane, sync in self.syncs.items():
-            body = sync.snapshot()
-            part = folder / f"{_outer_name(step, lane)}.partial"
-            with part.open("wb") as f:
-                f.write(body)
-            part.rename(folder / _outer_name(step, lane))
+            _write_whole(folder / _outer_name(step, lane), sync.snapshot())
+            if sync.feedback is not None:
+                with sync.cond:
+                    kept = dict(sync.feedback.buffers)
+                _write_whole(folder / _residual_name(step, lane), pack({"kind": "residual"}, kept))
 
     def eval_params(self, state):
         """The global model in the program's layout (what evaluation runs on, as under
@@ -515,11 +517,13 @@ def _late(step: int, ended: int) -> str:
 
 def load_outer(directory: str, step: int, lane: int, expect: Expect):
     """:meth:`IslandSync.save_outer`'s ``((global, momentum), meta)`` of ``lane`` for
-    ``step``, or None (none saved, or no ``directory``).
+    ``step``, or None (none saved, or no ``directory``); ``meta["residual"]`` holds the
+    error-feedback buffer when one was saved.
 
     Raises:
       ConfigError: the file is not a saved outer state of this lane's keys and shapes, or
-        holds non-finite values.
+        holds non-finite values; a saved buffer is not fp32 arrays of the lane's keys and
+        shapes, finite.
     """
     if not directory:
         return None
@@ -534,7 +538,38 @@ def load_outer(directory: str, step: int, lane: int, expect: Expect):
             f"{path}: not this island's outer state ({err}); remove it to resume without it"
         ) from None
     meta = {k: getattr(state, k) for k in OUTER_META}
+    residual = epath.Path(directory) / OUTER_DIR / _residual_name(step, lane)
+    if residual.exists():
+        meta["residual"] = _load_residual(residual, expect)
     return (state.glob, state.mom), meta
+
+
+def _load_residual(path, expect: Expect) -> Shards:
+    """A saved error-feedback buffer, checked against the lane's keys and shapes."""
+    try:
+        _, arrays = unpack(path.read_bytes())
+    except WireError as err:
+        raise ConfigError(f"{path}: not an error-feedback buffer ({err})") from None
+    for k, a in arrays.items():
+        want = expect.shapes.get(k)
+        if want is None or a.shape != want or a.dtype != np.float32 or not finite(a):
+            raise ConfigError(
+                f"{path}: array {k[:60]} is not a finite fp32 buffer of one of the lane's "
+                "keys and shapes; remove the file to resume with an empty buffer"
+            )
+    return {k: np.array(a) for k, a in arrays.items()}
+
+
+def _write_whole(path, body: bytes) -> None:
+    """``body`` to ``path``: written beside it, then renamed."""
+    part = path.parent / f"{path.name}.partial"
+    with part.open("wb") as f:
+        f.write(body)
+    part.rename(path)
+
+
+def _residual_name(step: int, lane: int) -> str:
+    return f"{step}.lane{lane}.residual"
 
 
 def _outer_name(step: int, lane: int) -> str:

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from holmes_jax.diloco import sparse
 from holmes_jax.diloco.codec import WIRE_DTYPES, decode
+from holmes_jax.diloco.sparse import PARTS, SEP, Sparse
 
 Shards = dict[str, np.ndarray]
 ROUND_MAX = 1 << 31
@@ -58,6 +60,7 @@ class Expect:
       islands: the configured islands' indices.
       round_tokens: the most tokens one island may count for one round.
       lr, mu: this island's outer learning rate and momentum.
+      sparse: the sparse format's parameters (``outer_dtype`` sparse).
     """
 
     shapes: dict[str, tuple[int, ...]]
@@ -66,10 +69,28 @@ class Expect:
     round_tokens: int
     lr: float
     mu: float
+    sparse: Sparse | None = None
 
     @property
-    def wire_dtype(self) -> np.dtype:
-        return WIRE_DTYPES[self.outer_dtype]
+    def dense_dtype(self) -> str:
+        """The dense dtype of a step: ``outer_dtype``, or for sparse the step's other
+        encoding (``int8`` up to 8 value bits, else ``fp32``)."""
+        if self.outer_dtype != "sparse":
+            return self.outer_dtype
+        return "int8" if self.sparse.step_bits <= 8 else "fp32"
+
+    def delta_entries(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of each array of a delta (a sparse delta's parts)."""
+        if self.outer_dtype != "sparse":
+            name = WIRE_DTYPES[self.outer_dtype].name
+            return [(k, name, shape) for k, shape in self.shapes.items()]
+        out = []
+        for k, shape in self.shapes.items():
+            n = math.prod(shape)
+            counts = np.minimum(self.sparse.k, self.sparse.lengths(n))
+            parts = sparse.part_shapes(n, self.sparse, counts, self.sparse.bits)
+            out += [(f"{k}{SEP}{p}", dtype, want) for p, (dtype, want) in parts.items()]
+        return out
 
 
 @dataclass(frozen=True)
@@ -224,22 +245,49 @@ def _finite(arrays: Shards, what: str) -> None:
             raise Refused(f"{what} {k}: holds non-finite values")
 
 
-def _decoded(meta: dict, arrays: Shards, ex: Expect) -> Shards:
-    """The lane's arrays in the wire dtype with ``meta['scales']``, decoded and checked."""
-    _shaped(arrays, ex, ex.wire_dtype)
+def _decoded(meta: dict, arrays: Shards, ex: Expect, step: bool = False) -> Shards:
+    """A delta's (or with ``step``, a leader's step's) arrays, checked and decoded: the
+    lane's arrays in the wire dtype with ``meta['scales']``, or a sparse delta's parts; a
+    sparse run's step in either encoding (``meta['encoding']``)."""
+    dtype = ex.outer_dtype
+    if dtype == "sparse":
+        encoding = meta.get("encoding") if step else "sparse"
+        if encoding == "sparse":
+            return _sparse_decoded(arrays, ex, step)
+        if encoding != ex.dense_dtype:
+            raise Refused(
+                f"encoding={str(encoding)[:40]}: a step of this run is sparse or {ex.dense_dtype}"
+            )
+        dtype = encoding
+    _shaped(arrays, ex, WIRE_DTYPES[dtype])
     scales = meta.get("scales")
     if not isinstance(scales, dict) or scales.keys() != ex.shapes.keys():
         raise Refused("scales: must hold one scale for each of the lane's keys")
     for k, s in scales.items():
         if type(s) not in (int, float) or not (math.isfinite(s) and s > 0):
             raise Refused(f"scales[{k}]={str(s)[:40]}: must be finite and > 0")
-        if ex.outer_dtype != "int8" and s != 1:
-            raise Refused(f"scales[{k}]={s}: must be 1 for outer dtype {ex.outer_dtype}")
+        if dtype != "int8" and s != 1:
+            raise Refused(f"scales[{k}]={s}: must be 1 for outer dtype {dtype}")
         if s > np.finfo(np.float32).max / 127:
             raise Refused(f"scales[{k}]={s}: decodes past fp32's range")
-    if ex.outer_dtype != "int8":  # int8: |q·s| <= 127·s, finite by the scale's bound
+    if dtype != "int8":  # int8: |q·s| <= 127·s, finite by the scale's bound
         _finite(arrays, "delta")  # bf16: its bits, before the decode doubles them
     return {k: decode(arrays[k], scales[k]) for k in ex.shapes}
+
+
+def _sparse_decoded(arrays: Shards, ex: Expect, step: bool) -> Shards:
+    """A sparse delta's or step's parts (:mod:`~holmes_jax.diloco.sparse`), checked, decoded."""
+    sp = ex.sparse
+    bits = sp.step_bits if step else sp.bits
+    _exact_keys(arrays, {f"{k}{SEP}{p}" for k in ex.shapes for p in PARTS})
+    out = {}
+    for k, shape in ex.shapes.items():
+        parts = {p: arrays[f"{k}{SEP}{p}"] for p in PARTS}
+        why = sparse.check(parts, shape, sp, bits, delta=not step)
+        if why:
+            raise Refused(f"array {k}{SEP}{why}")
+        out[k] = sparse.decode(parts, shape, sp, bits)
+    return out
 
 
 def parse_delta(meta: dict, arrays: Shards, sender: int, ex: Expect) -> Delta:
@@ -311,7 +359,7 @@ def parse_step(meta: dict, arrays: Shards, ex: Expect) -> Step:
         average=_bool(meta, "average"),
         leader=_island(meta, "leader", ex),
         members=_islands(meta, "members", ex, empty=False),
-        values=_decoded(meta, arrays, ex),
+        values=_decoded(meta, arrays, ex, step=True),
     )
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from holmes_jax.diloco import sparse
 from holmes_jax.diloco.codec import decode, encode, nesterov
 from holmes_jax.diloco.messages import (
     Delta,
@@ -37,6 +38,7 @@ from holmes_jax.diloco.messages import (
     Step,
     fork_round,
 )
+from holmes_jax.diloco.sparse import PARTS, SEP, Sparse, nonzero
 from holmes_jax.diloco.wire import pack, packed_size
 
 Shards = dict[str, np.ndarray]
@@ -59,6 +61,7 @@ class SyncConfig:
     probe_s: float = 1.0  # seconds to wait for a peer's /status or a connection
     round_tokens: int = 1 << 40
     reply_timeout_s: float | None = None  # a socket silent this long ends (None: the quorum's)
+    sparse: Sparse | None = None  # outer_dtype sparse: its chunk, k and bits
 
     @property
     def silence_s(self) -> float:
@@ -75,6 +78,7 @@ class SyncConfig:
             round_tokens=self.round_tokens,
             lr=self.outer_lr,
             mu=self.outer_momentum,
+            sparse=self.sparse,
         )
 
     @classmethod
@@ -87,6 +91,11 @@ class SyncConfig:
             quorum_timeout_s=diloco.quorum_timeout_s,
             probe_s=min(probe_s, diloco.quorum_timeout_s),
             round_tokens=round_tokens,
+            sparse=(
+                Sparse(diloco.sparse_chunk, diloco.sparse_k, diloco.sparse_bits)
+                if diloco.outer_dtype == "sparse"
+                else None
+            ),
         )
 
 
@@ -134,10 +143,12 @@ class Rounds:
         """The most body bytes a POST to ``path`` may carry: the lane's arrays in the wire
         dtype (a delta) or fp32 (a join's global model), with their meta."""
         ex = self.expect
-        dtype = {"/delta": ex.wire_dtype.name, "/join": "float32"}.get(path)
-        if dtype is None:
+        if path == "/delta":
+            entries = ex.delta_entries()
+        elif path == "/join":
+            entries = [(k, "float32", shape) for k, shape in ex.shapes.items()]
+        else:
             return 0
-        entries = [(k, dtype, shape) for k, shape in ex.shapes.items()]
         return packed_size(META_BYTES + 64 * len(entries), entries)
 
     def max_reply(self) -> int:
@@ -200,7 +211,7 @@ class Rounds:
         weights = {i: d.tokens for i, d in sent.items()}
         total = sum(weights.values())
         average = self.average or not sent  # nothing sent: a zero averaging step
-        arrays, scales = {}, {}
+        means = {}
         for k in self.glob:
             if not sent:
                 avg = np.zeros_like(self.glob[k])
@@ -208,14 +219,15 @@ class Rounds:
                 avg = sum(weights[i] * d.values[k] for i, d in sent.items()) / total
             else:
                 avg = sum(d.values[k] for d in sent.values()) / len(sent)
-            arrays[k], scales[k] = encode(avg.astype(np.float32), self.cfg.outer_dtype)
+            means[k] = avg.astype(np.float32)
+        arrays, encoding = self._encode_step(means)
         self.members = set(self.open) | self.joined | self.excused
         self.leader = min(self.members)
         meta = {"round": self.round + 1, "tokens": self.tokens + total, "average": average}
-        meta.update(scales=scales, lr=self.cfg.outer_lr, mu=self.cfg.outer_momentum)
+        meta.update(encoding, lr=self.cfg.outer_lr, mu=self.cfg.outer_momentum)
         meta.update(leader=self.leader, members=sorted(self.members))
         base = self.key()
-        values = {k: decode(a, scales[k]) for k, a in arrays.items()}
+        values = self._decode_step(arrays, meta)
         self.apply(
             Step(
                 meta["round"], meta["tokens"], average, self.leader, frozenset(self.members), values
@@ -227,6 +239,36 @@ class Rounds:
         self.awaiting = set()
         for old in (self.took, self.fetched):
             old.pop(self.round - ROUNDS_KEPT, None)
+
+    def _encode_step(self, means: Shards) -> tuple[Shards, dict]:
+        """A step's arrays and their meta: ``means`` in ``outer_dtype``; for sparse, every
+        nonzero of them (:func:`~holmes_jax.diloco.sparse.nonzero`) or dense in the
+        expected dense dtype, whichever is fewer bytes."""
+        dense = self.expect.dense_dtype
+        arrays, scales = {}, {}
+        for k, avg in means.items():
+            arrays[k], scales[k] = encode(avg, dense)
+        if self.cfg.outer_dtype != "sparse":
+            return arrays, {"scales": scales}
+        parts = {
+            f"{k}{SEP}{p}": a
+            for k, avg in means.items()
+            for p, a in nonzero(avg, self.cfg.sparse).items()
+        }
+        if sum(a.nbytes for a in parts.values()) < sum(a.nbytes for a in arrays.values()):
+            return parts, {"encoding": "sparse"}
+        return arrays, {"encoding": dense, "scales": scales}
+
+    def _decode_step(self, arrays: Shards, meta: dict) -> Shards:
+        """The values of :meth:`_encode_step`'s output, decoded as every member decodes
+        them (the same functions, after their checks)."""
+        if meta.get("encoding") != "sparse":
+            return {k: decode(a, meta["scales"][k]) for k, a in arrays.items()}
+        sp = self.cfg.sparse
+        return {
+            k: sparse.decode({p: arrays[f"{k}{SEP}{p}"] for p in PARTS}, g.shape, sp, sp.step_bits)
+            for k, g in self.glob.items()
+        }
 
     def clear(self) -> None:
         """No round open: no deltas, arrivals, joiners or dead reported."""

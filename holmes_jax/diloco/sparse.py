@@ -37,8 +37,6 @@ import numpy as np
 
 PARTS = ("count", "idx", "val", "scale")
 SEP = "|"  # a part's array name: "<lane key>|<part>"
-BITS = (2, 4, 8, 32)
-CHUNK_MIN, CHUNK_MAX = 16, 1 << 15  # powers of two; a count fits uint16
 
 
 @dataclass(frozen=True)
@@ -223,6 +221,7 @@ class Feedback:
     def __init__(self, sp: Sparse, buffers: dict[str, np.ndarray] | None = None):
         self.sp = sp
         self.buffers: dict[str, np.ndarray] = dict(buffers or {})
+        self.generation = 0  # counts clears: values of a cleared buffer never come back
 
     def encode(self, key: str, delta: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """``(parts, decoded)``: the parts to send for ``delta`` and what they decode to."""
@@ -242,3 +241,4 @@ class Feedback:
     def clear(self) -> None:
         """A heal or a join: the island's progress (and what it kept of it) is dropped."""
         self.buffers = {}
+        self.generation += 1

@@ -49,6 +49,7 @@ from holmes_jax.diloco.messages import (
     parse_step,
 )
 from holmes_jax.diloco.rounds import Rounds, Shards, SyncConfig
+from holmes_jax.diloco.sparse import SEP, Feedback
 from holmes_jax.diloco.transport import (
     PeerRefused,
     Reply,
@@ -94,6 +95,7 @@ class OuterSync:
         security: Security | None = None,
         say: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        residual: Shards | None = None,
     ):
         self.island, self.peers, self.cfg = island, dict(peers), cfg
         self.clock = clock
@@ -102,6 +104,8 @@ class OuterSync:
         self.cut: set[int] = set()  # islands whose link to this one is cut (tests)
         self.cond = threading.Condition()
         self.r = Rounds(island, self.peers, cfg, state, shapes)
+        # outer_dtype sparse: what this island's deltas have not sent yet (error feedback)
+        self.feedback = Feedback(cfg.sparse, residual) if cfg.sparse is not None else None
         self.prober: threading.Thread | None = None  # the split probe in flight (Heal / merge)
         self.primary: int | None = None  # what it found: an island of another lineage
         self.sending: dict[int, int] = {}  # island -> results being written to it
@@ -176,39 +180,68 @@ class OuterSync:
         self._heal_if_split()  # the delta is inner progress: it goes to the merged lineage
         with self.cond:
             want, lineage = self.r.round + 1, self.r.lineage
+        payload, values = self._payload(delta)
+        kept = self.feedback.generation if self.feedback is not None else 0
+        delivered = False  # taken into a round (by this island as leader, or a peer)
         dead: set[int] = set()
-        while True:
-            with self.cond:
-                if self.r.round >= want or self.r.lineage != lineage:
-                    if self.r.lineage == lineage:  # closed without us (late): dropped
-                        return dict(self.r.glob)
-                    want, lineage = self.r.round + 1, self.r.lineage  # joined another lineage
-                leader = self.r.leader
-            if leader == self.island:
-                mine = Delta(self.island, want, lineage, tokens, frozenset(dead), average, delta)
+        try:
+            while True:
                 with self.cond:
-                    accepted = self.r.accept(mine, self.clock())
-                    self.cond.notify_all()
-                if accepted and self._await_result(want):
-                    self._await_fetched(want)
-                continue
-            try:
-                meta = self._post_delta(leader, want, delta, tokens, dead, lineage, average)
-            except Unreachable:
-                dead.add(leader)
-                self._fail_over(dead)
-                continue
-            except PeerRefused:  # absent from the round: the round's result, as the others'
-                meta = {}
-            try:
-                if meta.get("refused"):  # another lineage or a closed round: join it
-                    self._join_via(leader, then_next=bool(meta.get("late")))
+                    if self.r.round >= want or self.r.lineage != lineage:
+                        if self.r.lineage == lineage:  # closed, with us or without (late)
+                            return dict(self.r.glob)
+                        want, lineage = self.r.round + 1, self.r.lineage  # joined another
+                    leader = self.r.leader
+                if leader == self.island:
+                    mine = Delta(
+                        self.island, want, lineage, tokens, frozenset(dead), average, values
+                    )
+                    with self.cond:
+                        accepted = self.r.accept(mine, self.clock())
+                        self.cond.notify_all()
+                    delivered |= accepted
+                    if accepted and self._await_result(want):
+                        self._await_fetched(want)
                     continue
-                self._fetch_result(leader, want)
-                self._acknowledge(leader, want)
-            except Unreachable:
-                dead.add(leader)
-                self._fail_over(dead)
+                try:
+                    meta = self._post_delta(leader, want, payload, tokens, dead, lineage, average)
+                except Unreachable:
+                    dead.add(leader)
+                    self._fail_over(dead)
+                    continue
+                except PeerRefused:  # absent from the round: the round's result, as the others'
+                    meta = {}
+                delivered |= bool(meta) and not meta.get("refused")
+                try:
+                    if meta.get("refused"):  # another lineage or a closed round: join it
+                        self._join_via(leader, then_next=bool(meta.get("late")))
+                        continue
+                    self._fetch_result(leader, want)
+                    self._acknowledge(leader, want)
+                except Unreachable:
+                    dead.add(leader)
+                    self._fail_over(dead)
+        finally:  # not taken: sent with the next round's, unless a join cleared the buffer
+            if not delivered and values is not None and self.feedback is not None:
+                if self.feedback.generation == kept:
+                    self.feedback.unsent(values)
+
+    def _payload(self, delta: Shards | None) -> tuple[tuple[Shards, dict] | None, Shards | None]:
+        """A delta's wire arrays and meta, and the values the leader takes in: ``delta``
+        encoded in ``outer_dtype`` (a leader's own is taken as is); sparse, through the
+        error-feedback buffer, with the values its encoding decodes to."""
+        if delta is None:
+            return None, None
+        if self.feedback is None:
+            arrays, scales = {}, {}
+            for k, d in delta.items():
+                arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
+            return (arrays, {"scales": scales}), delta
+        arrays, values = {}, {}
+        for k, d in delta.items():
+            parts, values[k] = self.feedback.encode(k, d)
+            arrays.update({f"{k}{SEP}{p}": a for p, a in parts.items()})
+        return (arrays, {}), values
 
     def join(self) -> None:
         """A restarted island (no state) asks any live peer for its leader and joins it as a
@@ -315,16 +348,15 @@ class OuterSync:
         except (Unreachable, PeerRefused):
             pass
 
-    def _post_delta(self, j, want, delta, tokens, dead, lineage, average=False) -> dict:
+    def _post_delta(self, j, want, payload, tokens, dead, lineage, average=False) -> dict:
         meta = {"island": self.island, "round": want, "tokens": tokens, "dead": sorted(dead)}
         meta.update(lineage=lineage, average=average)
-        arrays, scales = {}, {}
-        if delta is None:
+        arrays: Shards = {}
+        if payload is None:
             meta["abstain"] = True
         else:
-            for k, d in delta.items():
-                arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
-            meta["scales"] = scales
+            arrays, extra = payload
+            meta.update(extra)
         body = self._request(j, "POST", "/delta", pack(meta, arrays), long=True)
         try:
             reply = json.loads(body)
@@ -340,6 +372,8 @@ class OuterSync:
         adopts. ``then_next``: then wait, without a delta, for the round open at the join
         to close and take its result in step with the others (:meth:`_await_next`)."""
         status = self._status(j)
+        if self.feedback is not None:  # the global it adopts drops the progress kept here
+            self.feedback.clear()
         with self.cond:
             r = self.r
             meta = {"island": self.island, "lineage": r.lineage, "next": then_next}

@@ -27,7 +27,7 @@ MAGIC = b"HJD1"
 ALIGN = 64  # bytes: every array starts at a multiple of this (aligned views, SIMD loads)
 HEADER_MAX = 16 << 20  # bytes of JSON header at most (a meta with a scale per key)
 MAX_DIMS = 8
-DTYPES = {name: np.dtype(name) for name in ("float32", "uint16", "int8")}
+DTYPES = {name: np.dtype(name) for name in ("float32", "uint16", "int8", "uint8")}
 Shards = dict[str, np.ndarray]  # "<leaf path>#<lane>" -> array
 
 

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,11 +30,12 @@ from holmes_jax.cluster.supervisor import parse_fault
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.plan_request import plan_request
-from holmes_jax.diloco.islands import IslandSync
+from holmes_jax.diloco.islands import IslandSync, load_outer
 from holmes_jax.diloco.messages import Expect
-from holmes_jax.diloco.rounds import split_state
+from holmes_jax.diloco.rounds import Rounds, SyncConfig, split_state
 from holmes_jax.diloco.scope import island_outputs, island_scope, steps_after_round, steps_to_rounds
-from holmes_jax.diloco.wire import unpack
+from holmes_jax.diloco.sparse import Feedback, Sparse
+from holmes_jax.diloco.wire import pack, unpack
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology, without_hosts
 from holmes_jax.runtime.loop import run
@@ -329,6 +331,33 @@ def test_a_lane_address_of_another_host_is_refused_in_one_line():
     island._expect = lambda lane: Expect({}, "fp32", frozenset({0, 1}), 1, 0.7, 0.9)  # no program
     with pytest.raises(ConfigError, match=r"diloco.peers\[0\]: lane 0's address 192.0.2.1:"):
         island._serve(0, None)
+
+
+def test_the_error_feedback_buffer_is_saved_and_restored_exactly(tmp_path):
+    """outer_dtype sparse: the buffer is saved beside the outer state and comes back bit
+    for bit with it; a buffer of another shape is one line naming the file."""
+    job = ["diloco.mode=independent", "diloco.island=0", "diloco.peers=[127.0.0.1:1,127.0.0.1:2]"]
+    job.append("diloco.outer_dtype=sparse")
+    cfg, share = island_scope(load_config(None, [*DILOCO, *job]))
+    island = IslandSync(cfg, None, share, say=lambda line: None)
+    sp = Sparse(16, 2, 2)
+    glob = {"w#0": np.arange(12, dtype=np.float32).reshape(4, 3)}
+    rounds = Rounds(0, [0, 1], SyncConfig(outer_dtype="sparse", sparse=sp), (glob, glob))
+    feedback = Feedback(sp)
+    feedback.encode("w#0", np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32))
+    sync = SimpleNamespace(snapshot=rounds.state_body, feedback=feedback, cond=threading.Lock())
+    island.syncs = {0: sync}
+    island.save_outer(str(tmp_path), 6)
+    expect = rounds.expect
+    (g, _), meta = load_outer(str(tmp_path), 6, 0, expect)
+    assert np.array_equal(g["w#0"], glob["w#0"]) and meta["residual"].keys() == {"w#0"}
+    assert np.array_equal(meta["residual"]["w#0"], feedback.buffers["w#0"])
+    # 10 values unsent, 1 sent with its 2-bit error (the largest decodes exactly)
+    assert np.count_nonzero(feedback.buffers["w#0"]) == 11
+    bad = tmp_path / "outer" / "6.lane0.residual"
+    bad.write_bytes(pack({}, {"w#0": np.zeros(5, np.float32)}))
+    with pytest.raises(ConfigError, match=r"6.lane0.residual: array w#0 is not a finite fp32"):
+        load_outer(str(tmp_path), 6, 0, expect)
 
 
 def test_a_late_round_moves_the_island_on_to_the_step_it_adopted():

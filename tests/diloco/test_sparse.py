@@ -108,3 +108,37 @@ def test_bits_pack_and_unpack():
     packed = sparse.pack_bits(codes, 12)
     assert packed.size == math.ceil(1001 * 12 / 8)
     assert np.array_equal(sparse.unpack_bits(packed, 12, 1001), codes)
+
+
+def test_a_peer_s_sparse_delta_is_checked_before_it_is_decoded():
+    """The messages' rules for a sparse delta and step: the parts of every key, each
+    checked (one line naming the array), the step's encoding named; the bound on a delta's
+    body (:meth:`Rounds.max_body`) holds the largest a real delta packs to."""
+    from holmes_jax.diloco.messages import Expect, Refused, parse_delta, parse_step
+    from holmes_jax.diloco.rounds import Rounds, SyncConfig
+    from holmes_jax.diloco.wire import pack
+
+    sp = Sparse(chunk=16, k=3, bits=2)
+    shapes = {"w#0": (5, 7), "b#0": (3,)}
+    ex = Expect(shapes, "sparse", frozenset({0, 1}), 100, 0.7, 0.9, sp)
+    rng = np.random.default_rng(5)
+    deltas = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    arrays = {f"{k}|{p}": a for k, d in deltas.items() for p, a in top_k(d, sp).items()}
+    meta = {"island": 1, "round": 1, "lineage": "root", "tokens": 10, "dead": []}
+    got = parse_delta(meta, arrays, 1, ex)
+    for k, d in deltas.items():
+        assert np.array_equal(got.values[k], decode(top_k(d, sp), d.shape, sp, 2))
+    cfg = SyncConfig(outer_dtype="sparse", sparse=sp)
+    state = ({k: np.zeros(s, np.float32) for k, s in shapes.items()},) * 2
+    assert len(pack(meta, arrays)) <= Rounds(0, [0, 1], cfg, state).max_body("/delta")
+
+    with pytest.raises(Refused, match=r"array w#0\|count: must be min"):
+        parse_delta(meta, {**arrays, "w#0|count": np.array([3, 3, 1], np.uint16)}, 1, ex)
+    bad = dict(arrays)
+    del bad["b#0|scale"]
+    with pytest.raises(Refused, match=r"arrays: 1 of the lane's keys missing \['b#0\|scale'\]"):
+        parse_delta(meta, bad, 1, ex)
+    step = {"round": 1, "tokens": 10, "average": False, "leader": 0, "members": [0, 1]}
+    step.update(lr=0.7, mu=0.9, encoding="fp16")
+    with pytest.raises(Refused, match="encoding=fp16: a step of this run is sparse or int8"):
+        parse_step(step, arrays, ex)
