@@ -57,11 +57,12 @@ class DilocoConfig:
     outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD
     fragments: int = 1  # streaming DiLoCo above 1; at most inner_steps and num_layers
     outer_dtype: OuterDtype = "fp32"  # what crosses the link (the outer state stays fp32)
-    # outer_dtype sparse (independent): each chunk of sparse_chunk values (a power of two,
-    # 16..32768) sends its sparse_k largest in sparse_bits bits (2, 4, 8 or 32) with one
-    # scale; what it does not send is kept and added to the next round's delta
+    # outer_dtype sparse (independent): the delta is cut into chunks of this many values (a
+    # power of two, 16..32768); what a chunk does not send is kept and added to the next
+    # round's delta (error feedback)
     sparse_chunk: int = 4096
-    sparse_k: int = 64
+    sparse_k: int = 64  # outer_dtype sparse: the values each chunk sends, its largest
+    # outer_dtype sparse: bits per value sent (2, 4, 8; 32 sends fp32), one scale a chunk
     sparse_bits: int = 2
     auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
     # K: the first K steps each end with plain averaging of the replicas (every fragment,

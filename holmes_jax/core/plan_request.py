@@ -32,6 +32,7 @@ from holmes_jax.core.spec import (
     check_batch,
     check_choice,
     check_positive,
+    outer_element_bytes,
     resolve_grad_buckets,
 )
 
@@ -198,6 +199,7 @@ class DilocoSpec:
     inner_steps: int  # H: inner steps per outer step
     fragments: int  # streaming DiLoCo above 1
     outer_dtype: str  # what crosses the link at an outer step
+    outer_bytes: float  # bytes per parameter an outer sync sends (outer_element_bytes)
     warmup_steps: int  # K: the first K steps each end with an averaging sync
     auto_min_speedup: float  # enabled=auto picks DiLoCo only at this predicted speedup
     mode: str  # spmd: one job; independent: one job per island
@@ -281,6 +283,7 @@ def plan_request(cfg: Config, attention: str = "xla") -> PlanRequest:
         inner_steps=d.inner_steps,
         fragments=d.fragments,
         outer_dtype=d.outer_dtype,
+        outer_bytes=outer_element_bytes(d.outer_dtype, d.sparse_chunk, d.sparse_k, d.sparse_bits),
         warmup_steps=d.warmup_steps,
         auto_min_speedup=d.auto_min_speedup,
         mode=d.mode,

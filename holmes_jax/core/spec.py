@@ -48,6 +48,20 @@ OuterDtype = Literal["fp32", "bf16", "int8", "sparse"]
 # outer_dtype sparse (holmes_jax.diloco.sparse): value bits, and the chunk's bounds (powers
 # of two; a chunk's count travels as uint16)
 SPARSE_BITS, SPARSE_CHUNK_MIN, SPARSE_CHUNK_MAX = (2, 4, 8, 32), 16, 1 << 15
+OUTER_DENSE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}  # per element (diloco.codec)
+
+
+def outer_element_bytes(outer_dtype: str, chunk: int, k: int, bits: int) -> float:
+    """Bytes a DiLoCo outer sync sends per parameter: the dense dtype's width, or for
+    ``sparse`` an island's delta in a large tensor: per chunk, ``k`` positions of
+    ``log2(chunk)`` bits and values of ``bits``, a uint16 count and an fp32 scale
+    (:mod:`holmes_jax.diloco.sparse`)."""
+    if outer_dtype != "sparse":
+        return OUTER_DENSE_BYTES[outer_dtype]
+    sent = min(k, chunk) * (chunk.bit_length() - 1 + bits) + 16 + 32
+    return sent / chunk / 8
+
+
 DilocoEnabled = Literal[True, False, "auto"]  # auto: the planner decides
 # parallel.grad_buckets: when the data-parallel gradient reduction runs (runtime.engine.zero).
 GradBuckets = Literal["layer", "step"]

@@ -88,6 +88,8 @@ class IslandSync:
         self.healed: float | BaseException = 0.0  # its seconds (or its error)
         self.security = security(self.d)
         self.skipped = 0  # the state's skipped steps at the last round (abstain when it grows)
+        self.counted = (0, 0)  # the lanes' (sent, received) bytes when the last round ended
+        self.round_bytes: tuple[int, int] | None = None  # the last round's
 
     @property
     def name(self) -> str:
@@ -287,6 +289,7 @@ class IslandSync:
             )
         glob = _union(parts)
         self.snap = glob  # the next inner steps start from it
+        self._count_round()
         ended, line = step, ""
         if self.main:
             ended = self._round_end()
@@ -364,6 +367,7 @@ class IslandSync:
         waited = time.perf_counter()
         glob = self._await_pending()
         waited = time.perf_counter() - waited
+        self._count_round()
         abstained = self.sent is None
         shift = glob if abstained else {k: glob[k] - self.sent[k] for k in glob}
         self.snap = glob
@@ -377,6 +381,22 @@ class IslandSync:
             took = time.perf_counter() - began
             self.say(f"{line}{took:.2f} s of which {waited:.2f} s waiting for the round)")
         return moved
+
+    def _count_round(self) -> None:
+        """The bytes this process's lanes sent and received since the last round ended
+        (counted at the transport: bodies and their trailers, in both roles)."""
+        totals = [sync.traffic.totals() for sync in self.syncs.values()]
+        now = (sum(t[0] for t in totals), sum(t[1] for t in totals))
+        self.round_bytes = (now[0] - self.counted[0], now[1] - self.counted[1])
+        self.counted = now
+
+    def report(self) -> dict[str, int]:
+        """The last round's ``outer_bytes_sent`` and ``outer_bytes_received`` (this
+        process's lanes), once a round has ended."""
+        if self.round_bytes is None:
+            return {}
+        sent, received = self.round_bytes
+        return {"outer_bytes_sent": sent, "outer_bytes_received": received}
 
     def _send(self, delta: Shards | None, tokens: int) -> None:
         try:

@@ -68,6 +68,10 @@ class Alone:
     def save(self, directory: str, step: int) -> None:
         pass
 
+    def report(self) -> dict[str, int]:
+        """Metrics of the outer sync for a record (none here)."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -131,6 +135,9 @@ class OwnJob:
 
     def save(self, directory: str, step: int) -> None:
         self.island.save_outer(directory, step)
+
+    def report(self) -> dict[str, int]:
+        return self.island.report()
 
     def close(self) -> None:
         self.island.close()

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from holmes_jax.diloco.auth import Signer, Verifier
+from holmes_jax.diloco.auth import TRAILER, Signer, Verifier
 from holmes_jax.diloco.codec import encode
 from holmes_jax.diloco.messages import (
     Delta,
@@ -56,6 +56,7 @@ from holmes_jax.diloco.transport import (
     Request,
     Security,
     Server,
+    Traffic,
     Unreachable,
     refusal,
     request,
@@ -113,6 +114,7 @@ class OuterSync:
         self.told: set[tuple] = set()  # kinds of refusal printed here (:meth:`_tell`)
         key = self.security.key
         self.signer = Signer(key, island) if key else None
+        self.traffic = Traffic()  # the bytes this island's outer sync sent and received
         self.server = Server(
             self.peers[island],
             self._handle,
@@ -122,6 +124,7 @@ class OuterSync:
             Verifier(key) if key else None,
             self.security.tls_server,
             self._on_send,
+            self.traffic,
         )
 
     # the protocol state, read by the island's runtime and tests
@@ -278,6 +281,9 @@ class OuterSync:
             self.peers[j], method, path, body, wait, self.island, self.signer,
             self.security.tls_client, self.r.max_reply(),
         )  # fmt: skip
+        if resp is not None:
+            signed = TRAILER if self.signer is not None else 0
+            self.traffic.add(sent=len(body) + signed, received=len(resp.body) + signed)
         if resp is None or resp.status in (404, 500, 503, 504):
             raise Unreachable(j)
         if resp.status != 200:

@@ -108,7 +108,9 @@ class Server:
         verifier: Verifier | None = None,
         tls: ssl.SSLContext | None = None,
         on_send: Callable | None = None,
+        traffic: Traffic | None = None,
     ):
+        self.traffic = traffic or Traffic()
         self.handle, self.limit, self.say = handle, limit, say
         self.verifier, self.on_send, self.timeout_s = verifier, on_send, timeout_s
         self.refused: Counter[str] = Counter()  # reason's first words -> count
@@ -217,6 +219,7 @@ class Server:
         if got is None:
             return self.refuse(peer, 400, f"truncated body: fewer than the {length} bytes declared")
         body, dig, trailer = got
+        self.traffic.add(received=len(body) + len(trailer or b""))
         if keyed:
             try:
                 self.signer.check_trailer("req", req.headers["X-Nonce"], dig, trailer)
@@ -261,16 +264,38 @@ class Server:
             known = next((dig for cached, dig in self.digests if cached is body), None)
         try:
             dig = send_body(req.wfile.write, body, self.signer is not None and known is None)
+            self.traffic.add(sent=len(body))
             if self.signer is None:
                 return True
             if dig is not None:
                 with self.lock:
                     self.digests = [(body, dig), *self.digests[:1]]  # the last two bodies
-            req.wfile.write(self.signer.trailer("rep", nonce, known or dig))
+            trailer = self.signer.trailer("rep", nonce, known or dig)
+            req.wfile.write(trailer)
+            self.traffic.add(sent=len(trailer))
         except OSError:
             req.close_connection = True
             return False
         return True
+
+
+class Traffic:
+    """The bytes of bodies (and their trailers) an island sent and received over its
+    outer sync, as requests and as replies, counted where they cross the socket."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sent = self.received = 0
+
+    def add(self, sent: int = 0, received: int = 0) -> None:
+        with self.lock:
+            self.sent += sent
+            self.received += received
+
+    def totals(self) -> tuple[int, int]:
+        """``(sent, received)`` so far."""
+        with self.lock:
+            return self.sent, self.received
 
 
 def drain(sock, timeout: float) -> bool:

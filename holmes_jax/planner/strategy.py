@@ -35,7 +35,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.core.spec import REMAT_POLICIES, SCHEDULES, check_batch
+from holmes_jax.core.spec import OUTER_DENSE_BYTES, REMAT_POLICIES, SCHEDULES, check_batch
 from holmes_jax.planner.search import Plan, search_plan
 from holmes_jax.planner.topology import Link, Topology
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("pipeline", "hierarchical", "diloco")
 FREE_GBPS = 1e12  # the inter-island link DiLoCo's inner plan is priced on (nothing crosses)
-OUTER_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}  # per element (diloco.codec)
+OUTER_BYTES = OUTER_DENSE_BYTES  # per element of a dense outer dtype (diloco.codec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +123,14 @@ class StrategyChoice:
 
 
 def outer_sync_s(
-    params: float, dtype: str, replicas: int, link_bytes_per_s: float, lat_s: float
+    params: float, element_bytes: float, replicas: int, link_bytes_per_s: float, lat_s: float
 ) -> float:
-    """One outer all-reduce: ``2(R-1)/R · P·β / bw + 2(R-1)·lat`` (see the module doc)."""
+    """One outer all-reduce: ``2(R-1)/R · P·β / bw + 2(R-1)·lat`` (see the module doc),
+    ``β`` = ``element_bytes``."""
     if replicas <= 1:
         return 0.0
     ring = 2 * (replicas - 1) / replicas
-    return ring * params * OUTER_BYTES[dtype] / link_bytes_per_s + 2 * (replicas - 1) * lat_s
+    return ring * params * element_bytes / link_bytes_per_s + 2 * (replicas - 1) * lat_s
 
 
 def exposed_outer_s(sync_s: float, fragments: int) -> tuple[float, float]:
@@ -249,7 +250,7 @@ def _outer_cost(dl: DilocoSpec, topology: Topology, params: int) -> tuple[float,
     slow = _slowest_inter_island(topology)
     hosts = min(isl.num_hosts for isl in topology.islands)
     replicas = len(topology.islands)
-    sync = outer_sync_s(params, dl.outer_dtype, replicas, hosts * slow.bytes_per_s, slow.latency_s)
+    sync = outer_sync_s(params, dl.outer_bytes, replicas, hosts * slow.bytes_per_s, slow.latency_s)
     return sync, exposed_outer_s(sync, dl.fragments)[0]
 
 
@@ -330,7 +331,7 @@ def _price_diloco(req, topology, tokens, search, equal) -> StrategyPrice:
     t = inner.predicted_step_s
     n = outer_syncs_per_step(dl, req.steps)
     step = t + exposed * n
-    cross = 2 * (R - 1) / R * model.num_params * OUTER_BYTES[dl.outer_dtype] * n
+    cross = 2 * (R - 1) / R * model.num_params * dl.outer_bytes * n
     return StrategyPrice(
         "diloco", inner, step, tokens / step, cross, outer_sync_s=sync, exposed_s=exposed, **base
     )

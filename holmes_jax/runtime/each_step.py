@@ -127,6 +127,7 @@ class Logbook:
         rec.update(self.data.report(self.window_steps))
         if self.outer.name is not None:
             rec["island"] = self.outer.name
+            rec.update(self.outer.report())
         if self.first:
             rec["compile_s"] = self.stepper.compile_s
         memory = peak_memory_gb(self.local_devices)

@@ -253,6 +253,30 @@ def test_resume_across_an_outer_step_is_exact(alone, tmp_path):
     assert rest[-1]["eval_loss"] == pytest.approx(history[-1]["eval_loss"], rel=1e-6)
 
 
+def test_a_sparse_island_resumes_with_its_error_feedback_exactly(tmp_path):
+    """outer_dtype sparse (8 of each 64 values, 2 bits): the buffer of what the island has
+    not sent is saved with each checkpoint's outer state; resumed at step 4, the run sends
+    the uninterrupted run's deltas and logs its losses (the buffer holds mass, so a resume
+    without it would send other deltas at step 6)."""
+    sparse = ["diloco.outer_dtype=sparse", "diloco.sparse_chunk=64", "diloco.sparse_k=8"]
+    whole = run(alone_config(tmp_path / "a", *sparse))
+    src = tmp_path / "a" / "island0" / "checkpoints"
+    dst = tmp_path / "b" / "island0" / "checkpoints"
+    shutil.copytree(src / "4", dst / "4")
+    (dst / "outer").mkdir()
+    for lane in (0, 1):
+        for kind in ("outer", "residual"):
+            name = f"4.lane{lane}.{kind}"
+            shutil.copy(src / "outer" / name, dst / "outer" / name)
+        kept = unpack((src / "outer" / f"4.lane{lane}.residual").read_bytes())[1]
+        assert kept and all(np.abs(v).max() > 0 for v in kept.values())
+    rest = run(alone_config(tmp_path / "b", *sparse))
+    assert [r["step"] for r in rest] == [5, 6, 7, 8]
+    for got, want in zip(rest, whole[4:], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), got["step"]
+    assert whole[1]["outer_bytes_sent"] == 0  # alone: its rounds never leave it
+
+
 def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spmd, proc_env):
     """``launch --independent-islands`` with ib on one host and roce on two: two lanes,
     both served by ib's process, one by each of roce's. roce-1 is killed at step 4 and the
@@ -292,6 +316,8 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
         for key in ib_g:
             np.testing.assert_array_equal(ib_g[key], roce_g[key])
     assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
+    # the bytes of the last round, counted at the transport on each side
+    assert ib[8]["outer_bytes_sent"] > 0 and roce[8]["outer_bytes_received"] > 0
 
 
 class _Sync:
@@ -495,6 +521,8 @@ def test_a_nan_island_abstains_and_the_others_train_as_if_it_missed_the_round(tm
     for key in glob[0]:
         np.testing.assert_array_equal(glob[0][key], glob[1][key])
     assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
+    # the bytes of the last round, counted at the transport on each side
+    assert ib[8]["outer_bytes_sent"] > 0 and roce[8]["outer_bytes_received"] > 0
 
     ref_out, ref_ib, ref_roce = launch("roce-0@4:abstain", tmp_path / "reference")
     assert "island roce: diloco.inject_abstain_steps since step" in ref_out, ref_out

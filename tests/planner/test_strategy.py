@@ -8,6 +8,8 @@ import pytest
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.plan_request import plan_request
+from holmes_jax.core.spec import outer_element_bytes
+from holmes_jax.diloco.sparse import Sparse
 from holmes_jax.planner.strategy import (
     OUTER_BYTES,
     exposed_outer_s,
@@ -28,11 +30,18 @@ def cfg(*sets, name="quickstart"):
 
 def test_outer_sync_formula_by_hand():
     # 2 replicas, 1e6 params fp32 over 1.25e6 B/s (10 Mbit/s), 100 us: ring 1 -> 3.2 s
-    assert outer_sync_s(1e6, "fp32", 2, 1.25e6, 1e-4) == pytest.approx(4e6 / 1.25e6 + 2e-4)
+    fp32 = OUTER_BYTES["fp32"]
+    assert outer_sync_s(1e6, fp32, 2, 1.25e6, 1e-4) == pytest.approx(4e6 / 1.25e6 + 2e-4)
     # 4 replicas: ring 2*3/4
-    assert outer_sync_s(1e6, "bf16", 4, 1e6, 0.0) == pytest.approx(1.5 * 2e6 / 1e6)
-    assert outer_sync_s(1e6, "fp32", 1, 1e6, 0.0) == 0.0
+    assert outer_sync_s(1e6, OUTER_BYTES["bf16"], 4, 1e6, 0.0) == pytest.approx(1.5 * 2e6 / 1e6)
+    assert outer_sync_s(1e6, OUTER_BYTES["fp32"], 1, 1e6, 0.0) == 0.0
     assert OUTER_BYTES["int8"] < OUTER_BYTES["bf16"] < OUTER_BYTES["fp32"]
+    # sparse at the default: 64 of 4096 values, 12-bit positions, 2-bit values, per chunk
+    # a uint16 count and an fp32 scale: 139x fewer bytes than fp32
+    sparse = outer_element_bytes("sparse", 4096, 64, 2)
+    assert sparse == pytest.approx((64 * 14 + 48) / 4096 / 8)
+    assert 4.0 / sparse == pytest.approx(138.8, abs=0.1)
+    assert sparse == pytest.approx(Sparse().bits_per_value() / 8, rel=1e-4)
 
 
 def test_fragment_syncs_block_so_fragments_cut_the_pause_not_the_total():
