@@ -14,7 +14,10 @@ The rules:
 - a delta's arrays are exactly the lane's keys, each of the lane's shape and of the wire
   dtype of ``diloco.outer_dtype``; its scales are one per key, finite and positive
   (``int8``; exactly 1 for ``fp32`` and ``bf16``, whose payload carries its own range);
-  the decoded values are finite;
+  the decoded values are finite. A ``sparse`` delta holds each key's four parts, each
+  checked by :func:`~holmes_jax.diloco.sparse.check` (sizes, counts of exactly
+  ``sparse_k`` a chunk, positions increasing inside their chunk, scales that decode
+  finite);
 - a delta's ``tokens`` is an integer in ``[0, round_tokens]``, where ``round_tokens`` is
   the tokens of the whole global batch over ``diloco.inner_steps`` steps: no island's
   share of one round can be larger;
@@ -23,7 +26,9 @@ The rules:
   model, when it sends one, is the lane's keys and shapes in finite fp32;
 - a result from a leader: its step's ``lr`` and ``mu`` equal this island's own
   ``diloco.outer_lr`` and ``outer_momentum``, its arrays are the lane's in the wire dtype
-  with finite values; a whole state is the lane's keys twice (``g/``, ``m/``), finite fp32.
+  with finite values (a sparse run's step: sparse parts at most a chunk's length each, or
+  dense in ``int8`` / ``fp32``, as ``encoding`` says); a whole state is the lane's keys
+  twice (``g/``, ``m/``), finite fp32.
 """
 
 from __future__ import annotations
