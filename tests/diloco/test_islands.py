@@ -35,6 +35,7 @@ from holmes_jax.diloco.messages import Expect
 from holmes_jax.diloco.rounds import Rounds, SyncConfig, split_state
 from holmes_jax.diloco.scope import island_outputs, island_scope, steps_after_round, steps_to_rounds
 from holmes_jax.diloco.sparse import Feedback, Sparse
+from holmes_jax.diloco.transport import Traffic
 from holmes_jax.diloco.wire import pack, unpack
 from holmes_jax.planner.grid import island_batch_rows
 from holmes_jax.planner.topology import load_topology, without_hosts
@@ -327,6 +328,7 @@ class _Sync:
     def __init__(self, glob):
         self.cond, self.round, self.members = threading.Condition(), 0, {0, 1}
         self.glob, self.sent, self.skip = dict(glob), [], 0
+        self.traffic = Traffic()  # nothing crosses a socket here
 
     def sync_delta(self, delta, tokens, average=False):
         self.sent.append(float(delta["w"][0]))
