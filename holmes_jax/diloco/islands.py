@@ -89,7 +89,7 @@ class IslandSync:
         self.security = security(self.d)
         self.skipped = 0  # the state's skipped steps at the last round (abstain when it grows)
         self.counted = (0, 0)  # the lanes' (sent, received) bytes when the last round ended
-        self.round_bytes: tuple[int, int] | None = None  # the last round's
+        self.round_bytes: tuple[int, int] | None = None  # the rounds' since the last report
 
     @property
     def name(self) -> str:
@@ -387,15 +387,16 @@ class IslandSync:
         (counted at the transport: bodies and their trailers, in both roles)."""
         totals = [sync.traffic.totals() for sync in self.syncs.values()]
         now = (sum(t[0] for t in totals), sum(t[1] for t in totals))
-        self.round_bytes = (now[0] - self.counted[0], now[1] - self.counted[1])
+        last = self.round_bytes or (0, 0)  # not reported yet (a record skipped): added
+        self.round_bytes = (last[0] + now[0] - self.counted[0], last[1] + now[1] - self.counted[1])
         self.counted = now
 
     def report(self) -> dict[str, int]:
-        """The last round's ``outer_bytes_sent`` and ``outer_bytes_received`` (this
-        process's lanes), once a round has ended."""
+        """``outer_bytes_sent`` and ``outer_bytes_received`` of the rounds ended since the
+        last report (this process's lanes): on the first record after a round only."""
         if self.round_bytes is None:
             return {}
-        sent, received = self.round_bytes
+        (sent, received), self.round_bytes = self.round_bytes, None
         return {"outer_bytes_sent": sent, "outer_bytes_received": received}
 
     def _send(self, delta: Shards | None, tokens: int) -> None:
