@@ -652,10 +652,21 @@ def test_the_bytes_each_island_sends_are_counted_at_the_transport(islands):
         made.extend(nodes)
         thetas = [{k: v + 0.01 * (i + 1) for k, v in glob.items()} for i in range(2)]
         sync_all(nodes, thetas, [1, 1])
+        wait_for(served(nodes))  # a reply's bytes count once its server thread has sent it
         (lead_sent, lead_got), (member_sent, member_got) = (n.traffic.totals() for n in nodes)
         assert member_sent == lead_got and lead_sent == member_got > 0, dtype
         sent[dtype] = member_sent
     assert sent["fp32"] > 3 * 512 * 512 * 4 and sent["fp32"] / sent["sparse"] > 120, sent
+
+
+def served(nodes):
+    """No request is being served by any of ``nodes`` (every reply counted)."""
+
+    def idle():
+        return all(n.server.active == 0 for n in nodes)
+
+    idle.__name__ = "every request served"
+    return idle
 
 
 def _zeros(tree):
