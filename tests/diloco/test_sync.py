@@ -300,7 +300,7 @@ def slow_relay(target, up, down=None):
 def big_state(seed=3):
     """48 KB of global model: transfers that take a visible time through a slow relay."""
     rng = np.random.default_rng(seed)
-    glob = {k: rng.standard_normal((512, 512)).astype(np.float32) for k in KEYS}
+    glob = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in KEYS}
     return glob, {k: np.zeros_like(v) for k, v in glob.items()}
 
 
