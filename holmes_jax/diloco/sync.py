@@ -183,7 +183,9 @@ class OuterSync:
         self._heal_if_split()  # the delta is inner progress: it goes to the merged lineage
         with self.cond:
             want, lineage = self.r.round + 1, self.r.lineage
-        payload, values = self._payload(delta)
+        # sparse: encoded now, through the error-feedback buffer (the leader's own delta
+        # too); dense: encoded when first posted (a leader's own is taken as is)
+        payload, values = self._sparse(delta) if self.feedback is not None else (None, delta)
         kept = self.feedback.generation if self.feedback is not None else 0
         delivered = False  # taken into a round (by this island as leader, or a peer)
         dead: set[int] = set()
@@ -206,6 +208,8 @@ class OuterSync:
                     if accepted and self._await_result(want):
                         self._await_fetched(want)
                     continue
+                if payload is None and delta is not None:
+                    payload = self._dense(delta)
                 try:
                     meta = self._post_delta(leader, want, payload, tokens, dead, lineage, average)
                 except Unreachable:
@@ -229,17 +233,18 @@ class OuterSync:
                 if self.feedback.generation == kept:
                     self.feedback.unsent(values)
 
-    def _payload(self, delta: Shards | None) -> tuple[tuple[Shards, dict] | None, Shards | None]:
-        """A delta's wire arrays and meta, and the values the leader takes in: ``delta``
-        encoded in ``outer_dtype`` (a leader's own is taken as is); sparse, through the
-        error-feedback buffer, with the values its encoding decodes to."""
+    def _dense(self, delta: Shards) -> tuple[Shards, dict]:
+        """A delta's wire arrays in ``outer_dtype`` and their meta (the scales)."""
+        arrays, scales = {}, {}
+        for k, d in delta.items():
+            arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
+        return arrays, {"scales": scales}
+
+    def _sparse(self, delta: Shards | None) -> tuple[tuple[Shards, dict] | None, Shards | None]:
+        """A sparse delta's wire parts (and their meta) through the error-feedback buffer,
+        and the values they decode to: what the leader takes in."""
         if delta is None:
             return None, None
-        if self.feedback is None:
-            arrays, scales = {}, {}
-            for k, d in delta.items():
-                arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
-            return (arrays, {"scales": scales}), delta
         arrays, values = {}, {}
         for k, d in delta.items():
             parts, values[k] = self.feedback.encode(k, d)
