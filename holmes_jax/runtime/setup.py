@@ -42,6 +42,7 @@ from holmes_jax.runtime.data.loader import (
     eval_batches,
     load_corpus,
     local_rows,
+    make_batch,
 )
 from holmes_jax.runtime.engine.mesh import collectives_block
 from holmes_jax.runtime.model.decoder import attention_kernel
@@ -182,7 +183,6 @@ class Data:
             corpus.description,
         )
         mine = local_rows(self.sharding, self.sampler.global_batch_size)
-        self.shape = (self.sampler.global_batch_size, seq + 1)
 
         def read(step: int) -> tuple[np.ndarray, np.ndarray | None]:
             if not corpus.names:  # one source: no counts to keep
@@ -193,15 +193,14 @@ class Data:
 
     def batch(self, step: int) -> jax.Array:
         """Step ``step + 1``'s batch, this process's rows of it on its devices."""
-        rows = self.feed.get(step)
-        return jax.make_array_from_process_local_data(self.sharding, rows, self.shape)
+        return make_batch(self.feed.get(step), self.sharding, self.sampler.global_batch_size)
 
     def report(self, steps: int) -> dict[str, float]:
         """Metrics of the last ``steps`` steps: the mean seconds a step waited for its rows,
         and each mixture source's tokens so far (``tokens_<name>``)."""
         out = {"data_wait_s": self.feed.take_wait() / max(steps, 1)}
         if self.feed.rows is not None:
-            tokens = self.feed.rows * (self.shape[1] - 1)
+            tokens = self.feed.rows * self.sampler.seq_len
             out.update({f"tokens_{n}": int(t) for n, t in zip(self.names, tokens, strict=True)})
         return out
 
@@ -357,5 +356,4 @@ def check_memory(cfg: Config, shape, topology, devices) -> None:
 
 def _global_batch(rows: np.ndarray, sharding) -> jax.Array:
     """A global [B, T+1] array from a host copy of all rows, each process giving its own."""
-    mine = local_rows(sharding, rows.shape[0])
-    return jax.make_array_from_process_local_data(sharding, rows[mine], rows.shape)
+    return make_batch(rows[local_rows(sharding, rows.shape[0])], sharding, rows.shape[0])

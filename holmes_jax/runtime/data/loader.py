@@ -20,9 +20,9 @@ hold ``eval_fraction`` of the bytes (at least one file, never all of them).
 
 Batches are a pure function of ``(seed, step)`` (:class:`BatchSampler`): a resumed run only
 needs the step to see exactly the batches an uninterrupted run sees. A window never crosses
-a shard's end. Each process gathers
-only the rows of the global batch that its devices hold (:func:`local_rows`) and
-:func:`make_batch` assembles the global ``jax.Array`` from them.
+a shard's end. Each process gathers only the rows of the global batch that its devices
+hold (:func:`local_rows`) and :func:`make_batch` assembles the global ``jax.Array`` from
+them.
 
 Nothing happens at import time, and jax is imported only inside :func:`local_rows` and
 :func:`make_batch`.
@@ -495,9 +495,7 @@ class BatchSampler:
         Returns:
             int32 [R, seq_len + 1]; inputs are [:, :-1], targets [:, 1:].
         """
-        src, pos = self.draws(step)
-        pick = np.asarray(row_indices, dtype=np.int64)  # [R]
-        return self._read(src[pick], pos[pick])
+        return self.rows_and_sources(step, row_indices)[0]
 
     def global_batch(self, step: int) -> np.ndarray:
         """All rows at step: int32 [B, seq_len + 1]."""
@@ -566,19 +564,17 @@ def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> np.nd
     return np.unique(np.concatenate([rows[index[0]] for index in index_map.values()]))
 
 
-def make_batch(sampler: BatchSampler, step: int, sharding: jax.sharding.Sharding) -> jax.Array:
-    """The global batch at step as a sharded array, built from this process's rows only.
+def make_batch(local: np.ndarray, sharding: jax.sharding.Sharding, rows: int) -> jax.Array:
+    """The global ``[rows, T + 1]`` batch as a sharded array, from this process's rows only.
 
     Args:
-        sampler: the batch sampler.
-        step: training step.
-        sharding: sharding of the [B, seq_len + 1] batch.
+        local: this process's rows, int32 [R, T + 1], in :func:`local_rows`' order.
+        sharding: sharding of the batch.
+        rows: rows in the global batch.
 
     Returns:
-        int32 jax.Array [B, seq_len + 1] with the given sharding.
+        int32 jax.Array [rows, T + 1] with the given sharding.
     """
     import jax
 
-    global_shape = (sampler.global_batch_size, sampler.seq_len + 1)
-    local = sampler.rows(step, local_rows(sharding, sampler.global_batch_size))  # [R, T+1]
-    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+    return jax.make_array_from_process_local_data(sharding, local, (rows, local.shape[1]))
