@@ -29,6 +29,7 @@ run draws the same masks as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,7 +182,7 @@ class Program:
             | skip_metrics({"total": each, "run": each})
             | {DIGEST: NamedSharding(mesh, PartitionSpec(BATCH_AXES))}
         )
-        self.batch_shards = mesh.shape[REPLICA] * mesh.shape[DATA]
+        self.batch_shards = math.prod(mesh.shape[a] for a in BATCH_AXES)  # the digest's parts
         self.shardings = sh = Shardings(
             params=param_sharding,
             state=state,
