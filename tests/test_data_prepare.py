@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.data import main
 from holmes_jax.runtime.data import prepare as prepare_module
+from holmes_jax.runtime.data import tasks as tasks_module
 from holmes_jax.runtime.data.loader import load_corpus
 
 TEXT = (
@@ -255,7 +256,7 @@ def test_tasks_end_at_the_first_safe_cut_past_their_size(tmp_path, monkeypatch, 
     """Byte ranges tile the file; each ends at the first newline past ``task_bytes``
     (text: whose next line opens with a non-space character, multi-byte ones included),
     found across the scan's block edges."""
-    monkeypatch.setattr(prepare_module, "_SCAN", 5)  # many block edges
+    monkeypatch.setattr(tasks_module, "SCAN", 5)  # many block edges
     rng = np.random.default_rng(0)
     heads = ["word", "  indented", "中文", "😀x", "\ttab", "", "\u3000wide space", "x = 1"]
     data = "".join(heads[i] + "\n" for i in rng.integers(0, len(heads), 300)).encode()
@@ -268,7 +269,7 @@ def test_tasks_end_at_the_first_safe_cut_past_their_size(tmp_path, monkeypatch, 
         head = data[cut : cut + 4].decode("utf-8", "ignore")[:1]
         return not text or (head != "" and not head.isspace())
 
-    ranges = list(prepare_module._ranges(path, len(data), 23, text=text))
+    ranges = list(tasks_module.ranges(path, len(data), 23, text=text))
     assert ranges[0][0] == 0 and ranges[-1][1] == len(data)
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
     for start, stop in ranges[:-1]:
@@ -276,4 +277,4 @@ def test_tasks_end_at_the_first_safe_cut_past_their_size(tmp_path, monkeypatch, 
         assert not any(safe(c) for c in range(start + 23, stop)), (start, stop)
     assert len(ranges) > 20
     (tmp_path / "empty.txt").write_bytes(b"")
-    assert list(prepare_module._ranges(tmp_path / "empty.txt", 0, 23, text)) == [(0, 0)]
+    assert list(tasks_module.ranges(tmp_path / "empty.txt", 0, 23, text)) == [(0, 0)]

@@ -68,3 +68,11 @@ def decode(payload: np.ndarray, scale: float) -> np.ndarray:
     if payload.dtype == np.float32:
         return payload
     return payload.astype(np.float32) * np.float32(scale)
+
+
+def encode_tree(tree: dict[str, np.ndarray], dtype: str) -> tuple[dict, dict[str, float]]:
+    """Host: :func:`encode` of every array of ``tree``: ``(payloads, scales)`` by key."""
+    payloads, scales = {}, {}
+    for k, v in tree.items():
+        payloads[k], scales[k] = encode(v, dtype)
+    return payloads, scales

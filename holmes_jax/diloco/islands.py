@@ -39,18 +39,16 @@ from holmes_jax.core.config import Config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.keyfile import read_key
 from holmes_jax.diloco.lanes import LaneLayout, process_lanes
-from holmes_jax.diloco.messages import Expect, Refused, finite, parse_state
+from holmes_jax.diloco.messages import Expect, finite
+from holmes_jax.diloco.outer_files import OUTER_DIR, load_outer, save_lane
 from holmes_jax.diloco.outer_step import due_fragments, in_warmup
 from holmes_jax.diloco.rounds import SyncConfig
 from holmes_jax.diloco.scope import Share, steps_after_round, steps_to_rounds
 from holmes_jax.diloco.sync import OuterSync, Shards
 from holmes_jax.diloco.transport import Security, client_context, live_round, server_context
-from holmes_jax.diloco.wire import WireError, pack, unpack
 
 PROBE_S = 1.0  # seconds to wait for a peer's /status at start
 COMPILE_WAIT_S = 3600  # several processes: how long they wait for the slowest to compile
-OUTER_DIR = "outer"  # beside the step directories of checkpoint.dir
-OUTER_META = ("round", "tokens", "lineage", "parent", "fork_tokens")
 
 
 class IslandSync:
@@ -434,11 +432,11 @@ class IslandSync:
         folder = epath.Path(directory) / OUTER_DIR
         folder.mkdir(parents=True, exist_ok=True)
         for lane, sync in self.syncs.items():
-            _write_whole(folder / _outer_name(step, lane), sync.snapshot())
+            kept = None
             if sync.feedback is not None:
                 with sync.cond:
                     kept = dict(sync.feedback.buffers)
-                _write_whole(folder / _residual_name(step, lane), pack({"kind": "residual"}, kept))
+            save_lane(folder, step, lane, sync.snapshot(), kept)
 
     def eval_params(self, state):
         """The global model in the program's layout (what evaluation runs on, as under
@@ -534,67 +532,6 @@ def _settled(state) -> float:
 
 def _late(step: int, ended: int) -> str:
     return f"; late: a later round adopted, on from step {ended}" if ended > step else ""
-
-
-def load_outer(directory: str, step: int, lane: int, expect: Expect):
-    """:meth:`IslandSync.save_outer`'s ``((global, momentum), meta)`` of ``lane`` for
-    ``step``, or None (none saved, or no ``directory``); ``meta["residual"]`` holds the
-    error-feedback buffer when one was saved.
-
-    Raises:
-      ConfigError: the file is not a saved outer state of this lane's keys and shapes, or
-        holds non-finite values; a saved buffer is not fp32 arrays of the lane's keys and
-        shapes, finite.
-    """
-    if not directory:
-        return None
-    path = epath.Path(directory) / OUTER_DIR / _outer_name(step, lane)
-    if not path.exists():
-        return None
-    try:
-        meta, arrays = unpack(path.read_bytes())
-        state = parse_state(meta, arrays, expect)
-    except (WireError, Refused) as err:
-        raise ConfigError(
-            f"{path}: not this island's outer state ({err}); remove it to resume without it"
-        ) from None
-    meta = {k: getattr(state, k) for k in OUTER_META}
-    residual = epath.Path(directory) / OUTER_DIR / _residual_name(step, lane)
-    if residual.exists():
-        meta["residual"] = _load_residual(residual, expect)
-    return (state.glob, state.mom), meta
-
-
-def _load_residual(path, expect: Expect) -> Shards:
-    """A saved error-feedback buffer, checked against the lane's keys and shapes."""
-    try:
-        _, arrays = unpack(path.read_bytes())
-    except WireError as err:
-        raise ConfigError(f"{path}: not an error-feedback buffer ({err})") from None
-    for k, a in arrays.items():
-        want = expect.shapes.get(k)
-        if want is None or a.shape != want or a.dtype != np.float32 or not finite(a):
-            raise ConfigError(
-                f"{path}: array {k[:60]} is not a finite fp32 buffer of one of the lane's "
-                "keys and shapes; remove the file to resume with an empty buffer"
-            )
-    return {k: np.array(a) for k, a in arrays.items()}
-
-
-def _write_whole(path, body: bytes) -> None:
-    """``body`` to ``path``: written beside it, then renamed."""
-    part = path.parent / f"{path.name}.partial"
-    with part.open("wb") as f:
-        f.write(body)
-    part.rename(path)
-
-
-def _residual_name(step: int, lane: int) -> str:
-    return f"{step}.lane{lane}.residual"
-
-
-def _outer_name(step: int, lane: int) -> str:
-    return f"{step}.lane{lane}.outer"
 
 
 def security(d) -> Security:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from holmes_jax.diloco import sparse
-from holmes_jax.diloco.codec import decode, encode, nesterov
+from holmes_jax.diloco.codec import decode, encode_tree, nesterov
 from holmes_jax.diloco.messages import (
     Delta,
     Expect,
@@ -245,9 +245,7 @@ class Rounds:
         nonzero of them (:func:`~holmes_jax.diloco.sparse.nonzero`) or dense in the
         expected dense dtype, whichever is fewer bytes."""
         dense = self.expect.dense_dtype
-        arrays, scales = {}, {}
-        for k, avg in means.items():
-            arrays[k], scales[k] = encode(avg, dense)
+        arrays, scales = encode_tree(means, dense)
         if self.cfg.outer_dtype != "sparse":
             return arrays, {"scales": scales}
         parts = {

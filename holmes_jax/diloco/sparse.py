@@ -233,6 +233,15 @@ class Feedback:
         self.buffers[key] = u - sent
         return parts, sent
 
+    def encode_tree(self, delta: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+        """:meth:`encode` of every key: the parts to send, named ``<key>|<part>``, and the
+        values they decode to."""
+        arrays, values = {}, {}
+        for k, d in delta.items():
+            parts, values[k] = self.encode(k, d)
+            arrays.update({f"{k}{SEP}{p}": a for p, a in parts.items()})
+        return arrays, values
+
     def unsent(self, values: dict[str, np.ndarray]) -> None:
         """A round closed without this island's values: they go back into the buffer."""
         for key, v in values.items():

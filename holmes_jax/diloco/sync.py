@@ -36,7 +36,7 @@ from collections.abc import Callable
 import numpy as np
 
 from holmes_jax.diloco.auth import TRAILER, Signer, Verifier
-from holmes_jax.diloco.codec import encode
+from holmes_jax.diloco.codec import encode_tree
 from holmes_jax.diloco.messages import (
     Delta,
     Refused,
@@ -49,7 +49,7 @@ from holmes_jax.diloco.messages import (
     parse_step,
 )
 from holmes_jax.diloco.rounds import Rounds, Shards, SyncConfig
-from holmes_jax.diloco.sparse import SEP, Feedback
+from holmes_jax.diloco.sparse import Feedback
 from holmes_jax.diloco.transport import (
     PeerRefused,
     Reply,
@@ -183,9 +183,11 @@ class OuterSync:
         self._heal_if_split()  # the delta is inner progress: it goes to the merged lineage
         with self.cond:
             want, lineage = self.r.round + 1, self.r.lineage
-        # sparse: encoded now, through the error-feedback buffer (the leader's own delta
-        # too); dense: encoded when first posted (a leader's own is taken as is)
-        payload, values = self._sparse(delta) if self.feedback is not None else (None, delta)
+        # sparse: encoded once, via the buffer (a leader's own too); dense: when first posted
+        payload, values = None, delta
+        if self.feedback is not None and delta is not None:
+            arrays, values = self.feedback.encode_tree(delta)
+            payload = (arrays, {})
         kept = self.feedback.generation if self.feedback is not None else 0
         delivered = False  # taken into a round (by this island as leader, or a peer)
         dead: set[int] = set()
@@ -209,7 +211,8 @@ class OuterSync:
                         self._await_fetched(want)
                     continue
                 if payload is None and delta is not None:
-                    payload = self._dense(delta)
+                    arrays, scales = encode_tree(delta, self.cfg.outer_dtype)
+                    payload = (arrays, {"scales": scales})
                 try:
                     meta = self._post_delta(leader, want, payload, tokens, dead, lineage, average)
                 except Unreachable:
@@ -232,24 +235,6 @@ class OuterSync:
             if not delivered and values is not None and self.feedback is not None:
                 if self.feedback.generation == kept:
                     self.feedback.unsent(values)
-
-    def _dense(self, delta: Shards) -> tuple[Shards, dict]:
-        """A delta's wire arrays in ``outer_dtype`` and their meta (the scales)."""
-        arrays, scales = {}, {}
-        for k, d in delta.items():
-            arrays[k], scales[k] = encode(d, self.cfg.outer_dtype)
-        return arrays, {"scales": scales}
-
-    def _sparse(self, delta: Shards | None) -> tuple[tuple[Shards, dict] | None, Shards | None]:
-        """A sparse delta's wire parts (and their meta) through the error-feedback buffer,
-        and the values they decode to: what the leader takes in."""
-        if delta is None:
-            return None, None
-        arrays, values = {}, {}
-        for k, d in delta.items():
-            parts, values[k] = self.feedback.encode(k, d)
-            arrays.update({f"{k}{SEP}{p}": a for p, a in parts.items()})
-        return (arrays, {}), values
 
     def join(self) -> None:
         """A restarted island (no state) asks any live peer for its leader and joins it as a

@@ -30,8 +30,9 @@ from holmes_jax.cluster.supervisor import parse_fault
 from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.plan_request import plan_request
-from holmes_jax.diloco.islands import IslandSync, load_outer
+from holmes_jax.diloco.islands import IslandSync
 from holmes_jax.diloco.messages import Expect
+from holmes_jax.diloco.outer_files import load_outer
 from holmes_jax.diloco.rounds import Rounds, SyncConfig, split_state
 from holmes_jax.diloco.scope import island_outputs, island_scope, steps_after_round, steps_to_rounds
 from holmes_jax.diloco.sparse import Feedback, Sparse

@@ -54,21 +54,20 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from holmes_jax.core.errors import ConfigError, one_line
-from holmes_jax.runtime.data.loader import text_files, token_dtype_for
+from holmes_jax.runtime.data import tasks as planned
+from holmes_jax.runtime.data.loader import token_dtype_for
 from holmes_jax.runtime.data.shards import INDEX, SIDECAR
+from holmes_jax.runtime.data.tasks import Task, inputs, line_at
 
 TASK_BYTES = 1 << 20  # input per task sent to a worker (1 MiB)
 PIECE_CHARS = 1 << 18  # text per encoded piece (256 Ki characters)
 SHARD_TOKENS = 1 << 26  # default --shard-tokens: 67M tokens, 128 MiB of uint16
 STATE = "prepare-state.json"
-TABLE_SUFFIXES = (".parquet", ".arrow")
-_SCAN = 1 << 16  # bytes read at a time looking for a task's end
 # Cuts the probe checks: (text before the cut, text after it), each cut after a newline.
 _PROBES = (
     ("Hello, world.\n", "Second line, 2 numbers: 12345."),
@@ -136,22 +135,6 @@ class _Settings:
     dtype: str
 
 
-@dataclass(frozen=True)
-class _Task:
-    """One worker's input: ``kind`` "text" or "jsonl" with the byte range [start, stop)
-    of ``path``, or "table" with ``column`` (a pyarrow array of strings). ``size`` is the
-    input bytes it stands for (the progress bar's unit)."""
-
-    kind: str
-    path: str
-    size: int
-    start: int = 0
-    stop: int = 0
-    first: bool = True  # text: the range opens its file's document
-    last: bool = True  # text: the range closes it
-    column: Any = None
-
-
 @dataclass
 class _Done:
     """A task's ids and what it met."""
@@ -201,7 +184,7 @@ def prepare(req: Request, workers: int | None = None, progress: bool = True) -> 
         req.tokenizer, tuple(prefix), tuple(suffix), req.field, req.skip_bad,
         whole=not _cuts_are_safe(tok), piece_chars=PIECE_CHARS, dtype=token_dtype_for(vocab),
     )  # fmt: skip
-    files = _inputs(req.inputs)
+    files = inputs(req.inputs)
     out = Path(req.out)
     if not out.parent.is_dir():
         raise ConfigError(f"--out={req.out}: directory {out.parent} does not exist")
@@ -210,7 +193,7 @@ def prepare(req: Request, workers: int | None = None, progress: bool = True) -> 
     plan = {"task_bytes": min(TASK_BYTES, req.shard_tokens), "piece_chars": PIECE_CHARS}
     state = _resume_state(out, req, plan)
     writer = _Writer(out, req, settings.dtype, vocab, state)
-    tasks = _tasks(files, req.field, settings.whole, plan["task_bytes"])
+    tasks = planned.tasks(files, req.field, settings.whole, plan["task_bytes"])
     total = sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True, disable=not progress)
     bar.update(state["bytes"])
@@ -220,7 +203,7 @@ def prepare(req: Request, workers: int | None = None, progress: bool = True) -> 
             if done.error:
                 raise ConfigError(done.error)
             if done.bad and not (req.skip_bad and writer.first_skipped):
-                where = f"{task.path}:{_line_at(task.path, done.bad[0])}"
+                where = f"{task.path}:{line_at(task.path, done.bad[0])}"
                 if not req.skip_bad:
                     raise ConfigError(
                         f"--input: {where}: {done.bad[1]} (--field={req.field}; --skip-bad "
@@ -337,151 +320,6 @@ def _write_json(path: Path, value) -> None:
     os.replace(tmp, path)
 
 
-# ----------------------------------------------------------------------------- tasks
-
-
-def _inputs(inputs: tuple[str, ...]) -> list[Path]:
-    """Every file of ``inputs``, in order (a directory's sorted, hidden ones skipped)."""
-    files: list[Path] = []
-    for source in inputs:
-        p = Path(source).expanduser()
-        if p.is_file():
-            files.append(p)
-        elif p.is_dir():
-            found = text_files(p)
-            if not found:
-                raise ConfigError(f"--input={source}: directory holds no (non-hidden) files")
-            files += [p / f for f in found]
-        else:
-            raise ConfigError(f"--input={source}: no such file or directory")
-    return files
-
-
-def _tasks(files: list[Path], key: str, whole: bool, task_bytes: int) -> Iterator[_Task]:
-    """The tasks of ``files``, in order (module doc)."""
-    for path in files:
-        suffix = path.suffix.lower()
-        if suffix in TABLE_SUFFIXES:
-            yield from _table_tasks(path, key, task_bytes)
-            continue
-        kind = "jsonl" if suffix == ".jsonl" else "text"
-        size = path.stat().st_size
-        if kind == "text" and whole:
-            yield _Task(kind, str(path), size, 0, size)
-            continue
-        for start, stop in _ranges(path, size, task_bytes, text=kind == "text"):
-            yield _Task(kind, str(path), stop - start, start, stop, start == 0, stop == size)
-
-
-def _ranges(path: Path, size: int, task_bytes: int, text: bool) -> Iterator[tuple[int, int]]:
-    """Byte ranges covering ``path``, each ending at its first cut (:func:`_next_cut`)
-    after ``task_bytes``; an empty file is one empty range."""
-    start = 0
-    with open(path, "rb") as f:
-        while True:
-            far = start + task_bytes
-            stop = size if far >= size else _next_cut(f, far, size, text)
-            yield start, stop
-            if stop >= size:
-                return
-            start = stop
-
-
-def _next_cut(f, pos: int, size: int, text: bool) -> int:
-    """The first offset >= ``pos`` just after a newline (``text``: one whose next line
-    starts with a non-space character), or ``size``."""
-    at = pos - 1
-    while at < size:
-        f.seek(at)
-        block = f.read(_SCAN + 4)  # 4 bytes past the scan: the next line's first character
-        i = block.find(b"\n")
-        while 0 <= i < _SCAN:
-            cut = at + i + 1
-            if not text or cut >= size or _opens_line(block[i + 1 : i + 5]):
-                return min(cut, size)
-            i = block.find(b"\n", i + 1)
-        at += _SCAN
-    return size
-
-
-def _opens_line(head: bytes) -> bool:
-    """Whether the UTF-8 ``head`` starts with a non-space character (a safe cut)."""
-    char = head.decode("utf-8", "replace")[:1]
-    return char not in ("", "\ufffd") and not char.isspace()
-
-
-def _line_at(path: str, offset: int) -> int:
-    """The 1-based line of ``path`` holding byte ``offset``."""
-    lines, read = 1, 0
-    with open(path, "rb") as f:
-        while read < offset:
-            block = f.read(min(_SCAN * 16, offset - read))
-            if not block:
-                break
-            lines += block.count(b"\n")
-            read += len(block)
-    return lines
-
-
-def _table_tasks(path: Path, key: str, task_bytes: int) -> Iterator[_Task]:
-    """Record batches of column ``key`` of a Parquet or Arrow file, about ``task_bytes``
-    of text each (a Parquet file's, by its metadata; an Arrow file's as written)."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(
-            f"--input: {path} needs pyarrow (pip install 'holmes_jax[data]')"
-        ) from None
-    try:
-        if path.suffix.lower() == ".parquet":
-            pf = pq.ParquetFile(path)
-            names = pf.schema_arrow.names
-            if key not in names:
-                raise ConfigError(f"--field={key}: not a column of {path} ({names})")
-            rows = pf.metadata.num_rows
-            batch_rows = max(1, rows * task_bytes // max(_text_bytes(pf.metadata, key), 1))
-            batches = pf.iter_batches(batch_size=batch_rows, columns=[key])
-        else:
-            batches = list(_arrow_batches(pa, path, key))  # memory-mapped: headers only
-            rows = sum(b.num_rows for b in batches)
-        size, read, told = path.stat().st_size, 0, 0
-        for batch in batches:
-            read += batch.num_rows
-            share = size * read // max(rows, 1) - told
-            told += share
-            yield _Task("table", str(path), share, column=batch.column(0))
-    except (OSError, pa.ArrowException) as e:
-        raise ConfigError(f"--input: {path} cannot be read ({one_line(e)})") from None
-
-
-def _text_bytes(meta, key: str) -> int:
-    """The uncompressed bytes of column ``key`` in a Parquet file's metadata."""
-    leaves = [i for i in range(meta.num_columns) if meta.schema.column(i).path == key]
-    return sum(
-        meta.row_group(g).column(i).total_uncompressed_size
-        for g in range(meta.num_row_groups)
-        for i in leaves
-    )
-
-
-def _arrow_batches(pa, path: Path, key: str):
-    """Column ``key`` of an Arrow IPC stream (``datasets``' ``save_to_disk``) or file."""
-    source = pa.memory_map(str(path))
-    try:
-        reader = pa.ipc.open_stream(source)
-    except pa.ArrowInvalid:
-        reader = pa.ipc.open_file(source)
-        reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        schema = None
-    else:
-        schema = reader.schema
-    if schema is not None and key not in schema.names:
-        raise ConfigError(f"--field={key}: not a column of {path} ({schema.names})")
-    for batch in reader:
-        yield batch.select([key])
-
-
 # ----------------------------------------------------------------------------- workers
 
 _SET: _Settings | None = None  # each worker's settings and tokenizer (_load_worker)
@@ -493,7 +331,7 @@ def _load_worker(settings: _Settings) -> None:
     _SET, _TOKENIZER = settings, load_tokenizer(settings.tokenizer)
 
 
-def _work(task: _Task) -> _Done:
+def _work(task: Task) -> _Done:
     """Read, parse and tokenize one task (in a worker)."""
     s = _SET
     skipped, bad = {}, None
@@ -614,7 +452,7 @@ class _Workers:
             _load_worker(self.settings)
         return self.run
 
-    def run(self, tasks: Iterable[_Task]) -> Iterator[tuple[_Task, _Done]]:
+    def run(self, tasks: Iterable[Task]) -> Iterator[tuple[Task, _Done]]:
         if self.pool is None:
             for task in tasks:
                 yield task, _work(task)
