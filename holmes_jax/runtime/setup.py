@@ -40,9 +40,9 @@ from holmes_jax.runtime.data.feed import Feed
 from holmes_jax.runtime.data.loader import (
     BatchSampler,
     eval_batches,
+    global_array,
     load_corpus,
     local_rows,
-    make_batch,
 )
 from holmes_jax.runtime.engine.mesh import collectives_block
 from holmes_jax.runtime.model.decoder import attention_kernel
@@ -193,7 +193,7 @@ class Data:
 
     def batch(self, step: int) -> jax.Array:
         """Step ``step + 1``'s batch, this process's rows of it on its devices."""
-        return make_batch(self.feed.get(step), self.sharding, self.sampler.global_batch_size)
+        return global_array(self.feed.get(step), self.sharding, self.sampler.global_batch_size)
 
     def report(self, steps: int) -> dict[str, float]:
         """Metrics of the last ``steps`` steps: the mean seconds a step waited for its rows,
@@ -356,4 +356,4 @@ def check_memory(cfg: Config, shape, topology, devices) -> None:
 
 def _global_batch(rows: np.ndarray, sharding) -> jax.Array:
     """A global [B, T+1] array from a host copy of all rows, each process giving its own."""
-    return make_batch(rows[local_rows(sharding, rows.shape[0])], sharding, rows.shape[0])
+    return global_array(rows[local_rows(sharding, rows.shape[0])], sharding, rows.shape[0])

@@ -25,7 +25,7 @@ hold (:func:`local_rows`) and :func:`make_batch` assembles the global ``jax.Arra
 them.
 
 Nothing happens at import time, and jax is imported only inside :func:`local_rows` and
-:func:`make_batch`.
+:func:`global_array`.
 """
 
 from __future__ import annotations
@@ -564,17 +564,24 @@ def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> np.nd
     return np.unique(np.concatenate([rows[index[0]] for index in index_map.values()]))
 
 
-def make_batch(local: np.ndarray, sharding: jax.sharding.Sharding, rows: int) -> jax.Array:
-    """The global ``[rows, T + 1]`` batch as a sharded array, from this process's rows only.
+def make_batch(sampler: BatchSampler, step: int, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global batch at step as a sharded array, built from this process's rows only.
 
     Args:
-        local: this process's rows, int32 [R, T + 1], in :func:`local_rows`' order.
-        sharding: sharding of the batch.
-        rows: rows in the global batch.
+        sampler: the batch sampler.
+        step: training step.
+        sharding: sharding of the [B, seq_len + 1] batch.
 
     Returns:
-        int32 jax.Array [rows, T + 1] with the given sharding.
+        int32 jax.Array [B, seq_len + 1] with the given sharding.
     """
+    rows = sampler.global_batch_size
+    return global_array(sampler.rows(step, local_rows(sharding, rows)), sharding, rows)
+
+
+def global_array(local: np.ndarray, sharding: jax.sharding.Sharding, rows: int) -> jax.Array:
+    """The global ``[rows, T + 1]`` batch as a sharded array, from this process's rows
+    (int32 ``[R, T + 1]``, in :func:`local_rows`' order)."""
     import jax
 
     return jax.make_array_from_process_local_data(sharding, local, (rows, local.shape[1]))

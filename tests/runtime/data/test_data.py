@@ -327,8 +327,7 @@ def test_make_batch_equals_global_batch(mesh):
     tokens = np.random.default_rng(1).integers(0, 256, size=10_000).astype(np.uint8)
     sampler = data.BatchSampler(tokens, seq_len=32, global_batch_size=8, seed=7)
     for step in (0, 3):
-        local = sampler.rows(step, data.local_rows(sharding, 8))
-        batch = data.make_batch(local, sharding, 8)
+        batch = data.make_batch(sampler, step, sharding)
         assert batch.shape == (8, 33) and batch.dtype == np.int32
         assert batch.sharding == sharding
         np.testing.assert_array_equal(np.asarray(batch), sampler.global_batch(step))
