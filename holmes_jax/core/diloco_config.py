@@ -116,10 +116,14 @@ class DilocoConfig:
                 )
         if self.quorum_timeout_s <= 0:
             raise ConfigError(f"diloco.quorum_timeout_s={self.quorum_timeout_s}: must be > 0")
-        if not 0 <= self.overlap_steps < self.inner_steps:
+        gap = self.round_gap()
+        if not 0 <= self.overlap_steps < gap:
+            between = f"diloco.inner_steps={self.inner_steps}"
+            if gap != self.inner_steps:
+                between = f"{gap}, the fewest steps between two fragments' rounds"
             raise ConfigError(
-                f"diloco.overlap_steps={self.overlap_steps}: must be in [0, diloco.inner_steps="
-                f"{self.inner_steps}) (a round merges before the next is sent; 0 = in step)"
+                f"diloco.overlap_steps={self.overlap_steps}: must be in [0, {between}) (a "
+                "round merges before the next is sent; 0 = in step)"
             )
         self._validate_sparse()
         if self.mode == "independent":
@@ -180,17 +184,21 @@ class DilocoConfig:
                 "step is one all-gather inside the program, in fp32, bf16 or int8)"
             )
 
+    def round_gap(self) -> int:
+        """The fewest inner steps between two rounds after the warm-up: H over F, rounded
+        down at worst (fragment f syncs at offset ⌊f·H/F⌋ of each H)."""
+        if not 0 < self.fragments <= self.inner_steps:
+            return self.inner_steps
+        h, f = self.inner_steps, self.fragments
+        offsets = [i * h // f for i in range(f)] + [h]
+        return min(b - a for a, b in zip(offsets, offsets[1:]))
+
     def _validate_independent(self) -> None:
         where = "(python -m holmes_jax.launch --independent-islands sets diloco.island/peers)"
         if self.enabled is not True:
             raise ConfigError(
                 f"diloco.mode=independent: needs diloco.enabled=true (got {self.enabled}); "
                 "independent islands are DiLoCo replicas in separate jobs"
-            )
-        if self.fragments != 1:
-            raise ConfigError(
-                f"diloco.fragments={self.fragments}: diloco.mode=independent syncs whole "
-                "models (fragments=1); use diloco.mode=spmd for streaming fragments"
             )
         if len(self.peers) < 2:
             raise ConfigError(

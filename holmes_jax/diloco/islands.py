@@ -14,7 +14,9 @@ sets ``diloco.island`` and ``diloco.peers``.
 - Outer step (:meth:`IslandSync.after_step`): after each step where ``spmd`` takes one, the
   fp32 parameters go to the lanes, each of which calls
   :meth:`~holmes_jax.diloco.sync.OuterSync.sync`; the new global model comes back as
-  parameters and master. The AdamW moments and step count are kept, so with nothing
+  parameters and master. With ``diloco.fragments`` F > 1 (streaming) each round carries
+  one fragment's pieces (:mod:`~holmes_jax.diloco.schedule`, :mod:`~holmes_jax.diloco.lanes`)
+  and only those parameters take the global model. The AdamW moments and step count are kept, so with nothing
   failing, fp32 and equal shares, the islands train what ``spmd`` trains.
 - Overlap (``diloco.overlap_steps``): :meth:`IslandSync._send_overlapped`.
 - Start (:meth:`IslandSync.start`): heal from a live peer past round 0, else resume from this
@@ -41,9 +43,9 @@ from holmes_jax.core.keyfile import read_key
 from holmes_jax.diloco.lanes import LaneLayout, process_lanes
 from holmes_jax.diloco.messages import Expect, finite
 from holmes_jax.diloco.outer_files import OUTER_DIR, load_outer, save_lane
-from holmes_jax.diloco.outer_step import due_fragments, in_warmup
 from holmes_jax.diloco.rounds import SyncConfig
-from holmes_jax.diloco.scope import Share, steps_after_round, steps_to_rounds
+from holmes_jax.diloco.schedule import Schedule, in_warmup, key_fragment
+from holmes_jax.diloco.scope import Share
 from holmes_jax.diloco.sync import OuterSync, Shards
 from holmes_jax.diloco.transport import Security, client_context, live_round, server_context
 
@@ -68,6 +70,7 @@ class IslandSync:
     def __init__(self, cfg: Config, program, share: Share, say):
         self.cfg, self.program, self.share, self.say = cfg, program, share, say
         self.d = cfg.diloco
+        self.schedule = Schedule.of(self.d)
         islands = self.d.lane_addresses()
         self.lanes = len(islands[0])
         mine = process_lanes(self.lanes, jax.process_count(), jax.process_index())
@@ -75,7 +78,7 @@ class IslandSync:
         self.peers = {lane: {i: lanes[lane] for i, lanes in enumerate(islands)} for lane in mine}
         self.main = jax.process_index() == 0  # serves lane 0, speaks for the island
         self.syncs: dict[int, OuterSync] = {}  # this process's lanes
-        self.last_step = 0  # the step of this island's last round
+        self.last_step = 0  # the step of this island's last round (of any fragment)
         self.snap: Shards = {}  # the global model the inner steps started from (own lanes)
         self.sent: Shards = {}  # overlap: θ when the round in flight was sent
         self.pending: threading.Thread | None = None  # overlap: the round in flight
@@ -102,7 +105,8 @@ class IslandSync:
             self.program.abstract_logical_state.params,
             sharding,
         )
-        return LaneLayout(self.program.mesh.devices.flat, abstract, sharding, self.lanes)
+        devices = self.program.mesh.devices.flat
+        return LaneLayout(devices, abstract, sharding, self.lanes, self.d.fragments)
 
     @property
     def sync(self) -> OuterSync:
@@ -113,6 +117,8 @@ class IslandSync:
         """The line the run prints about this island."""
         sh, d, lanes = self.share, self.d, self.lanes
         warm = f" after {d.warmup_steps} warm-up averaging steps" if d.warmup_steps else ""
+        if d.fragments > 1:
+            warm += f", one of {d.fragments} fragments every {d.round_gap()}+ steps"
         split = ""
         if lanes > 1:
             split = f" in {lanes} lanes, {len(self.peers)} per process"
@@ -222,7 +228,7 @@ class IslandSync:
             raise took
         self.snap = self._glob()
         rounds = int(self._broadcast(np.int32(self.sync.round if self.main else 0)))
-        step = steps_after_round(rounds, self.d.inner_steps, self.d.warmup_steps)
+        step = self.schedule.step_of(rounds)
         state = self._with_global(state, self.snap, step)
         self.last_step = step
         self.skipped = self._skipped(state)
@@ -248,7 +254,7 @@ class IslandSync:
                 f"diloco: no outer state saved with checkpoint step {step}: the global "
                 "model restarts from this island's parameters, outer momentum zero"
             )
-        rounds = steps_to_rounds(step, self.d.inner_steps, self.d.warmup_steps)
+        rounds = self.schedule.rounds_by(step)
         for lane in self.peers:
             own = self._part(theta, lane)
             outer, meta = saved[lane] if found else ((own, _zeros(own)), {})
@@ -269,24 +275,28 @@ class IslandSync:
         overlap), as a healed island does."""
         if self.merge_at is not None and step >= self.merge_at:
             state, step = self._merge(state, step)
-        if not due_fragments(step, self.d.inner_steps, 1, self.d.warmup_steps):
+        if not self.schedule.due(step):
             return state, step
         began = _settled(state)
         average = in_warmup(step, self.d.warmup_steps)
         theta = self._theta(state)
-        tokens = (step - self.last_step) * self.share.rows * self.cfg.model.seq_len
+        rnd = self.schedule.rounds_by(step)
+        tokens = self.schedule.span(rnd) * self.share.rows * self.cfg.model.seq_len
         abstain = self._diverged(state, theta, step)
         self.last_step = step
+        theta_f = self._fragment(theta, rnd)  # what this round carries
         if self.d.overlap_steps and not average:  # warm-up averaging stays in step
-            return self._send_overlapped(state, step, theta, tokens, began, abstain)
+            return self._send_overlapped(state, step, theta_f, tokens, began, abstain)
         if abstain:  # it sends nothing; the new global model replaces its parameters
             parts = self._each(lambda lane, sync: sync.abstain(average))
         else:
             parts = self._each(
-                lambda lane, sync: sync.sync(self._part(theta, lane), tokens, average=average)
+                lambda lane, sync: sync.sync(self._part(theta_f, lane), tokens, average=average)
             )
         glob = _union(parts)
-        self.snap = glob  # the next inner steps start from it
+        if not abstain:  # the other fragments keep their progress (abstain: none is kept)
+            glob = {**theta, **{k: glob[k] for k in theta_f}}
+        self.snap.update(glob)  # the next inner steps start from it
         self._count_round()
         ended, line = step, ""
         if self.main:
@@ -325,7 +335,15 @@ class IslandSync:
 
     def _round_end(self) -> int:
         """The step at which this island's current round (lane 0's) ended."""
-        return steps_after_round(self.sync.round, self.d.inner_steps, self.d.warmup_steps)
+        return self.schedule.step_of(self.sync.round)
+
+    def _fragment(self, tree: Shards, rnd: int) -> Shards:
+        """``tree``'s blocks that round ``rnd`` carries (every block in a warm-up round or
+        with one fragment)."""
+        fragment = self.schedule.fragment(rnd)
+        if fragment is None or self.d.fragments == 1:
+            return tree
+        return {k: v for k, v in tree.items() if key_fragment(k) == fragment}
 
     def _moved_on(
         self, state, glob: Shards, step: int, ended: int, add: bool = False
@@ -358,8 +376,8 @@ class IslandSync:
 
     def _merge(self, state, step: int) -> tuple[Any, int]:
         """``θ ← g + (θ − θ_sent)``: the round's global model plus the progress since its
-        send, computed on the devices as ``θ + (g − θ_sent)`` (θ stays there); the next
-        round's progress counts from ``g``."""
+        send, computed on the devices as ``θ + (g − θ_sent)`` (θ stays there), on the keys
+        the round carried; the next round's progress counts from ``g``."""
         began = _settled(state)
         ended, sent, line = step, self.merge_at - self.d.overlap_steps, ""
         waited = time.perf_counter()
@@ -367,8 +385,14 @@ class IslandSync:
         waited = time.perf_counter() - waited
         self._count_round()
         abstained = self.sent is None
-        shift = glob if abstained else {k: glob[k] - self.sent[k] for k in glob}
-        self.snap = glob
+        shift = glob  # abstained: the global model replaces the parameters
+        if not abstained:  # the fragments not in the round shift by nothing
+            shift = {
+                k: glob[k] - self.sent[k] if k in self.sent else np.zeros_like(g)
+                for k, g in glob.items()
+            }
+            glob = {k: glob[k] for k in self.sent}
+        self.snap.update(glob)
         if self.main:
             ended = self._round_end() + step - sent
             line = f"{self._round_line(step, False)} (sent after step {sent}, merged now"

@@ -9,6 +9,13 @@ logical layout), zero-padded to ``L · B`` elements and cut into ``L`` blocks of
 island's plan or process count, so islands with different plans and host counts exchange
 the same blocks.
 
+With ``diloco.fragments`` F > 1 the unit cut into lanes is a *piece*: each ``blocks`` leaf
+``[layers, ...]`` splits along its layer axis into F contiguous ranges
+(:func:`~holmes_jax.diloco.schedule.split_ranges`), piece f keyed ``<path>@<f>``; every
+``embed`` leaf is one piece of fragment 0, every other leaf (the head) one of fragment
+F − 1 (:func:`piece_path`). Fragments are ranges of the logical model's layers, so islands
+with different pipelines exchange the same pieces.
+
 An island of ``P`` processes (``P`` divides ``L``) gives process ``p`` lanes
 ``[p·L/P, (p+1)·L/P)``: it serves them and sends and receives only their blocks. One jitted
 reshard inside the island (:class:`LaneLayout`) moves the logical model to the blocks and
@@ -27,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.diloco.schedule import split_ranges
 
 QUANTUM = 16  # a block's elements are a multiple of this: a host's devices (<= 16) split it
 
@@ -39,6 +47,25 @@ def block_size(size: int, lanes: int) -> int:
 def lane_key(path: str, lane: int) -> str:
     """The outer sync's key of block ``lane`` of leaf ``path``."""
     return f"{path}#{lane}"
+
+
+def piece_path(path: str, fragment: int, fragments: int) -> str:
+    """The key of fragment ``fragment``'s piece of leaf ``path`` (module doc)."""
+    return path if fragments == 1 else f"{path}@{fragment}"
+
+
+def pieces(path: str, shape: tuple[int, ...], fragments: int) -> list[tuple[str, int, int]]:
+    """Leaf ``path``'s pieces: ``(key, start, stop)``, the range of its leading axis each
+    holds (module doc; ``start`` = ``stop`` = -1: the whole leaf)."""
+    if fragments == 1:
+        return [(path, -1, -1)]
+    if path.startswith("blocks/"):
+        return [
+            (piece_path(path, f, fragments), a, b)
+            for f, (a, b) in enumerate(split_ranges(shape[0], fragments))
+        ]
+    fragment = 0 if path.startswith("embed/") else fragments - 1
+    return [(piece_path(path, fragment, fragments), -1, -1)]
 
 
 def process_lanes(lanes: int, processes: int, index: int) -> range:
@@ -66,12 +93,13 @@ class LaneLayout:
       abstract: the logical model's shapes (``jax.ShapeDtypeStruct`` leaves).
       sharding: the logical model's shardings (the same tree).
       lanes: ``L``, the lane count of ``diloco.peers``.
+      fragments: F, ``diloco.fragments`` (module doc).
 
     Raises:
       ConfigError: the island's process count does not divide ``lanes``.
     """
 
-    def __init__(self, devices, abstract, sharding, lanes: int):
+    def __init__(self, devices, abstract, sharding, lanes: int, fragments: int = 1):
         by_process: dict[int, list] = {}
         for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
             by_process.setdefault(d.process_index, []).append(d)
@@ -85,32 +113,43 @@ class LaneLayout:
         self.per = len(self.mine)
         mesh = Mesh(np.array([by_process[p] for p in order]), ("proc", "local"))
         leaves, self.treedef = jax.tree_util.tree_flatten_with_path(abstract)
-        self.paths = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in leaves]
-        self.shapes = [a.shape for _, a in leaves]
-        self.blocks = [block_size(math.prod(s), lanes) for s in self.shapes]
+        shapes = [a.shape for _, a in leaves]
+        # every piece: (leaf index, key, start, stop), in leaf order
+        cut = [
+            (i, key, a, b)
+            for i, (path, leaf) in enumerate(leaves)
+            for key, a, b in pieces(
+                jax.tree_util.keystr(path, simple=True, separator="/"), leaf.shape, fragments
+            )
+        ]
+        self.paths = [key for _, key, _, _ in cut]  # the pieces' keys
+        sizes = [
+            math.prod(shapes[i]) if a < 0 else math.prod(shapes[i]) // shapes[i][0] * (b - a)
+            for i, _, a, b in cut
+        ]
+        self.blocks = [block_size(n, lanes) for n in sizes]
         self.block_sharding = [
             NamedSharding(mesh, PartitionSpec("proc", "local" if b % k == 0 else None))
             for b in self.blocks
         ]
-        block_tree = self.treedef.unflatten(self.block_sharding)
-        blocks, shapes = self.blocks, self.shapes
+        block_tree = list(self.block_sharding)
+        blocks = self.blocks
 
-        def to_blocks(model):  # each leaf [*shape] -> [L, B]
+        def to_blocks(model):  # each piece [*shape] -> [L, B]
             flat = jax.tree.leaves(model)
-            return self.treedef.unflatten(
-                [
-                    jnp.pad(x.reshape(-1), (0, lanes * b - x.size)).reshape(lanes, b)
-                    for x, b in zip(flat, blocks, strict=True)
-                ]
-            )
+            out = []
+            for (i, _, a, b), n in zip(cut, blocks, strict=True):
+                x = (flat[i] if a < 0 else flat[i][a:b]).reshape(-1)
+                out.append(jnp.pad(x, (0, lanes * n - x.size)).reshape(lanes, n))
+            return out
 
-        def from_blocks(tree):  # each leaf [L, B] -> [*shape]
-            flat = jax.tree.leaves(tree)
+        def from_blocks(tree):  # each piece [L, B] -> its leaf's rows; the leaves
+            parts: list[list] = [[] for _ in shapes]
+            for (i, _, a, b), x in zip(cut, tree, strict=True):
+                rows = shapes[i] if a < 0 else (b - a, *shapes[i][1:])
+                parts[i].append(x.reshape(-1)[: math.prod(rows)].reshape(rows))
             return self.treedef.unflatten(
-                [
-                    x.reshape(-1)[: math.prod(s)].reshape(s)
-                    for x, s in zip(flat, shapes, strict=True)
-                ]
+                [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts]
             )
 
         self._to = jax.jit(to_blocks, in_shardings=(sharding,), out_shardings=block_tree)
@@ -121,12 +160,10 @@ class LaneLayout:
             out_shardings=sharding,
         )
         self.abstract = abstract
-        self.abstract_blocks = self.treedef.unflatten(
-            [
-                jax.ShapeDtypeStruct((lanes, b), jnp.float32, sharding=s)
-                for b, s in zip(self.blocks, self.block_sharding, strict=True)
-            ]
-        )
+        self.abstract_blocks = [
+            jax.ShapeDtypeStruct((lanes, b), jnp.float32, sharding=s)
+            for b, s in zip(self.blocks, self.block_sharding, strict=True)
+        ]
 
     def block_shapes(self) -> dict[str, tuple[int]]:
         """This process's blocks: each key (:func:`lane_key`) and its shape ``(B,)``."""
@@ -152,7 +189,7 @@ class LaneLayout:
         :func:`lane_key`; every process of the island calls it."""
         out = {}
         first = self.mine.start
-        for path, x in zip(self.paths, jax.tree.leaves(self._to(model)), strict=True):
+        for path, x in zip(self.paths, self._to(model), strict=True):
             rows = np.empty((self.per, x.shape[1]), np.float32)
             for shard in x.addressable_shards:
                 r, c = shard.index
@@ -176,4 +213,4 @@ class LaneLayout:
                 return rows[start - first : stop - first, c]
 
             leaves.append(jax.make_array_from_callback((self.lanes, b), sharding, part))
-        return self._from(self.treedef.unflatten(leaves))
+        return self._from(leaves)

@@ -11,7 +11,8 @@ The rules:
   ``X-Island`` names; ``island`` fields and member lists name configured islands;
 - ``round`` is an integer in ``[0, 2**31)``; ``lineage`` is ``root`` or
   ``<island>@<round>`` (a fork by a configured island), ``parent`` one of those or empty;
-- a delta's arrays are exactly the lane's keys, each of the lane's shape and of the wire
+- a delta's arrays are exactly its round's keys (the lane's, or with ``diloco.fragments``
+  > 1 those of the round's fragment, :mod:`~holmes_jax.diloco.schedule`), each of the lane's shape and of the wire
   dtype of ``diloco.outer_dtype``; its scales are one per key, finite and positive
   (``int8``; exactly 1 for ``fp32`` and ``bf16``, whose payload carries its own range);
   the decoded values are finite. A ``sparse`` delta holds each key's four parts, each
@@ -35,12 +36,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from holmes_jax.diloco import sparse
 from holmes_jax.diloco.codec import WIRE_DTYPES, decode
+from holmes_jax.diloco.schedule import Schedule, key_fragment
 from holmes_jax.diloco.sparse import PARTS, SEP, Sparse
 
 Shards = dict[str, np.ndarray]
@@ -66,6 +68,7 @@ class Expect:
       round_tokens: the most tokens one island may count for one round.
       lr, mu: this island's outer learning rate and momentum.
       sparse: the sparse format's parameters (``outer_dtype`` sparse).
+      schedule: which fragment each round carries.
     """
 
     shapes: dict[str, tuple[int, ...]]
@@ -75,6 +78,16 @@ class Expect:
     lr: float
     mu: float
     sparse: Sparse | None = None
+    schedule: Schedule = Schedule()
+
+    def for_round(self, rnd: int) -> Expect:
+        """What a delta or step of round ``rnd`` holds: the lane's keys of the round's
+        fragment (every key in a warm-up round, or with one fragment)."""
+        fragment = self.schedule.fragment(rnd)
+        if fragment is None or self.schedule.fragments == 1:
+            return self
+        shapes = {k: s for k, s in self.shapes.items() if key_fragment(k) == fragment}
+        return replace(self, shapes=shapes)
 
     @property
     def dense_dtype(self) -> str:
@@ -302,10 +315,11 @@ def parse_delta(meta: dict, arrays: Shards, sender: int, ex: Expect) -> Delta:
       Refused: a rule broken (the one-line reason).
     """
     island = _sender(meta, sender, ex)
+    rnd = _int(meta, "round", 1, ROUND_MAX)
     abstain = _bool(meta, "abstain")
     values = None
     if not abstain:
-        values = _decoded(meta, arrays, ex)
+        values = _decoded(meta, arrays, ex.for_round(rnd))
     elif arrays:
         raise Refused("abstain=true: carries no arrays")
     tokens = _int(meta, "tokens", 0, ex.round_tokens + 1)
@@ -313,7 +327,7 @@ def parse_delta(meta: dict, arrays: Shards, sender: int, ex: Expect) -> Delta:
         raise Refused(f"tokens={tokens}: an abstaining island counts none")
     return Delta(
         island=island,
-        round=_int(meta, "round", 1, ROUND_MAX),
+        round=rnd,
         lineage=check_lineage(meta.get("lineage"), ex),
         tokens=tokens,
         dead=_islands(meta, "dead", ex),
@@ -358,13 +372,14 @@ def parse_step(meta: dict, arrays: Shards, ex: Expect) -> Step:
     for key, mine in (("lr", ex.lr), ("mu", ex.mu)):
         if meta.get(key) != mine:
             raise Refused(f"{key}={str(meta.get(key))[:40]}: this island's outer {key} is {mine}")
+    rnd = _int(meta, "round", 1, ROUND_MAX)
     return Step(
-        round=_int(meta, "round", 1, ROUND_MAX),
+        round=rnd,
         tokens=_int(meta, "tokens", 0, TOKENS_MAX),
         average=_bool(meta, "average"),
         leader=_island(meta, "leader", ex),
         members=_islands(meta, "members", ex, empty=False),
-        values=_decoded(meta, arrays, ex, step=True),
+        values=_decoded(meta, arrays, ex.for_round(rnd), step=True),
     )
 
 

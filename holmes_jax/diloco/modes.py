@@ -32,7 +32,7 @@ import jax
 
 from holmes_jax.core.config import Config
 from holmes_jax.diloco.islands import IslandSync
-from holmes_jax.diloco.outer_step import in_warmup
+from holmes_jax.diloco.schedule import in_warmup
 from holmes_jax.planner.plans import plan_overrides
 
 

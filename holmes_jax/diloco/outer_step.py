@@ -24,7 +24,8 @@ With H = 1, lr = 1, μ = 0 the outer step is the mean of the replicas' AdamW ste
 
 Fragments are F contiguous ranges of the block slots (embedding with fragment 0, head with
 F−1). After the warm-up, fragment f is due after step n iff ``(n − K) mod H == ⌊f·H / F⌋``
-(:func:`due_fragments`). The phase follows from the step, so checkpoints need no field.
+(:func:`~holmes_jax.diloco.schedule.due_fragments`). The phase follows from the step, so
+checkpoints need no field.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from holmes_jax.core.axes import REPLICA
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.diloco.codec import int8_quantize, int8_scale, nesterov
+from holmes_jax.diloco.schedule import split_ranges
 
 
 def stack_spec(spec: PartitionSpec) -> PartitionSpec:
@@ -47,28 +49,9 @@ def stack_spec(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(REPLICA, *tuple(spec))
 
 
-def due_fragments(
-    steps_done: int, inner_steps: int, fragments: int, warmup_steps: int = 0
-) -> list[int]:
-    """The fragments whose outer step follows inner step ``steps_done`` (0: none). During
-    the warm-up (``steps_done <= warmup_steps``) every fragment after every step (as plain
-    averaging, :func:`in_warmup`); after it the H-step rounds count from step K."""
-    if steps_done <= 0:
-        return []
-    if in_warmup(steps_done, warmup_steps):
-        return list(range(fragments))
-    phase = (steps_done - warmup_steps) % inner_steps
-    return [f for f in range(fragments) if phase == (f * inner_steps) // fragments]
-
-
-def in_warmup(steps_done: int, warmup_steps: int) -> bool:
-    """Whether the outer steps after inner step ``steps_done`` are warm-up averaging."""
-    return 0 < steps_done <= warmup_steps
-
-
 def fragment_slots(slots: int, fragments: int) -> list[tuple[int, int]]:
-    """F contiguous ``[start, stop)`` ranges of a stage's ``slots`` block slots (the
-    earlier fragments take the remainder).
+    """F contiguous ``[start, stop)`` ranges of a stage's ``slots`` block slots
+    (:func:`~holmes_jax.diloco.schedule.split_ranges`).
 
     Raises:
       ConfigError: more fragments than slots.
@@ -78,13 +61,7 @@ def fragment_slots(slots: int, fragments: int) -> list[tuple[int, int]]:
             f"diloco.fragments={fragments}: must be <= the {slots} block slots of a pipeline "
             "stage (a fragment is a range of every stage's layers)"
         )
-    base, extra = divmod(slots, fragments)
-    out, start = [], 0
-    for f in range(fragments):
-        stop = start + base + (f < extra)
-        out.append((start, stop))
-        start = stop
-    return out
+    return split_ranges(slots, fragments)
 
 
 def encode(delta: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:

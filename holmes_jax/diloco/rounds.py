@@ -11,8 +11,9 @@ quorum, merge and lineage is tested here without a socket.
 
 The mean of a round (:meth:`Rounds.close`): ``Δ̄ = Σ tokens_i·Δ_i / Σ tokens_i`` over the
 islands that sent a delta (an abstaining island counts for nothing; all tokens zero: the
-plain mean), encoded in ``outer_dtype``; every member takes the step with its decoded
-value (:meth:`Rounds.apply`). A round that no island contributed to takes a zero
+plain mean), on the round's keys (its fragment's: :mod:`~holmes_jax.diloco.schedule`),
+encoded in ``outer_dtype``; every member takes the step with its decoded value
+(:meth:`Rounds.apply`). A round that no island contributed to takes a zero
 averaging step: the model and momentum stay as they are.
 
 A merge (:meth:`Rounds.merge`) weighs each lineage by its tokens since the common point;
@@ -38,6 +39,7 @@ from holmes_jax.diloco.messages import (
     Step,
     fork_round,
 )
+from holmes_jax.diloco.schedule import Schedule
 from holmes_jax.diloco.sparse import PARTS, SEP, Sparse, nonzero
 from holmes_jax.diloco.wire import pack, packed_size
 
@@ -62,6 +64,7 @@ class SyncConfig:
     round_tokens: int = 1 << 40
     reply_timeout_s: float | None = None  # a socket silent this long ends (None: the quorum's)
     sparse: Sparse | None = None  # outer_dtype sparse: its chunk, k and bits
+    schedule: Schedule = Schedule()  # which fragment each round carries
 
     @property
     def silence_s(self) -> float:
@@ -79,6 +82,7 @@ class SyncConfig:
             lr=self.outer_lr,
             mu=self.outer_momentum,
             sparse=self.sparse,
+            schedule=self.schedule,
         )
 
     @classmethod
@@ -96,6 +100,7 @@ class SyncConfig:
                 if diloco.outer_dtype == "sparse"
                 else None
             ),
+            schedule=Schedule.of(diloco),
         )
 
 
@@ -212,7 +217,7 @@ class Rounds:
         total = sum(weights.values())
         average = self.average or not sent  # nothing sent: a zero averaging step
         means = {}
-        for k in self.glob:
+        for k in self.expect.for_round(self.round + 1).shapes:  # the round's fragment
             if not sent:
                 avg = np.zeros_like(self.glob[k])
             elif total > 0:
@@ -264,8 +269,8 @@ class Rounds:
             return {k: decode(a, meta["scales"][k]) for k, a in arrays.items()}
         sp = self.cfg.sparse
         return {
-            k: sparse.decode({p: arrays[f"{k}{SEP}{p}"] for p in PARTS}, g.shape, sp, sp.step_bits)
-            for k, g in self.glob.items()
+            k: sparse.decode({p: arrays[f"{k}{SEP}{p}"] for p in PARTS}, shape, sp, sp.step_bits)
+            for k, shape in self.expect.for_round(meta["round"]).shapes.items()
         }
 
     def clear(self) -> None:

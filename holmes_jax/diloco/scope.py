@@ -1,5 +1,5 @@
 """An independent DiLoCo island's job (``diloco.mode: independent``): which island it is,
-where its outputs go, its rows of each global batch, and the round <-> step arithmetic.
+where its outputs go and its rows of each global batch.
 
 - Outputs (:func:`island_outputs`): the island's own run directory
   ``<train.run_dir>/<island>``; an explicit ``train.metrics_path`` ``M.jsonl`` becomes
@@ -9,8 +9,7 @@ where its outputs go, its rows of each global batch, and the round <-> step arit
   (:func:`holmes_jax.planner.grid.island_batch_rows`); with equal shares those are the rows
   replica i trains on under ``spmd``. Evaluation covers the same windows as a whole-batch
   run (:func:`eval_batch_count`).
-- Rounds: one outer step after each of the first K = ``diloco.warmup_steps`` steps, then one
-  every H = ``diloco.inner_steps`` (:func:`steps_after_round`, :func:`steps_to_rounds`).
+- Rounds and the steps they follow: :mod:`holmes_jax.diloco.schedule`.
 """
 
 from __future__ import annotations
@@ -84,19 +83,3 @@ def eval_batch_count(share: Share, eval_batches: int) -> int:
     """How many eval batches of ``share.rows`` rows cover the windows of ``eval_batches``
     batches of the whole global batch (exact when the rows divide them)."""
     return max(1, share.total * eval_batches // share.rows)
-
-
-def steps_after_round(rounds: int, inner_steps: int, warmup_steps: int) -> int:
-    """The step count at which ``rounds`` outer steps are done (one per warm-up step, then
-    one every ``inner_steps``)."""
-    if rounds <= warmup_steps:
-        return rounds
-    return warmup_steps + (rounds - warmup_steps) * inner_steps
-
-
-def steps_to_rounds(step: int, inner_steps: int, warmup_steps: int) -> int:
-    """The outer steps done by step ``step`` (inverse of :func:`steps_after_round` at round
-    boundaries)."""
-    if step <= warmup_steps:
-        return step
-    return warmup_steps + (step - warmup_steps) // inner_steps

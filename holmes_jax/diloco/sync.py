@@ -157,13 +157,14 @@ class OuterSync:
 
     def sync(self, theta: Shards, tokens: int, average: bool = False) -> Shards:
         """The outer step after the inner steps that took ``global`` to ``theta`` on
-        ``tokens`` tokens: returns the new global (the caller sets θ ← global). Never waits
+        ``tokens`` tokens: returns the new global (the caller sets θ ← global on the keys
+        of ``theta``, the next round's: its fragment's, :mod:`~holmes_jax.diloco.schedule`). Never waits
         for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s`` per probe).
         ``average``: a warm-up round, ``global ← global − Δ̄`` with the momentum kept (every
         island passes the same value for a round: it follows from the step)."""
         assert self.r.ready, "a restarted island joins before it syncs"
         with self.cond:
-            delta = {k: self.r.glob[k] - np.asarray(theta[k], np.float32) for k in self.r.glob}
+            delta = {k: self.r.glob[k] - np.asarray(theta[k], np.float32) for k in theta}
         if not all(finite(d) for d in delta.values()):  # never sent: the peers see nothing
             self.say(f"diloco: island {self.island}: non-finite parameters; it abstains")
             return self.abstain(average)
@@ -198,6 +199,8 @@ class OuterSync:
                         if self.r.lineage == lineage:  # closed, with us or without (late)
                             return dict(self.r.glob)
                         want, lineage = self.r.round + 1, self.r.lineage  # joined another
+                    if values is not None and values.keys() != self._keys(want):
+                        return dict(self.r.glob)  # that round is another fragment's: late
                     leader = self.r.leader
                 if leader == self.island:
                     mine = Delta(
@@ -253,6 +256,10 @@ class OuterSync:
                 except Unreachable:
                     continue
             time.sleep(self.cfg.probe_s)
+
+    def _keys(self, rnd: int):
+        """The keys a delta for round ``rnd`` holds (its fragment's)."""
+        return self.r.expect.for_round(rnd).shapes.keys()
 
     # ---- client helpers ----------------------------------------------------------------
 

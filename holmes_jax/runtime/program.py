@@ -44,7 +44,8 @@ from holmes_jax.core.axes import BATCH_AXES, DATA, REPLICA
 from holmes_jax.core.config import Config
 from holmes_jax.core.plan_request import plan_request
 from holmes_jax.core.spec import resolve_grad_buckets
-from holmes_jax.diloco.outer_step import OuterStep, due_fragments, in_warmup, stack_spec
+from holmes_jax.diloco.outer_step import OuterStep, stack_spec
+from holmes_jax.diloco.schedule import due_fragments, in_warmup
 from holmes_jax.planner.grid import load_mesh_topology
 from holmes_jax.runtime.data.digest import DIGEST, batch_digest
 from holmes_jax.runtime.engine.compress import crossing_pairs

@@ -34,7 +34,7 @@ from holmes_jax.diloco.islands import IslandSync
 from holmes_jax.diloco.messages import Expect
 from holmes_jax.diloco.outer_files import load_outer
 from holmes_jax.diloco.rounds import Rounds, SyncConfig, split_state
-from holmes_jax.diloco.scope import island_outputs, island_scope, steps_after_round, steps_to_rounds
+from holmes_jax.diloco.scope import island_outputs, island_scope
 from holmes_jax.diloco.sparse import Feedback, Sparse
 from holmes_jax.diloco.transport import Traffic
 from holmes_jax.diloco.wire import pack, unpack
@@ -73,10 +73,15 @@ def records(path):
     return out
 
 
+# Streaming: two fragments (one layer each, the embedding with the first, the head with the
+# second), a round after every step, each fragment's every other step.
+STREAM = "diloco.fragments=2"
+
+
 @pytest.fixture(scope="module")
 def spmd():
-    """The same DiLoCo run as one program (replica 2 x data 4): {step: record}."""
-    cfg = load_config(None, [*DILOCO, "parallel.replica=2"])
+    """The same streaming DiLoCo run as one program (replica 2 x data 4): {step: record}."""
+    cfg = load_config(None, [*DILOCO, STREAM, "parallel.replica=2"])
     return {r["step"]: r for r in run(cfg)}
 
 
@@ -112,12 +117,6 @@ def test_the_model_alone_converts_both_ways_compiled_ahead(tiny_config, make_pro
         np.testing.assert_array_equal(a, b)
     unchanged = program.with_logical_model(state, model)  # no step: step and counts kept
     assert int(unchanged.step) == int(state.step)
-
-
-def test_round_and_step_arithmetic():
-    """Warm-up rounds are one step each, then H steps; the two functions invert."""
-    assert [steps_after_round(r, 5, 2) for r in range(5)] == [0, 1, 2, 7, 12]
-    assert [steps_to_rounds(s, 5, 2) for s in (0, 1, 2, 7, 11, 12)] == [0, 1, 2, 3, 3, 4]
 
 
 def test_each_island_writes_its_own_outputs():
@@ -281,10 +280,11 @@ def test_a_sparse_island_resumes_with_its_error_feedback_exactly(tmp_path):
 
 def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spmd, proc_env):
     """``launch --independent-islands`` with ib on one host and roce on two: two lanes,
-    both served by ib's process, one by each of roce's. roce-1 is killed at step 4 and the
-    roce job restarts at once. Before the kill the mean of the islands' losses is spmd's;
-    roce comes back healed from ib on both lanes (no checkpoint), joins the next outer
-    step, and both end with one global model, bit for bit in every lane."""
+    both served by ib's process, one by each of roce's; two fragments (:data:`STREAM`).
+    roce-1 is killed at step 4 and the roce job restarts at once. Before the kill the mean
+    of the islands' losses is spmd's; roce comes back healed from ib on both lanes (no
+    checkpoint), joins the next outer step, and both end with one global model, bit for bit
+    in every lane."""
     mesh = two_host_mesh(tmp_path, roce_hosts=2)
     run_dir = tmp_path / "run"  # each island's checkpoints in run/<island>: not read to heal
     cache = f"train.compilation_cache={tmp_path / 'cache'}"
@@ -292,7 +292,7 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
     cmd += ["--independent-islands", "--max-restarts", "1", "--fail-host", "roce-1@4"]
-    job = [*DILOCO, PATIENT, f"train.run_dir={run_dir}", "checkpoint.every=2", cache]
+    job = [*DILOCO, STREAM, PATIENT, f"train.run_dir={run_dir}", "checkpoint.every=2", cache]
     cmd += ["--", *as_flags(job)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     out = done.stdout
@@ -307,7 +307,7 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
     assert "[roce-0] diloco: healed from a live peer" in out, out[-3000:]
     assert "[roce-0] resumed from" not in out  # its own checkpoint at step 4 is not read
     rounds = [(int(s), int(r), m) for s, r, m in ROUND.findall(out)]
-    assert (8, 4, "0, 1") in rounds, rounds  # the last round: both islands again
+    assert (8, 8, "0, 1") in rounds, rounds  # the last round: both islands again
     for lane in (0, 1):  # the outer state saved at step 8: one global model, bit for bit
         ib_g, roce_g = (
             split_state(unpack((run_dir / i / "checkpoints" / "outer" / f"8.lane{lane}.outer")
@@ -318,9 +318,10 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
         for key in ib_g:
             np.testing.assert_array_equal(ib_g[key], roce_g[key])
     assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
-    # the last round's bytes, counted at the transport, on its record only
+    # each round's bytes, counted at the transport, on the record of its step (a round after
+    # every step: the two fragments take turns)
     assert ib[8]["outer_bytes_sent"] > 0 and roce[8]["outer_bytes_received"] > 0
-    assert "outer_bytes_sent" not in ib[7]
+    assert ib[7]["outer_bytes_sent"] > 0 and roce[7]["outer_bytes_received"] > 0
 
 
 class _Sync:
@@ -525,9 +526,10 @@ def test_a_nan_island_abstains_and_the_others_train_as_if_it_missed_the_round(tm
     for key in glob[0]:
         np.testing.assert_array_equal(glob[0][key], glob[1][key])
     assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
-    # the last round's bytes, counted at the transport, on its record only
+    # each round's bytes, counted at the transport, on the record of its step (a round after
+    # every step: the two fragments take turns)
     assert ib[8]["outer_bytes_sent"] > 0 and roce[8]["outer_bytes_received"] > 0
-    assert "outer_bytes_sent" not in ib[7]
+    assert ib[7]["outer_bytes_sent"] > 0 and roce[7]["outer_bytes_received"] > 0
 
     ref_out, ref_ib, ref_roce = launch("roce-0@4:abstain", tmp_path / "reference")
     assert "island roce: diloco.inject_abstain_steps since step" in ref_out, ref_out

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from holmes_jax.core.errors import ConfigError
-from holmes_jax.diloco.lanes import QUANTUM, LaneLayout, block_size, lane_key, process_lanes
+from holmes_jax.diloco.lanes import (
+    QUANTUM,
+    LaneLayout,
+    block_size,
+    lane_key,
+    pieces,
+    process_lanes,
+)
+from holmes_jax.diloco.schedule import key_fragment
 
 
 def test_blocks_split_evenly_padded_to_the_quantum():
@@ -36,26 +44,37 @@ def pipelined(tiny_config, make_program):
     return program, program.model_to_logical(state), jax
 
 
-@pytest.mark.parametrize("lanes", [1, 2, 3])
-def test_blocks_are_the_flattened_leaf_and_convert_back_exactly(pipelined, lanes):
+@pytest.mark.parametrize("lanes,fragments", [(1, 1), (2, 1), (3, 1), (2, 2)])
+def test_blocks_are_the_flattened_leaf_and_convert_back_exactly(pipelined, lanes, fragments):
+    """Each block is its slice of the flattened, padded leaf (with fragments: of the
+    leaf's piece, its range of layers), and the blocks convert back bit for bit."""
     program, model, jax = pipelined
     sharding = program.logical_model_sharding()
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s), model, sharding
     )
-    layout = LaneLayout(program.mesh.devices.flat, abstract, sharding, lanes)
+    layout = LaneLayout(program.mesh.devices.flat, abstract, sharding, lanes, fragments)
     layout.compile()
     assert list(layout.mine) == list(range(lanes))  # one process serves every lane
     host = layout.to_host(model)
     leaves = jax.tree_util.tree_flatten_with_path(model)[0]
-    assert len(host) == lanes * len(leaves)
-    for path, leaf in zip(layout.paths, jax.tree.leaves(model), strict=True):
-        flat = np.asarray(leaf).reshape(-1)
+    cut = [
+        (key, np.asarray(leaf) if a < 0 else np.asarray(leaf)[a:b])
+        for path, leaf in leaves
+        for key, a, b in pieces(jax.tree_util.keystr(path, simple=True, separator="/"),
+                                leaf.shape, fragments)
+    ]  # fmt: skip
+    stacked = sum(1 for path, _ in leaves if str(path[0].key) == "blocks")
+    assert len(cut) == len(leaves) + (fragments - 1) * stacked == len(layout.paths)
+    assert len(host) == lanes * len(cut)
+    assert {key_fragment(k) for k in host} == set(range(fragments))
+    for key, piece in cut:
+        flat = piece.reshape(-1)
         b = block_size(flat.size, lanes)
         padded = np.zeros(lanes * b, np.float32)
         padded[: flat.size] = flat
         for lane in range(lanes):
-            block = host[lane_key(path, lane)]
+            block = host[lane_key(key, lane)]
             np.testing.assert_array_equal(block, padded[lane * b : (lane + 1) * b])
     assert math.prod(np.shape(host[lane_key(layout.paths[0], 0)])) % QUANTUM == 0
     back = layout.from_host({k: v + 1.0 for k, v in host.items()})

@@ -22,14 +22,8 @@ from holmes_jax.core.config import load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees
 from holmes_jax.diloco.modes import diloco_lines
-from holmes_jax.diloco.outer_step import (
-    OuterStep,
-    decode,
-    due_fragments,
-    encode,
-    fragment_slots,
-    in_warmup,
-)
+from holmes_jax.diloco.outer_step import OuterStep, decode, encode, fragment_slots
+from holmes_jax.diloco.schedule import due_fragments, in_warmup
 from holmes_jax.runtime.data.digest import DIGEST, batch_digest, combine
 from holmes_jax.runtime.engine.mesh import build_mesh
 from holmes_jax.runtime.loop import run

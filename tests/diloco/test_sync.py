@@ -23,6 +23,7 @@ from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.diloco.codec import decode, encode
 from holmes_jax.diloco.rounds import SyncConfig
+from holmes_jax.diloco.schedule import Schedule
 from holmes_jax.diloco.sparse import Sparse
 from holmes_jax.diloco.sync import OuterSync
 from holmes_jax.diloco.transport import request
@@ -627,6 +628,39 @@ def test_sparse_sending_every_value_at_32_bits_is_fp32_diloco(islands):
     for k in KEYS:
         np.testing.assert_allclose(sparse_nodes[1].glob[k], dense[1].glob[k], rtol=0, atol=1e-6)
         np.testing.assert_allclose(sparse_nodes[1].mom[k], dense[1].mom[k], rtol=0, atol=1e-6)
+
+
+def test_fragments_take_turns_and_only_their_keys_move(islands):
+    """Two fragments (H 4): round 1 carries fragment 1's keys, round 2 fragment 0's; each
+    round's step moves only its keys, as the hand-computed outer step says (the keys not in
+    it keep their global and momentum), on both islands alike. A delta for round 3 that
+    carries fragment 0's keys is refused in one line naming a missing key."""
+    made = islands[1]
+    keys = ("blocks/w@0#0", "blocks/w@1#0", "embed@0#0", "head@1#0")
+    rng = np.random.default_rng(3)
+    glob = {k: rng.standard_normal((4, 3)).astype(np.float32) for k in keys}
+    mom = {k: np.zeros((4, 3), np.float32) for k in keys}
+    cfg = dataclasses.replace(CFG, schedule=Schedule(inner_steps=4, fragments=2))
+    peers = free_ports(2)
+    nodes = [OuterSync(i, peers, cfg, (glob, mom), clock=Clock()) for i in range(2)]
+    made.extend(nodes)
+    for rnd, fragment in ((1, 1), (2, 0)):
+        mine = [k for k in keys if k.split("#")[0].endswith(f"@{fragment}")]
+        before = [dict(nodes[0].glob), dict(nodes[0].mom)]
+        thetas = [{k: inner(n, 70 + rnd + i)[k] for k in mine} for i, n in enumerate(nodes)]
+        sync_all(nodes, thetas, [1, 3])
+        want_g, want_m = expected(*({k: d[k] for k in mine} for d in before), thetas, [1, 3])
+        for n in nodes:
+            assert n.round == rnd and same(n.glob, nodes[0].glob)
+            for k in keys:
+                g, m = (want_g[k], want_m[k]) if k in mine else (before[0][k], before[1][k])
+                np.testing.assert_allclose(n.glob[k], g, rtol=1e-6, atol=1e-6)
+                np.testing.assert_allclose(n.mom[k], m, rtol=1e-6, atol=1e-6)
+    wrong = {k: glob[k] for k in ("blocks/w@0#0", "embed@0#0")}  # round 3 is fragment 1's
+    meta = {"island": 1, "round": 3, "tokens": 1, "dead": [], "lineage": "root"}
+    meta["scales"] = dict.fromkeys(wrong, 1.0)
+    resp = request(peers[0], "POST", "/delta", pack(meta, wrong), 5.0, 1)
+    assert resp.status == 400 and "keys missing ['blocks/w@1#0'" in resp.reason
 
 
 def test_the_bytes_each_island_sends_are_counted_at_the_transport(islands):
