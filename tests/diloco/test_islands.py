@@ -449,6 +449,42 @@ def test_overlap_merges_each_round_after_its_overlap_steps():
     assert island.pending is None and island.merge_at is None
     with pytest.raises(ConfigError, match=r"diloco.overlap_steps=2: must be in \[0, diloco"):
         load_config(None, [*DILOCO, "diloco.mode=independent", "diloco.overlap_steps=2"])
+    job = [*DILOCO, "diloco.mode=independent", "diloco.inner_steps=10", "diloco.fragments=3"]
+    with pytest.raises(ConfigError, match=r"overlap_steps=3: must be in \[0, 3, the fewest"):
+        load_config(None, [*job, "diloco.overlap_steps=3"])  # rounds after steps 3, 6, 10
+
+
+def test_overlapped_fragments_merge_only_their_own_parameters():
+    """Two fragments, H = 4, overlap_steps = 1, on numbers (``a`` in fragment 0, ``b`` in
+    fragment 1; each round adds 10 to what it carries): fragment 1's round is sent after
+    step 2 with b's progress alone and merged after step 3 into b alone; fragment 0's, sent
+    after step 4, carries a's progress since the start and merges into a alone."""
+    job = ["diloco.mode=independent", "diloco.island=0", "diloco.peers=[127.0.0.1:1,127.0.0.1:2]"]
+    job += ["diloco.inner_steps=4", "diloco.fragments=2", "diloco.overlap_steps=1"]
+    cfg, share = island_scope(load_config(None, [*DILOCO, *job, "train.steps=8"]))
+    island = IslandSync(cfg, None, share, say=lambda line: None)
+    zero = {"a@0#0": np.zeros(1, np.float32), "b@1#0": np.zeros(1, np.float32)}
+    sync = island.syncs[0] = _Sync(zero)
+    sync.sync_delta = lambda delta, tokens, average=False: (
+        sync.sent.append(sorted(delta))
+        or sync.glob.update({k: sync.glob[k] - delta[k] + 10 for k in delta})
+        or dict(sync.glob)
+    )
+    island.snap = dict(zero)
+    island._theta = lambda state: {k: np.asarray([v], np.float32) for k, v in state.items()}
+    island._with_global = lambda state, glob, step, add=False: {
+        k: (state[k] if add else 0.0) + float(glob[k][0]) for k in state
+    }
+    island._skipped = lambda state: 0
+    theta = {"a@0#0": 1.0, "b@1#0": 1.0}
+    assert island.after_step(theta, 2) == (theta, 2)  # sends Δb = 0 − 1
+    moved, _ = island.after_step({"a@0#0": 1.5, "b@1#0": 1.5}, 3)  # gb = 11
+    assert moved == {"a@0#0": 1.5, "b@1#0": 11.5}
+    island.after_step({"a@0#0": 2.0, "b@1#0": 12.0}, 4)  # sends Δa = 0 − 2
+    moved, _ = island.after_step({"a@0#0": 2.5, "b@1#0": 12.5}, 5)  # ga = 12
+    assert moved == {"a@0#0": 12.5, "b@1#0": 12.5}
+    assert sync.sent == [["b@1#0"], ["a@0#0"]]
+    assert float(island.snap["a@0#0"][0]) == 12.0 and float(island.snap["b@1#0"][0]) == 11.0
 
 
 @pytest.mark.parametrize("overlap", [0, 1])
