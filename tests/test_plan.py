@@ -281,8 +281,15 @@ def test_json_names_the_strategy_and_compares_all_three(capsys):
     )
     assert rows["diloco"]["inner_steps"] == 50
     assert rows["diloco"]["plan"]["replica"] == 2  # one copy per island
-    code, out, err = run(capsys, "--config", CONFIG, "--mesh", slow, "--set", "diloco.enabled=auto")
+    outer = d["diloco_outer_formats"]  # the table of formats, the configured one chosen
+    assert [f["fmt"] for f in outer["formats"]] == ["fp32", "bf16", "int8"]  # spmd: dense
+    assert outer["chosen"] == "fp32" and outer["inner_step_s"] > 0
+    code, out, err = run(
+        capsys, "--config", CONFIG, "--mesh", slow, "--set", "diloco.enabled=auto",
+        "--set", "diloco.outer_dtype=auto",
+    )  # fmt: skip
     assert "strategy: diloco" in out and "auto_min_speedup" in out
+    assert "diloco outer formats" in out and "diloco.outer_dtype=auto: " in out
 
 
 def test_keep_degrees_prices_what_the_trainer_prints(capsys):

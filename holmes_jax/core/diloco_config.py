@@ -17,7 +17,7 @@ from holmes_jax.core.spec import (
     SPARSE_CHUNK_MIN,
     STEPS,
     DilocoEnabled,
-    OuterDtype,
+    OuterDtypeChoice,
 )
 
 # spmd: one jax job, islands are the replica axis; independent: one job per island, the outer
@@ -56,7 +56,9 @@ class DilocoConfig:
     outer_lr: float = 0.7  # learning rate of the outer Nesterov SGD
     outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD
     fragments: int = 1  # streaming DiLoCo above 1; at most inner_steps and num_layers
-    outer_dtype: OuterDtype = "fp32"  # what crosses the link (the outer state stays fp32)
+    # what crosses the link (the outer state stays fp32); auto: the planner picks the
+    # smallest format the link needs (planner.outer_formats says the rule)
+    outer_dtype: OuterDtypeChoice = "fp32"
     # outer_dtype sparse (independent): the delta is cut into chunks of this many values (a
     # power of two, 16..32768); what a chunk does not send is kept and added to the next
     # round's delta (error feedback)

@@ -205,6 +205,8 @@ class DilocoSpec:
     mode: str  # spmd: one job; independent: one job per island
     island: int  # independent: this job's island
     peers: tuple[str, ...]  # independent: every island's outer-sync addresses
+    overlap_steps: int = 0  # independent: inner steps a round may travel during
+    sparse: tuple[int, int, int] = (4096, 64, 2)  # outer_dtype sparse: chunk, k, bits
 
 
 @dataclass(frozen=True)
@@ -283,12 +285,19 @@ def plan_request(cfg: Config, attention: str = "xla") -> PlanRequest:
         inner_steps=d.inner_steps,
         fragments=d.fragments,
         outer_dtype=d.outer_dtype,
-        outer_bytes=outer_element_bytes(d.outer_dtype, d.sparse_chunk, d.sparse_k, d.sparse_bits),
+        outer_bytes=outer_element_bytes(
+            "fp32" if d.outer_dtype == "auto" else d.outer_dtype,  # auto: priced as fp32
+            d.sparse_chunk,
+            d.sparse_k,
+            d.sparse_bits,
+        ),
         warmup_steps=d.warmup_steps,
         auto_min_speedup=d.auto_min_speedup,
         mode=d.mode,
         island=d.island,
         peers=d.peers,
+        overlap_steps=d.overlap_steps,
+        sparse=(d.sparse_chunk, d.sparse_k, d.sparse_bits),
     )
     return PlanRequest(m.spec, run, parallel, diloco, cfg.train.steps)
 

@@ -45,6 +45,7 @@ Arch = Literal["gpt2", "llama"]  # model.arch (holmes_jax.runtime.model.decoder)
 Precision = Literal["fp32", "bf16"]
 # What crosses the link at a DiLoCo outer step (the outer state itself stays fp32).
 OuterDtype = Literal["fp32", "bf16", "int8", "sparse"]
+OuterDtypeChoice = Literal[OuterDtype, "auto"]  # auto: the planner picks (planner.outer_formats)
 # outer_dtype sparse (holmes_jax.diloco.sparse): value bits, and the chunk's bounds (powers
 # of two; a chunk's count travels as uint16)
 SPARSE_BITS, SPARSE_CHUNK_MIN, SPARSE_CHUNK_MAX = (2, 4, 8, 32), 16, 1 << 15

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.spec import Degrees, resolve_grad_buckets
 from holmes_jax.planner.failures import FailurePlan, survivor_overrides
+from holmes_jax.planner.outer_formats import outer_report
 from holmes_jax.planner.placement import stage_blocks, stages_per_island
 from holmes_jax.planner.plans import (
     as_trained,
@@ -78,6 +79,9 @@ def plan_json(
         out["strategy"] = choice.chosen
         out["strategy_reason"] = choice.reason
         out["strategies"] = [p.to_dict() for p in choice.prices]
+        outer = _outer_formats(req, topology, choice)
+        if outer is not None:
+            out["diloco_outer_formats"] = outer[1]
     return out
 
 
@@ -158,7 +162,17 @@ def format_plan(
         )
     if choice is not None:
         lines.extend(format_strategies(choice))
+        outer = _outer_formats(req, topology, choice)
+        if outer is not None:
+            lines.extend(outer[0])
     return "\n".join(lines)
+
+
+def _outer_formats(req: PlanRequest, topology: Topology, choice: StrategyChoice):
+    """The DiLoCo outer formats' table and JSON (:func:`outer_report`) when the planner
+    priced DiLoCo, else None."""
+    priced = [p for p in choice.prices if p.name == "diloco" and p.plan is not None]
+    return outer_report(req, topology) if priced else None
 
 
 def format_run_plan(

@@ -247,7 +247,7 @@ def predict_diloco(
 def _outer_cost(dl: DilocoSpec, topology: Topology, params: int) -> tuple[float, float]:
     """(one outer sync, its exposed time per outer round) of DiLoCo ``dl`` across the
     islands: every host of the smallest island sends over the slowest inter-island link."""
-    slow = _slowest_inter_island(topology)
+    slow = slowest_inter_island(topology)
     hosts = min(isl.num_hosts for isl in topology.islands)
     replicas = len(topology.islands)
     sync = outer_sync_s(params, dl.outer_bytes, replicas, hosts * slow.bytes_per_s, slow.latency_s)
@@ -269,7 +269,7 @@ def _islands_alone(topology: Topology) -> Topology:
     return dataclasses.replace(topology, inter_island_default=free, inter_island_overrides=())
 
 
-def _slowest_inter_island(topology: Topology) -> Link:
+def slowest_inter_island(topology: Topology) -> Link:
     islands = topology.islands
     links = [
         topology.inter_island(a.name, b.name) for a in islands for b in islands if a.name < b.name

@@ -32,10 +32,11 @@ from holmes_jax.diloco.scope import eval_batch_count, independent, island_output
 from holmes_jax.planner.failures import replan
 from holmes_jax.planner.grid import job_topology, load_mesh_topology, resolve_shape
 from holmes_jax.planner.memory import check_fits
+from holmes_jax.planner.outer_formats import resolve_outer_dtype
 from holmes_jax.planner.plans import memory_inputs_of, predict_run, resolve_auto
 from holmes_jax.planner.report import format_preference, format_run_plan
 from holmes_jax.planner.strategy import predict_diloco, resolve_diloco
-from holmes_jax.planner.topology import Topology
+from holmes_jax.planner.topology import Topology, load_topology
 from holmes_jax.runtime.data.feed import Feed
 from holmes_jax.runtime.data.loader import (
     BatchSampler,
@@ -78,6 +79,7 @@ class Resolved:
       diloco_choice: :func:`~holmes_jax.planner.strategy.resolve_diloco`'s choice, or None.
       share: an independent DiLoCo island's rows of the global batch
         (:mod:`holmes_jax.diloco.scope`), else None.
+      outer_why: why ``diloco.outer_dtype: auto`` resolved as it did, else empty.
     """
 
     cfg: Config
@@ -89,6 +91,7 @@ class Resolved:
     asked: Config
     diloco_choice: Any
     share: Any = None
+    outer_why: str = ""
 
 
 def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
@@ -100,7 +103,7 @@ def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
       ConfigError: settings that are impossible on the visible devices.
     """
     outputs = outputs or choose_run_dir(island_outputs(cfg))
-    cfg = outputs.cfg
+    cfg, outer_why = _outer_dtype(outputs.cfg)  # for the whole run, before an island's share
     share = None
     if independent(cfg):  # this island's job: replica 1, its rows of the global batch
         cfg, share = island_scope(cfg)
@@ -121,7 +124,20 @@ def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
     shape = resolve_shape(req, len(devices), topology)
     cfg = apply_parallel(cfg, resolve_auto(req, shape, topology))
     check_memory(cfg, shape, topology, devices)
-    return Resolved(cfg, outputs, devices, topology, shape, replanned, asked, choice, share)
+    return Resolved(
+        cfg, outputs, devices, topology, shape, replanned, asked, choice, share, outer_why
+    )
+
+
+def _outer_dtype(cfg: Config) -> tuple[Config, str]:
+    """``cfg`` with ``diloco.outer_dtype: auto`` resolved on the whole run's mesh
+    (:func:`~holmes_jax.planner.outer_formats.resolve_outer_dtype`) and why; else as it is."""
+    if cfg.diloco.outer_dtype != "auto":
+        return cfg, ""
+    req = plan_request(cfg)
+    mesh = cfg.parallel.mesh  # the whole mesh: an island's job alone has no link to price
+    fmt, why = resolve_outer_dtype(req, load_topology(mesh) if mesh else None)
+    return cfg.replace(diloco=dataclasses.replace(cfg.diloco, outer_dtype=fmt)), why
 
 
 def restore(ckpt, program, cfg: Config) -> tuple[Any, int]:
@@ -238,6 +254,9 @@ def announce(log, r: Resolved, data: Data, plan_lines, outer_lines, resumed, sta
             f"{cfg.parallel.microbatches} microbatches, {cfg.parallel.schedule}"
         )
     lines += outer_lines
+    runs = cfg.diloco.enabled is True and (r.share is not None or shape.replica > 1)
+    if r.outer_why and runs:
+        lines.append(f"diloco.outer_dtype=auto -> {r.outer_why}")
     if r.asked.model.remat == "auto":
         lines.append(f"remat: auto -> {cfg.model.remat} (the fastest policy that fits)")
     if resumed:
