@@ -193,7 +193,7 @@ class DilocoConfig:
             return self.inner_steps
         h, f = self.inner_steps, self.fragments
         offsets = [i * h // f for i in range(f)] + [h]
-        return min(b - a for a, b in zip(offsets, offsets[1:]))
+        return min(b - a for a, b in zip(offsets, offsets[1:], strict=False))
 
     def _validate_independent(self) -> None:
         where = "(python -m holmes_jax.launch --independent-islands sets diloco.island/peers)"

@@ -15,9 +15,10 @@ sets ``diloco.island`` and ``diloco.peers``.
   fp32 parameters go to the lanes, each of which calls
   :meth:`~holmes_jax.diloco.sync.OuterSync.sync`; the new global model comes back as
   parameters and master. With ``diloco.fragments`` F > 1 (streaming) each round carries
-  one fragment's pieces (:mod:`~holmes_jax.diloco.schedule`, :mod:`~holmes_jax.diloco.lanes`)
-  and only those parameters take the global model. The AdamW moments and step count are kept, so with nothing
-  failing, fp32 and equal shares, the islands train what ``spmd`` trains.
+  one fragment's pieces (:mod:`~holmes_jax.diloco.schedule`,
+  :mod:`~holmes_jax.diloco.lanes`) and only those parameters take the global model. The
+  AdamW moments and step count are kept, so with nothing failing, fp32 and equal shares,
+  the islands train what ``spmd`` trains.
 - Overlap (``diloco.overlap_steps``): :meth:`IslandSync._send_overlapped`.
 - Start (:meth:`IslandSync.start`): heal from a live peer past round 0, else resume from this
   island's own checkpoint and outer state (:meth:`IslandSync.save_outer`), else fresh.

@@ -12,13 +12,13 @@ The rules:
 - ``round`` is an integer in ``[0, 2**31)``; ``lineage`` is ``root`` or
   ``<island>@<round>`` (a fork by a configured island), ``parent`` one of those or empty;
 - a delta's arrays are exactly its round's keys (the lane's, or with ``diloco.fragments``
-  > 1 those of the round's fragment, :mod:`~holmes_jax.diloco.schedule`), each of the lane's shape and of the wire
-  dtype of ``diloco.outer_dtype``; its scales are one per key, finite and positive
-  (``int8``; exactly 1 for ``fp32`` and ``bf16``, whose payload carries its own range);
-  the decoded values are finite. A ``sparse`` delta holds each key's four parts, each
-  checked by :func:`~holmes_jax.diloco.sparse.check` (sizes, counts of exactly
-  ``sparse_k`` a chunk, positions increasing inside their chunk, scales that decode
-  finite);
+  > 1 those of the round's fragment, :mod:`~holmes_jax.diloco.schedule`), each of the
+  lane's shape and of the wire dtype of ``diloco.outer_dtype``; its scales are one per
+  key, finite and positive (``int8``; exactly 1 for ``fp32`` and ``bf16``, whose payload
+  carries its own range); the decoded values are finite. A ``sparse`` delta holds each
+  key's four parts, each checked by :func:`~holmes_jax.diloco.sparse.check` (sizes,
+  counts of exactly ``sparse_k`` a chunk, positions increasing inside their chunk, scales
+  that decode finite);
 - a delta's ``tokens`` is an integer in ``[0, round_tokens]``, where ``round_tokens`` is
   the tokens of the whole global batch over ``diloco.inner_steps`` steps: no island's
   share of one round can be larger;

@@ -158,8 +158,9 @@ class OuterSync:
     def sync(self, theta: Shards, tokens: int, average: bool = False) -> Shards:
         """The outer step after the inner steps that took ``global`` to ``theta`` on
         ``tokens`` tokens: returns the new global (the caller sets θ ← global on the keys
-        of ``theta``, the next round's: its fragment's, :mod:`~holmes_jax.diloco.schedule`). Never waits
-        for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s`` per probe).
+        of ``theta``, the next round's: its fragment's, :mod:`~holmes_jax.diloco.schedule`).
+        Never waits for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s``
+        per probe).
         ``average``: a warm-up round, ``global ← global − Δ̄`` with the momentum kept (every
         island passes the same value for a round: it follows from the step)."""
         assert self.r.ready, "a restarted island joins before it syncs"
