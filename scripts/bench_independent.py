@@ -5,7 +5,8 @@
         [--rows spmd,independent,overlap,kill,cut,unequal] [--set KEY=VALUE] [--keep-logs DIR]
 
 On ``meshes/emu-4host-2island-slow.yaml`` (``launch --emulate``: 1 Gbit/s inside each island,
-10 Mbit/s between them), the quickstart model, data 2 per island, ``H = --inner-steps``:
+10 Mbit/s between them, or ``--link-mbit``), the quickstart model, data 2 per island,
+``H = --inner-steps``:
 
 - spmd: one program, ``diloco.enabled=true``, ``parallel.replica=2``;
 - independent: ``launch --independent-islands`` (one job per island, outer sync over HTTP);
@@ -38,6 +39,12 @@ reports; the final eval loss (mean of the islands') against the run without faul
 The inner step alone: the median wall time between consecutive steps (an outer step is
 one slow interval in H, so the median is the step without it); ``over_inner`` is a row's
 mean step over it. The overlap row's loss is set against the independent (in-step) row's.
+The wire (independent and overlap rows): the bytes each island's records say it sent per
+round (``outer_bytes_sent``, counted at the socket: median and peak), the bytes every island
+sent over the tokens trained (``bytes_per_token``) against per-step data parallelism's
+``2(R−1)·P·4`` over a batch's tokens (a ring all-reduce of fp32 gradients), and the compute
+utilisation, the inner step over the mean step.
+
 Unequal islands: each island alone does ``rows / inner step`` rows per second (its CPU
 quota, not the other island, bounds its speed); together they do ``48 rows / mean step``
 of the slower island; ``joint_over_sum`` is the second over the sum of the first.
@@ -273,6 +280,8 @@ def check_args(args) -> list[str]:
             f"--steps={args.steps}: must be >= 10 and >= 3 x --inner-steps "
             f"({3 * args.inner_steps}), so a fault has outer steps around it"
         )
+    if args.link_mbit is not None and not 0 < args.link_mbit <= 1e5:
+        raise ConfigError(f"--link-mbit={args.link_mbit:g}: must be > 0 and <= 100000 (Mbit/s)")
     for flag, value in (("--quorum-timeout", args.quorum_timeout), ("--outage", args.outage)):
         if not 0 < value < 1e6:
             raise ConfigError(f"{flag}={value:g}: must be a number of seconds > 0")
@@ -286,9 +295,9 @@ def check_args(args) -> list[str]:
     return [r for r in ROWS if r in rows]
 
 
-def launch_cmd(row: str, args, run_dir: str, fault_step: int | None) -> list[str]:
+def launch_cmd(row: str, args, run_dir: str, fault_step: int | None, mesh: str = MESH) -> list[str]:
     """The ``python -m holmes_jax.launch`` command of a row (pure)."""
-    mesh = UNEQUAL_MESH if row == "unequal" else MESH
+    mesh = UNEQUAL_MESH if row == "unequal" else mesh
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", mesh, "--emulate"]
     sets = COMMON + [
         f"parallel.mesh={mesh}",
@@ -312,6 +321,46 @@ def launch_cmd(row: str, args, run_dir: str, fault_step: int | None) -> list[str
         cmd += ["--cut-islands", f"{fault_step}:+{args.outage:g}"]
     cmd += ["--", "--config", QUICKSTART]
     return cmd + [a for s in sets + list(args.set) for a in ("--set", s)]
+
+
+def wire_row(run_dir: str, tokens_per_step: int, steps: int, params: int) -> dict:
+    """The wire numbers of an independent row (module doc) from the islands' metrics."""
+    sent: dict[str, list[int]] = {}
+    for isl in ("ib", "roce"):
+        with open(os.path.join(run_dir, isl, "metrics.jsonl")) as f:
+            recs = [json.loads(x) for x in f if '"outer_bytes_sent"' in x]
+        sent[isl] = [r["outer_bytes_sent"] for r in recs if r["outer_bytes_sent"] > 0]
+    total = sum(sum(v) for v in sent.values())
+    per_token = total / (steps * tokens_per_step)
+    dp = 2 * (len(sent) - 1) * params * 4 / tokens_per_step
+    out = {f"{isl}_bytes_per_round": round(statistics.median(v)) for isl, v in sent.items() if v}
+    out.update({f"{isl}_peak_bytes_per_round": max(v) for isl, v in sent.items() if v})
+    out["bytes_per_token"] = round(per_token, 3)
+    out["dp_bytes_per_token"] = round(dp, 1)
+    out["fewer_than_dp"] = round(dp / per_token, 1) if per_token else None
+    return out
+
+
+def link_mesh(mbit: float, folder: str) -> str:
+    """A copy of :data:`MESH` with ``mbit`` Mbit/s between the islands, in ``folder``."""
+    import yaml
+
+    with open(MESH) as f:
+        mesh = yaml.safe_load(f)
+    mesh["name"] = f"{mesh['name']}-{mbit:g}mbit"
+    mesh["inter_island"]["default"]["bandwidth_gbps"] = mbit / 1000
+    path = os.path.join(folder, f"{mesh['name']}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(mesh, f)
+    return path
+
+
+def model_params(args) -> int:
+    """P: the parameters of the model the rows train, ``--set`` overrides included."""
+    from holmes_jax.core.config import load_config
+
+    sets = [s for s in args.set if not s.startswith("diloco.")]
+    return load_config(QUICKSTART, sets).model.spec.num_params
 
 
 def tokens_per_step(row: str, args) -> int:
@@ -421,6 +470,9 @@ def main(argv=None) -> int:
         "diloco.warmup_steps=50",
     )
     parser.add_argument("--keep-logs", help="keep the runs' logs and metrics in this folder")
+    parser.add_argument(
+        "--link-mbit", type=float, help="Mbit/s between the islands (default: the mesh's 10)"
+    )
     args = parser.parse_args(argv)
     try:
         rows = check_args(args)
@@ -434,9 +486,10 @@ def main(argv=None) -> int:
     os.makedirs(folder, exist_ok=True)
     at = fault_steps(args.steps, args.seed)
     table, events = {}, {}
+    mesh = link_mesh(args.link_mbit, folder) if args.link_mbit else MESH
     for row in rows:
         run_dir = os.path.join(folder, row)
-        cmd = launch_cmd(row, args, run_dir, at.get(row))
+        cmd = launch_cmd(row, args, run_dir, at.get(row), mesh)
         log(f"{row}: {' '.join(cmd[2:])}")
         try:
             lines = run_logged(cmd, os.path.join(folder, f"{row}.log"))
@@ -454,6 +507,10 @@ def main(argv=None) -> int:
             inner = inner_step_seconds(ev.steps[SURVIVOR])
             table[row]["inner_step_ms"] = round(inner * 1e3, 1)
             table[row]["over_inner"] = round(step / inner, 3)
+            table[row]["utilisation"] = round(inner / step, 3)
+            table[row].update(
+                wire_row(run_dir, tokens_per_step(row, args), args.steps, model_params(args))
+            )
         if row == "overlap":
             ratio = table[row]["final_eval_loss"] / table["independent"]["final_eval_loss"]
             table[row]["loss_vs_in_step"] = round(ratio, 4)
@@ -465,7 +522,8 @@ def main(argv=None) -> int:
             ratio = table[row]["final_eval_loss"] / table["independent"]["final_eval_loss"]
             table[row]["loss_vs_no_fault"] = round(ratio, 4)
     result = {
-        "mesh": os.path.basename(MESH),
+        "mesh": os.path.basename(mesh),
+        "link_mbit": args.link_mbit or 10,
         "steps": args.steps,
         "inner_steps": args.inner_steps,
         "quorum_timeout_s": args.quorum_timeout,

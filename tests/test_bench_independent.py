@@ -19,7 +19,7 @@ def bench():
 def _args(**kw):
     base = dict(steps=300, inner_steps=10, quorum_timeout=10.0, outage=30.0, rows="kill")
     base["overlap_steps"], base["set"] = 5, []
-    base["keep_logs"] = None
+    base["keep_logs"], base["link_mbit"] = None, None
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -32,6 +32,7 @@ def test_argument_checks_are_one_line_errors_and_faults_bring_their_baseline(ben
         (dict(steps=20), "--steps=20: must be >= 10 and >= 3 x --inner-steps (30)"),
         (dict(outage=0.0), "--outage=0: must be a number of seconds > 0"),
         (dict(quorum_timeout=-1.0), "--quorum-timeout=-1: must be a number"),
+        (dict(link_mbit=0.0), "--link-mbit=0: must be > 0"),
     ]:
         with pytest.raises(
             ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
@@ -164,3 +165,29 @@ def test_overrides_reach_every_row_and_its_tokens(bench):
     assert cmd[-4:] == ["--set", "diloco.overlap_steps=5", "--set", "model.seq_len=64"]
     assert bench.tokens_per_step("overlap", args) == 32 * 64
     assert bench.tokens_per_step("unequal", args) == bench.UNEQUAL_BATCH * 64
+
+
+def test_the_wire_row_reads_the_bytes_each_island_sent(bench, tmp_path):
+    """Per island the median and peak of its rounds' bytes, and every island's bytes over
+    the tokens trained against per-step data parallelism's ring of fp32 gradients."""
+    import json
+
+    for isl, rounds in (("ib", [30, 50, 40]), ("roce", [10, 10, 12])):
+        (tmp_path / isl).mkdir()
+        recs = [{"step": 1, "loss": 1.0}] + [{"outer_bytes_sent": b} for b in rounds]
+        (tmp_path / isl / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)))
+    row = bench.wire_row(str(tmp_path), tokens_per_step=100, steps=2, params=1000)
+    assert row["ib_bytes_per_round"] == 40 and row["ib_peak_bytes_per_round"] == 50
+    assert row["roce_bytes_per_round"] == 10 and row["roce_peak_bytes_per_round"] == 12
+    assert row["bytes_per_token"] == pytest.approx(152 / 200)
+    assert row["dp_bytes_per_token"] == 2 * 1000 * 4 / 100
+    assert row["fewer_than_dp"] == pytest.approx(80 / 0.76, abs=0.1)
+
+
+def test_a_link_speed_writes_a_mesh_with_that_speed_between_islands(bench, tmp_path):
+    from holmes_jax.planner.topology import load_topology
+
+    path = bench.link_mesh(1.0, str(tmp_path))
+    topo = load_topology(path)
+    assert topo.inter_island("ib", "roce").bandwidth_gbps == pytest.approx(0.001)
+    assert topo.islands == load_topology(bench.MESH).islands
