@@ -163,6 +163,10 @@ class Rounds:
         entries = [(f"{p}/{k}", "float32", shape) for p in "gm" for k, shape in shapes]
         return packed_size(META_BYTES + 64 * len(entries), entries)
 
+    def carries(self, rnd: int, values: Shards) -> bool:
+        """Whether round ``rnd`` carries exactly the keys of ``values`` (its fragment's)."""
+        return values.keys() == self.expect.for_round(rnd).shapes.keys()
+
     def key(self) -> str:
         """What names this island's global model: lineage, round and tokens (a merge
         changes the tokens), as sent with ``/result?have=``."""

@@ -156,13 +156,11 @@ class OuterSync:
     # ---- the caller's side -------------------------------------------------------------
 
     def sync(self, theta: Shards, tokens: int, average: bool = False) -> Shards:
-        """The outer step after the inner steps that took ``global`` to ``theta`` on
-        ``tokens`` tokens: returns the new global (the caller sets θ ← global on the keys
-        of ``theta``, the next round's: its fragment's, :mod:`~holmes_jax.diloco.schedule`).
-        Never waits for a dead island longer than ``quorum_timeout_s`` (plus ``probe_s``
-        per probe).
-        ``average``: a warm-up round, ``global ← global − Δ̄`` with the momentum kept (every
-        island passes the same value for a round: it follows from the step)."""
+        """The outer step after the inner steps that took ``global`` to ``theta`` (the next
+        round's keys) on ``tokens`` tokens: returns the new global (the caller sets θ ←
+        global on those keys). Never waits for a dead island longer than ``quorum_timeout_s``
+        (plus ``probe_s`` per probe). ``average``: a warm-up round, ``global ← global − Δ̄``
+        with the momentum kept (the same on every island: it follows from the step)."""
         assert self.r.ready, "a restarted island joins before it syncs"
         with self.cond:
             delta = {k: self.r.glob[k] - np.asarray(theta[k], np.float32) for k in theta}
@@ -200,7 +198,7 @@ class OuterSync:
                         if self.r.lineage == lineage:  # closed, with us or without (late)
                             return dict(self.r.glob)
                         want, lineage = self.r.round + 1, self.r.lineage  # joined another
-                    if values is not None and values.keys() != self._keys(want):
+                    if values is not None and not self.r.carries(want, values):
                         return dict(self.r.glob)  # that round is another fragment's: late
                     leader = self.r.leader
                 if leader == self.island:
@@ -257,10 +255,6 @@ class OuterSync:
                 except Unreachable:
                     continue
             time.sleep(self.cfg.probe_s)
-
-    def _keys(self, rnd: int):
-        """The keys a delta for round ``rnd`` holds (its fragment's)."""
-        return self.r.expect.for_round(rnd).shapes.keys()
 
     # ---- client helpers ----------------------------------------------------------------
 
@@ -590,12 +584,10 @@ class OuterSync:
         return Reply(body, track=req.sender)
 
     def _serve_join(self, req: Request) -> Reply:
-        """Merge a joiner's lineage if it asks (:meth:`Rounds.merge`) and add it to the group
-        (:meth:`Rounds.register`). Each side's weight is its tokens since the point where the
-        younger lineage forked from the other: exact for one split; for deeper histories it
-        is the joiner's fork point. This island keeps its momentum and round and merges each
-        lineage once (its later joiners adopt). The reply is the merged state, or
-        ``awaiting`` for a join with ``next``."""
+        """Merge a joiner's lineage if it asks (:meth:`Rounds.merge`: each side weighs its
+        tokens since the younger lineage forked; each lineage once, later joiners adopt) and
+        add it to the group (:meth:`Rounds.register`), keeping this island's momentum and
+        round. The reply is the merged state, or ``awaiting`` for a join with ``next``."""
         join = parse_join(*unpack(req.body), req.sender, self.r.expect)
         with self.cond:
             if not self.r.ready:
