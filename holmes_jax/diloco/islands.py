@@ -416,11 +416,18 @@ class IslandSync:
 
     def report(self) -> dict[str, int]:
         """``outer_bytes_sent`` and ``outer_bytes_received`` of the rounds ended since the
-        last report (this process's lanes): on the first record after a round only."""
+        last report, summed over the island's processes (every process calls it, at the
+        same records): on the first record after a round only."""
         if self.round_bytes is None:
             return {}
-        (sent, received), self.round_bytes = self.round_bytes, None
-        return {"outer_bytes_sent": sent, "outer_bytes_received": received}
+        counts, self.round_bytes = self.round_bytes, None
+        if jax.process_count() > 1:  # int32 pieces: jax's arrays hold no int64 by default
+            from jax.experimental import multihost_utils
+
+            pieces = np.array([[n >> 30, n & (1 << 30) - 1] for n in counts], np.int32)
+            every = np.asarray(multihost_utils.process_allgather(pieces)).astype(np.int64)
+            counts = tuple(int(n) for n in (every[..., 0] << 30 | every[..., 1]).sum(axis=0))
+        return {"outer_bytes_sent": counts[0], "outer_bytes_received": counts[1]}
 
     def _send(self, delta: Shards | None, tokens: int) -> None:
         try:
