@@ -564,12 +564,9 @@ def test_a_nan_island_abstains_and_the_others_train_as_if_it_missed_the_round(tm
     for key in glob[0]:
         np.testing.assert_array_equal(glob[0][key], glob[1][key])
     assert ib[8]["eval_loss"] == pytest.approx(roce[8]["eval_loss"], rel=1e-6)
-    # each round's bytes, counted at the transport, on the record of its step (a round after
-    # every step: the two fragments take turns)
-    assert ib[7]["outer_bytes_sent"] > 0 and roce[7]["outer_bytes_received"] > 0
-    # round 8: roce's delta up, ib's step back, each fragment 0 in fp32 over both lanes
-    # (roce's record sums its two processes' lanes; one alone would be half)
-    assert 0.8 < roce[8]["outer_bytes_sent"] / ib[8]["outer_bytes_sent"] < 1.25
+    # the last round's bytes, counted at the transport, on its record only
+    assert ib[8]["outer_bytes_sent"] > 0 and roce[8]["outer_bytes_received"] > 0
+    assert "outer_bytes_sent" not in ib[7]
 
     ref_out, ref_ib, ref_roce = launch("roce-0@4:abstain", tmp_path / "reference")
     assert "island roce: diloco.inject_abstain_steps since step" in ref_out, ref_out
