@@ -43,6 +43,7 @@ from holmes_jax.cluster.launcher import (
     describe,
     exit_code,
 )
+from holmes_jax.core import status as status_channel
 from holmes_jax.core.errors import NONFINITE_EXIT, USAGE_EXIT, ConfigError
 
 DEFAULT_MAX_RESTARTS = 3
@@ -64,9 +65,10 @@ _FAULT = re.compile(r"([^@\s]+)@([^:\s]+)(?::(.*))?")
 @dataclass(frozen=True)
 class Fault:
     """One ``--fail-host``: SIGKILL ``host``'s worker once, at the first reported step >=
-    ``step``; it stays away ``away_s`` seconds after the kill (``inf``: for good).
-    ``inject`` ``"nan"`` or ``"abstain"``: no kill; the job holding ``host`` is told to fail
-    that way at ``step`` (:func:`fault_args`)."""
+    ``step`` (the workers report it, logged or not: ``HOLMES_STATUS_STEPS``); it stays
+    away ``away_s`` seconds after the kill (``inf``: for good). ``inject`` ``"nan"`` or
+    ``"abstain"``: no kill; the job holding ``host`` is told to fail that way at ``step``
+    (:func:`fault_args`)."""
 
     host: str
     step: int
@@ -203,7 +205,8 @@ class Supervisor:
 
     def _on_status(self, worker: Worker, event: dict) -> None:
         """Process 0's status events: the run directory, the checkpoint step a restart
-        resumed from, the first compile, and each logged step, whatever ``logging.progress``."""
+        resumed from, the first compile, and each logged or watched step, whatever
+        ``logging.progress``."""
         if worker.process_id != 0:  # process 0 speaks for the job
             return
         with self._lock:
@@ -212,6 +215,7 @@ class Supervisor:
                 self._on_step(event["step"])
             elif kind == "resumed":
                 self._resumed_from = event["step"]
+                self._past(event["step"])
             elif kind == "compiled":
                 detail = f", {event['detail']}" if event["detail"] else ""
                 self._compiled = f"compile {event['seconds']:.1f} s{detail}"
@@ -260,6 +264,33 @@ class Supervisor:
             self._away_until[fault.host] = time.monotonic() + fault.away_s
             launch.say(f"--fail-host {fault.spec}: SIGKILL to {fault.host} at step {step}{away}")
             launch.kill(fault.host)
+
+    def _past(self, resumed: int) -> None:
+        """The faults not fired yet whose step a resume at ``resumed`` has passed: each
+        said in one line and never fired."""
+        for i, fault in enumerate(self.faults):
+            if i not in self._fired and fault.step <= resumed:
+                self._fired.add(i)
+                self._say(
+                    f"--fail-host {fault.spec}: does not fire, step {fault.step} is already "
+                    f"past (the run resumed from step {resumed})"
+                )
+
+    def _unfired(self) -> None:
+        """One line for each fault the job ended before."""
+        for i, fault in enumerate(self.faults):
+            if i not in self._fired:
+                last = f"after step {self.step}" if self.step else "before any step"
+                self._say(
+                    f"--fail-host {fault.spec}: did not fire, the job ended {last} "
+                    f"(train.steps or an earlier stop) before step {fault.step}"
+                )
+
+    def _watch_env(self) -> dict[str, str]:
+        """The workers' ``HOLMES_STATUS_STEPS``: the steps of the faults not fired yet, so
+        each fires at its step whatever ``logging.log_every``."""
+        steps = sorted({f.step for i, f in enumerate(self.faults) if i not in self._fired})
+        return {status_channel.STEPS_VAR: ",".join(map(str, steps))} if steps else {}
 
     # -- the failure line -------------------------------------------------------
 
@@ -337,7 +368,7 @@ class Supervisor:
                 first = False
                 if self._signals:
                     return 130
-                workers = self.make_workers(env, self.excluded)
+                workers = self.make_workers({**env, **self._watch_env()}, self.excluded)
                 launch = Launch(
                     workers,
                     grace_s=self.grace_s,
@@ -364,6 +395,8 @@ class Supervisor:
                         env = {CONTINUE_VAR: self.run_dir}
                     continue
                 if code == 0 or launch.failure is None or launch.stopped or self._signals:
+                    if not self._signals:
+                        self._unfired()
                     return code
                 worker, raw = launch.failure
                 if not self._restarts_after(raw):

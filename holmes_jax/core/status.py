@@ -8,6 +8,10 @@ wording of a progress line. Without ``HOLMES_STATUS_FD`` (a run not under the la
 or when it names no pipe, :func:`report` does nothing. The first report removes the
 variable from the environment, so the processes this one starts never inherit it.
 
+``HOLMES_STATUS_STEPS`` lists steps (``5,12``) the launcher must hear of whatever the
+logging interval, its faults' steps: the run reports ``step`` after each of them once it
+has finished (:func:`watched_steps`), logged or not.
+
 The events, with the fields each must carry:
 
 ======== ======================================= =====================================
@@ -17,7 +21,7 @@ run_dir  ``path`` (str)                          the run directory is chosen
 resumed  ``step`` (int >= 0)                     a checkpoint was restored
 compiled ``seconds`` (float >= 0), ``detail``    the first train step compiled
          (str: cache hits, or "")
-step     ``step`` (int >= 1)                     a logged step's metrics were fetched
+step     ``step`` (int >= 1)                     a logged or watched step finished
 ======== ======================================= =====================================
 """
 
@@ -30,6 +34,7 @@ import stat
 from typing import IO, Any
 
 STATUS_FD_VAR = "HOLMES_STATUS_FD"
+STEPS_VAR = "HOLMES_STATUS_STEPS"  # steps reported whether logged or not (module doc)
 # event -> {field: (the types it may hold, its least value or None)}
 EVENTS: dict[str, dict[str, tuple[tuple[type, ...], int | None]]] = {
     "run_dir": {"path": ((str,), None)},
@@ -71,6 +76,13 @@ def report(event: str, **fields: Any) -> None:
         _channel.write(json.dumps(record) + "\n")
     except OSError:  # the launcher is gone; the process goes on without it
         _closed = True
+
+
+def watched_steps() -> frozenset[int]:
+    """The steps of ``HOLMES_STATUS_STEPS`` (module doc); none when it is unset. An
+    entry that is not a step number is ignored (the launcher writes this variable)."""
+    raw = os.environ.get(STEPS_VAR, "")
+    return frozenset(int(s) for s in raw.split(",") if s.strip().isdigit() and int(s) > 0)
 
 
 def check(record: Any) -> str:

@@ -6,7 +6,9 @@
 - :class:`Logbook` logs, on log steps (the first, every ``logging.log_every``, every
   evaluation, a stop): it fetches the metrics (only then does the host wait for the
   device), evaluates, and writes the record. A record's step time is its window's
-  (the steps since the last record) mean, evaluation and checkpoints left out.
+  (the steps since the last record) mean, evaluation and checkpoints left out. A step the
+  launcher watches (its faults': :func:`~holmes_jax.core.status.watched_steps`) is
+  reported on the status channel once done, logged or not.
 - :class:`Saves` checkpoints every ``checkpoint.every`` steps, at a stop and at the end,
   and names each checkpoint once its (asynchronous) save has committed.
 - :class:`Stops` says when the run stops early: SIGTERM/SIGINT, ``stop_at_step``. With
@@ -36,6 +38,7 @@ from holmes_jax.cluster.distributed import (
     preemption_service,
     reached_preemption_sync_point,
 )
+from holmes_jax.core import status
 from holmes_jax.core.config import Config
 from holmes_jax.planner.report import format_step_check
 from holmes_jax.runtime.data.digest import DIGEST, combine
@@ -102,6 +105,7 @@ class Logbook:
         self.window_steps = 0
         self.logged_at, self.first = start, True
         self.local_devices = jax.local_devices()  # peak memory: only this process's
+        self.watched = status.watched_steps()  # the launcher's fault steps, logged or not
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` is logged: the first, every ``log_every``, evaluations."""
@@ -118,6 +122,9 @@ class Logbook:
             self.window_start = self.stepper.began
         self.window_steps += 1
         if not log:
+            if step in self.watched:  # a launcher's fault step: reported once it is done
+                jax.block_until_ready(metrics)
+                self.logger.report("step", step=step)
             return
         self.stepper.guard.settle()  # waits for this step, as the metrics do
         with jax.profiler.TraceAnnotation("metrics"):

@@ -3,8 +3,9 @@
 Each stand-in is a small Python process that behaves like a trainer of a job as the
 supervisor sees it: every process of an attempt waits for the others to join (and fails
 with exit 1 after a timeout), process 0 reports ``run_dir``, ``resumed``, ``compiled`` and
-``step`` on its status channel and saves a "checkpoint" every 2 steps, and a process whose
-peer died exits 3. The real trainer under the same supervisor: ``test_faults.py``.
+``step`` (every ``FAKE_LOG`` steps and the watched ones) on its status channel and saves a
+"checkpoint" every 2 steps, and a process whose peer died exits 3. The real trainer under
+the same supervisor: ``test_faults.py``.
 """
 
 import io
@@ -23,12 +24,13 @@ from tests.common import ROOT
 # A job of FAKE_HOSTS processes in FAKE_DIR, attempt FAKE_ATTEMPT.
 FAKE = r"""
 import os, signal, sys, time, pathlib
-from holmes_jax.core.status import report
+from holmes_jax.core.status import report, watched_steps
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 d, pid = pathlib.Path(os.environ["FAKE_DIR"]), int(os.environ["FAKE_PID"])
 n, attempt = int(os.environ["FAKE_HOSTS"]), os.environ["FAKE_ATTEMPT"]
 steps, code = int(os.environ["FAKE_STEPS"]), int(os.environ.get("FAKE_EXIT", "0"))
+every, watched = int(os.environ.get("FAKE_LOG", "1")), watched_steps()
 def put(name, text):  # whole or absent: a peer may read it the moment it exists
     (d / f".{name}.{os.getpid()}").write_text(text)
     os.replace(d / f".{name}.{os.getpid()}", d / name)
@@ -62,8 +64,9 @@ for step in range(start + 1, steps + 1):
         print("error: lost peer", flush=True)
         sys.exit(3)
     if pid == 0:
-        print(f"step {step} | loss 1.0", flush=True)  # for the user; the supervisor reads:
-        report("step", step=step)
+        if step % every == 0 or step in watched:  # logged, or a fault's step
+            print(f"step {step} | loss 1.0", flush=True)  # for the user; the supervisor reads:
+            report("step", step=step)
         if step % 2 == 0 or stop:
             put("ckpt", str(step))
     if stop:  # as the trainer: checkpoint, then exit 0
@@ -72,7 +75,7 @@ put(f"fin-{attempt}-{pid}", "")
 """
 
 
-def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=10.0):
+def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=10.0, log_every=1):
     """make_workers for the supervisor: the stand-in job, one attempt per call."""
     attempts = []
 
@@ -85,7 +88,7 @@ def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=10.0):
             env.update(
                 FAKE_DIR=str(tmp_path), FAKE_PID=str(pid), FAKE_HOSTS=str(len(kept)),
                 FAKE_ATTEMPT=str(len(attempts)), FAKE_STEPS=str(steps),
-                FAKE_EXIT=str(exit_code), FAKE_JOIN_S=str(join_s),
+                FAKE_EXIT=str(exit_code), FAKE_JOIN_S=str(join_s), FAKE_LOG=str(log_every),
             )  # fmt: skip
             workers.append(Worker(host, pid, [sys.executable, "-c", FAKE], env))
         return workers
@@ -94,7 +97,7 @@ def fake_job(tmp_path, hosts=("a", "b"), steps=6, exit_code=0, join_s=10.0):
 
 
 def supervise(tmp_path, specs=(), **kwargs):
-    job = {k: kwargs.pop(k) for k in ("steps", "exit_code", "join_s") if k in kwargs}
+    job = {k: kwargs.pop(k) for k in ("steps", "exit_code", "join_s", "log_every") if k in kwargs}
     make_workers, attempts = fake_job(tmp_path, **job)
     faults = [supervisor.parse_fault(s, ["a", "b"]) for s in specs]
     out = io.StringIO()
@@ -127,12 +130,40 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path):
         "compilation cache: hit)"
     )
     assert len(lines) == 3, out
-    # The restart continues the run directory the first attempt reported.
-    assert attempts == [{}, {rundir.CONTINUE_VAR: f"{tmp_path}/run"}]
+    # The first attempt watches the fault's step; the restart continues the run directory
+    # the first attempt reported.
+    watch = supervisor.status_channel.STEPS_VAR
+    assert attempts == [{watch: "3"}, {rundir.CONTINUE_VAR: f"{tmp_path}/run"}]
     assert (tmp_path / "env-2-1").read_text() == f"{tmp_path}/run"
     steps = [line.split()[2] for line in out.splitlines() if line.startswith("[a] step ")]
     assert steps == ["1", "2", "3", "3", "4", "5", "6"]
     assert supervisor.CONTINUE_VAR == rundir.CONTINUE_VAR
+
+
+def test_a_fault_fires_at_its_step_whatever_the_logging_interval(tmp_path):
+    """Logged every 4 steps, a fault at step 3 fires at step 3: the job reports the steps
+    the launcher watches (its faults') whether logged or not."""
+    code, out, _ = supervise(tmp_path, ["b@3"], max_restarts=1, log_every=4)
+    assert code == 0, out
+    assert launcher_lines(out)[0] == "launch: --fail-host b@3: SIGKILL to b at step 3"
+
+
+def test_a_fault_that_cannot_fire_says_so_in_one_line(tmp_path):
+    """A fault past the run's last step, and one a resume has already passed: each is one
+    line, and neither kills anything."""
+    (tmp_path / "a").mkdir()
+    code, out, _ = supervise(tmp_path / "a", ["b@9"], steps=4)
+    assert code == 0 and launcher_lines(out) == [
+        "launch: --fail-host b@9: did not fire, the job ended after step 4 (train.steps or "
+        "an earlier stop) before step 9"
+    ], out
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "ckpt").write_text("4")  # a run directory past step 3 already
+    code, out, _ = supervise(tmp_path / "b", ["b@3"], steps=6)
+    assert code == 0 and launcher_lines(out) == [
+        "launch: --fail-host b@3: does not fire, step 3 is already past (the run resumed "
+        "from step 4)"
+    ], out
 
 
 def test_exit_code_2_is_not_retried(tmp_path):

@@ -224,3 +224,27 @@ def test_plan_lines_without_a_topology_or_a_prediction(tiny_config):
     assert predicted is None and len(lines) == 1
     assert lines[0].startswith("plan on topology cpu8-two-islands: no prediction (")
     assert "nothing measured" in format_step_check(1.0, [])
+
+
+def test_a_watched_step_is_reported_whether_logged_or_not(monkeypatch):
+    """``HOLMES_STATUS_STEPS`` (a launcher's fault steps) with ``logging.log_every`` 10:
+    the status channel hears of step 3, not logged, as well as the logged steps 1 and 5;
+    the records are the logged steps' alone."""
+    import os
+
+    from holmes_jax.core import status
+
+    read_end, write_end = os.pipe()
+    monkeypatch.setenv(status.STATUS_FD_VAR, str(write_end))
+    monkeypatch.setenv(status.STEPS_VAR, "3,x,0")  # what is not a step is ignored
+    monkeypatch.setattr(status, "_channel", None)
+    monkeypatch.setattr(status, "_closed", False)
+    cfg = load_config(None, [*TINY, "train.steps=5", "logging.log_every=10"])
+    try:
+        history = run(cfg)
+    finally:
+        status._channel.close()
+    with open(read_end) as reader:
+        events = [json.loads(line) for line in reader]
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 3, 5]
+    assert [r["step"] for r in history] == [1, 5]
