@@ -32,6 +32,7 @@ import sys
 from typing import Any
 
 from holmes_jax.cluster import detect, distributed, xla_flags
+from holmes_jax.core import status
 from holmes_jax.core.config import Config, load_config
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.core.plan_request import plan_request
@@ -112,6 +113,7 @@ def print_config(cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    status.report("started")  # to a launcher: imports done (a restart's phases)
     args = parse_args(argv)
     overrides = overrides_of(args)
     try:

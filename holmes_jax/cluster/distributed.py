@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from holmes_jax.cluster.detect import Settings, resolve
 from holmes_jax.cluster.watchdog import FAILED_EXIT, NONFINITE_REASON, PEER_LOST_EXIT, Watchdog
+from holmes_jax.core import status
 from holmes_jax.core.errors import NONFINITE_EXIT, ConfigError, NonFiniteError, one_line
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ def run_joined(cfg: Config, body: Callable[[], int], environ=None) -> int:
     watchdog = None
     try:
         watchdog = start(cfg, environ)
+        status.report("joined")  # to a launcher: a restart's phases
         code = body()
     except ConfigError as e:
         if watchdog is not None:

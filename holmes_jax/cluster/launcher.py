@@ -243,7 +243,9 @@ class Launch:
         over several launches, from :attr:`hidden`).
 
     After :meth:`run`: :attr:`failure` is the first failure (worker, raw exit code) or
-    None, :attr:`failed_at` its ``time.monotonic()`` (the kill's, for :meth:`kill`).
+    None, :attr:`failed_at` its ``time.monotonic()`` (the kill's, for :meth:`kill`) and
+    :attr:`detected_at` when this launch saw it; :attr:`started_at` when every worker had
+    been started, :attr:`ended_at` when the last had exited.
     """
 
     def __init__(
@@ -270,6 +272,9 @@ class Launch:
         self.procs: list[subprocess.Popen | None] = [None] * len(workers)
         self.failure: tuple[Worker, int] | None = None
         self.failed_at: float | None = None
+        self.detected_at: float | None = None
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
         self._killed_at: dict[int, float] = {}  # process id -> when kill() sent SIGKILL
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
@@ -391,6 +396,7 @@ class Launch:
         try:
             for i in range(len(self.workers)):
                 self._start(i)
+            self.started_at = time.monotonic()
             return self._wait()
         finally:
             self._send(signal.SIGKILL)
@@ -400,6 +406,7 @@ class Launch:
                         p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
+            self.ended_at = time.monotonic()
             for t in self._readers:
                 t.join(timeout=2)
             if self.hidden and self.count_hidden:
@@ -415,10 +422,16 @@ class Launch:
             if not running:
                 break
             if self.failure is None:
-                for w, p, c in zip(self.workers, self.procs, codes, strict=True):
+                # a killed worker first: its peers may see it gone and exit before a poll
+                order = sorted(
+                    zip(self.workers, self.procs, codes, strict=True),
+                    key=lambda item: item[0].process_id not in self._killed_at,
+                )
+                for w, p, c in order:
                     if p is not None and c not in (None, 0):
                         self.failure = (w, c)
-                        self.failed_at = self._killed_at.get(w.process_id, time.monotonic())
+                        self.detected_at = time.monotonic()
+                        self.failed_at = self._killed_at.get(w.process_id, self.detected_at)
                         line = self.failure_line(w, c) if self.failure_line else None
                         self.say(
                             line
@@ -442,7 +455,7 @@ class Launch:
             ]
             self.failure = bad[0] if bad else None
             if self.failure is not None:  # every process ended at once
-                self.failed_at = time.monotonic()
+                self.failed_at = self.detected_at = time.monotonic()
                 if self.failure_line:
                     self.say(self.failure_line(*self.failure))
         if self.failure is None:

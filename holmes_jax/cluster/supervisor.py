@@ -43,6 +43,7 @@ from holmes_jax.cluster.launcher import (
     describe,
     exit_code,
 )
+from holmes_jax.cluster.restarts import RestartClock, resumed_line
 from holmes_jax.core import status as status_channel
 from holmes_jax.core.errors import NONFINITE_EXIT, USAGE_EXIT, ConfigError
 
@@ -185,12 +186,8 @@ class Supervisor:
         self._lock = threading.Lock()
         self._signals = 0
         # per attempt
-        self._resumption = ""  # what the next "training resumed" line reports
-        self._resumed_from = 0
-        self._compiled: str | None = None
-        self._failed_step = 0
-        self._failed_at: float | None = None
-        self._announced = True
+        self._clock: RestartClock | None = None  # the restart not announced yet
+        self._reexpand_at = 0.0  # when the survivors were asked to stop
 
     # -- signals ----------------------------------------------------------------
 
@@ -210,15 +207,20 @@ class Supervisor:
         if worker.process_id != 0:  # process 0 speaks for the job
             return
         with self._lock:
-            kind = event["event"]
+            kind, clock = event["event"], self._clock
             if kind == "step":
                 self._on_step(event["step"])
+            elif kind in ("started", "joined") and clock is not None:
+                clock.mark("init" if kind == "started" else "join")
             elif kind == "resumed":
-                self._resumed_from = event["step"]
                 self._past(event["step"])
-            elif kind == "compiled":
+                if clock is not None:
+                    clock.resumed_from = event["step"]
+                    clock.mark("restore")
+            elif kind == "compiled" and clock is not None:
                 detail = f", {event['detail']}" if event["detail"] else ""
-                self._compiled = f"compile {event['seconds']:.1f} s{detail}"
+                clock.compile = f"compile {event['seconds']:.1f} s{detail}"
+                clock.mark("compile")
             elif kind == "run_dir" and self.run_dir is None:
                 self.run_dir = event["path"]
 
@@ -227,22 +229,11 @@ class Supervisor:
         if self.on_step is not None:
             self.on_step(step)
         launch = self.current
-        # The first step after a restart: the seconds since the failure, the checkpoint step
-        # it resumed from, and the steps lost.
-        if not self._announced and self._failed_at is not None:
-            self._announced = True
-            took = time.monotonic() - self._failed_at
-            lost = max(0, self._failed_step - self._resumed_from)
-            where = (
-                f"from checkpoint step {self._resumed_from}"
-                if self._resumed_from
-                else "from step 0 (no checkpoint)"
-            )
-            compiled = f"; {self._compiled}" if self._compiled else ""
-            launch.say(
-                f"training resumed: step {step} done {took:.1f} s after the "
-                f"{self._resumption} {where}, {lost} step{'s' * (lost != 1)} lost{compiled})"
-            )
+        if self._clock is not None:  # the first step after a restart: its line and record
+            clock, self._clock = self._clock, None
+            clock.mark("first_step")
+            launch.say(resumed_line(clock, step))
+            clock.write(self.run_dir, step)
         back = [h for h in self.excluded if self._away_until.get(h, 0.0) <= time.monotonic()]
         if back and not self._reexpand:
             self._reexpand = True
@@ -251,6 +242,7 @@ class Supervisor:
                 "stop at a step they agree on (with a checkpoint), then every host starts again"
             )
             # SIGTERM: the survivors checkpoint at the step they agree on and exit 0.
+            self._reexpand_at = time.monotonic()
             launch.request_stop()
         for i, fault in enumerate(self.faults):
             if i in self._fired or step < fault.step:
@@ -366,6 +358,8 @@ class Supervisor:
                     return 130
                 self.excluded = () if first else self._wait_for_away_hosts()
                 first = False
+                if self._clock is not None:
+                    self._clock.mark("wait")
                 if self._signals:
                     return 130
                 workers = self.make_workers({**env, **self._watch_env()}, self.excluded)
@@ -380,6 +374,8 @@ class Supervisor:
                     count_hidden=False,
                 )
                 self.current = launch
+                if self._clock is not None:
+                    self._clock.mark("start")
                 try:
                     code = launch.run()
                 finally:
@@ -388,9 +384,8 @@ class Supervisor:
                 # It does not count as a restart.
                 if self._reexpand and code == 0 and not self._signals:
                     self._reexpand = False
-                    self._failed_step, self._failed_at = self.step, time.monotonic()
-                    self._resumption = "re-expansion (every host"
-                    self._resumed_from, self._compiled, self._announced = 0, None, False
+                    self._clock = RestartClock(0, "re-expansion", self.step, self._reexpand_at)
+                    self._clock.mark("stop", launch.ended_at)
                     if self.run_dir is not None:
                         env = {CONTINUE_VAR: self.run_dir}
                     continue
@@ -402,9 +397,9 @@ class Supervisor:
                 if not self._restarts_after(raw):
                     return code
                 self.restarts += 1  # a restart on the survivors counts like any other
-                self._failed_step, self._failed_at = self.step, launch.failed_at
-                self._resumption = f"failure (restart {self.restarts}"
-                self._resumed_from, self._compiled, self._announced = 0, None, False
+                self._clock = RestartClock(self.restarts, "failure", self.step, launch.failed_at)
+                self._clock.mark("detect", launch.detected_at)
+                self._clock.mark("stop", launch.ended_at)
                 if self.run_dir is not None:
                     env = {CONTINUE_VAR: self.run_dir}
         finally:

@@ -17,8 +17,11 @@ The events, with the fields each must carry:
 ======== ======================================= =====================================
 event    fields                                  when
 ======== ======================================= =====================================
+started  (none)                                  the process runs ``main`` (imports done)
+joined   (none)                                  it joined ``jax.distributed``
 run_dir  ``path`` (str)                          the run directory is chosen
-resumed  ``step`` (int >= 0)                     a checkpoint was restored
+resumed  ``step`` (int >= 0)                     the state to train from is ready (0:
+                                                 no checkpoint was restored)
 compiled ``seconds`` (float >= 0), ``detail``    the first train step compiled
          (str: cache hits, or "")
 step     ``step`` (int >= 1)                     a logged or watched step finished
@@ -37,6 +40,8 @@ STATUS_FD_VAR = "HOLMES_STATUS_FD"
 STEPS_VAR = "HOLMES_STATUS_STEPS"  # steps reported whether logged or not (module doc)
 # event -> {field: (the types it may hold, its least value or None)}
 EVENTS: dict[str, dict[str, tuple[tuple[type, ...], int | None]]] = {
+    "started": {},
+    "joined": {},
     "run_dir": {"path": ((str,), None)},
     "resumed": {"step": ((int,), 0)},
     "compiled": {"seconds": ((int, float), 0), "detail": ((str,), None)},

@@ -273,8 +273,7 @@ def announce(log, r: Resolved, data: Data, plan_lines, outer_lines, resumed, sta
             say(line)
     if cfg.train.run_dir:
         log.report("run_dir", path=cfg.train.run_dir)
-    if resumed:
-        log.report("resumed", step=start)
+    log.report("resumed", step=start if resumed else 0)
 
 
 def nothing_to_train(cfg: Config, held: int) -> str:

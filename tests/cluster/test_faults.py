@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from holmes_jax.cluster.launcher import free_port
+from holmes_jax.cluster.restarts import PHASES
 from tests.cluster.procs import (
     FOUR,
     TWO,
@@ -254,7 +255,13 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     assert len(resumed) == 2, out[-4000:]
     (first, none, lost_1), (second, ckpt, lost_2) = map(restart_of, resumed)
     assert (first, none, second, ckpt) == (1, 0, 2, 3) and lost_1 >= 2 and lost_2 >= 1, resumed
-    assert all(line.endswith("compilation cache: hit)") for line in resumed), resumed
+    assert all("compilation cache: hit): " in line for line in resumed), resumed
+    # each restart's record: phases that add up to its total, the compile a cache hit
+    itemised = records(chaos / "restarts.jsonl")
+    assert [(r["restart"], r["resumed_from"]) for r in itemised] == [(1, 0), (2, 3)]
+    for r in itemised:
+        assert abs(sum(r[f"{p}_s"] for p in PHASES) - r["total_s"]) < 0.01, r
+        assert "hit" in r["compile"] and r["join_s"] > 0 and r["compile_s"] > 0, r
     assert out.count("restart: continuing the run in ") == 2
     assert not (tmp_path / "chaos-2").exists()
     recs = records(chaos / "metrics.jsonl")
@@ -286,6 +293,8 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     assert len(resumed) == 1, resumed
     restart, ckpt, lost = restart_of(resumed[0])  # the SIGKILL at step 3 may land after 4
     assert (restart, ckpt) == (1, 2) and lost >= 1, resumed
+    (itemised,) = records(survivors / "restarts.jsonl")  # the rejoin wait is its own phase
+    assert itemised["wait_s"] >= 1.0 and itemised["steps_lost"] == lost, itemised
     replanned = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-planned for" in x]
     assert len(replanned) == 1 and replanned[0].startswith("re-planned for the survivors "
         "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip

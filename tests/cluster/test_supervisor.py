@@ -9,6 +9,7 @@ the same supervisor: ``test_faults.py``.
 """
 
 import io
+import json
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ import sys
 import pytest
 
 from holmes_jax import launch
-from holmes_jax.cluster import local_launch, supervisor
+from holmes_jax.cluster import local_launch, restarts, supervisor
 from holmes_jax.cluster.launcher import Worker
 from holmes_jax.runtime.rundir import paths as rundir
 from tests.common import ROOT
@@ -28,6 +29,7 @@ from holmes_jax.core.status import report, watched_steps
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 d, pid = pathlib.Path(os.environ["FAKE_DIR"]), int(os.environ["FAKE_PID"])
+report("started")
 n, attempt = int(os.environ["FAKE_HOSTS"]), os.environ["FAKE_ATTEMPT"]
 steps, code = int(os.environ["FAKE_STEPS"]), int(os.environ.get("FAKE_EXIT", "0"))
 every, watched = int(os.environ.get("FAKE_LOG", "1")), watched_steps()
@@ -43,6 +45,7 @@ while len(list(d.glob(f"pid-{attempt}-*"))) < n:
         sys.exit(1)
     time.sleep(0.02)
 peers = {p: int((d / f"pid-{attempt}-{p}").read_text()) for p in range(n) if p != pid}
+report("joined")
 def alive(p):  # running, or finished its steps
     if (d / f"fin-{attempt}-{p}").exists():
         return True
@@ -52,9 +55,9 @@ def alive(p):  # running, or finished its steps
         return False
 start = int((d / "ckpt").read_text()) if (d / "ckpt").exists() else 0
 if pid == 0:
+    (d / "run").mkdir(exist_ok=True)
     report("run_dir", path=f"{d}/run")
-    if start:
-        report("resumed", step=start)
+    report("resumed", step=start)
     report("compiled", seconds=0.5, detail="compilation cache: hit")
     if code:
         sys.exit(code)
@@ -125,11 +128,21 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path):
         "(in 0.5 s at most), then restart 1 of 2"
     )
     assert lines[2].startswith("launch: training resumed: step 3 done ")
-    assert lines[2].endswith(
+    assert (
         " s after the failure (restart 1 from checkpoint step 2, 1 step lost; compile 0.5 s, "
-        "compilation cache: hit)"
+        "compilation cache: hit): " in lines[2]
     )
     assert len(lines) == 3, out
+    # the restart's record: its phases add up to the total the line says
+    (record,) = [json.loads(x) for x in (tmp_path / "run" / "restarts.jsonl").open()]
+    assert record["total_s"] == pytest.approx(
+        sum(record[f"{p}_s"] for p in restarts.PHASES), abs=0.01
+    )
+    assert f"done {record['total_s']:.1f} s after" in lines[2]
+    assert (record["failed_step"], record["resumed_from"], record["steps_lost"]) == (3, 2, 1)
+    assert record["restart"] == 1 and record["cause"] == "failure" and record["first_step"] == 3
+    assert "cache: hit" in record["compile"]
+    assert all(record[f"{p}_s"] >= 0 for p in restarts.PHASES)
     # The first attempt watches the fault's step; the restart continues the run directory
     # the first attempt reported.
     watch = supervisor.status_channel.STEPS_VAR
@@ -340,3 +353,22 @@ def test_a_nan_fault_reaches_every_worker_of_the_job_holding_its_host(independen
         f"launch: --fail-host roce-1@5:nan roce-0@3:nan: every worker of {whose} gets "
         "--set train.inject_nonfinite_steps=[3,5]"
     ) in launcher_lines(out.getvalue())
+
+
+def test_a_restart_s_phases_add_up_and_a_missing_mark_goes_to_the_next(tmp_path):
+    clock = restarts.RestartClock(2, "failure", failed_step=9, fault=100.0)
+    for phase, at in (("detect", 100.5), ("stop", 102.0), ("init", 104.0), ("join", 104.5)):
+        clock.mark(phase, at)
+    clock.mark("join", 200.0)  # a second mark of a phase is ignored
+    clock.resumed_from = 6
+    for phase, at in (("restore", 106.0), ("compile", 111.0), ("first_step", 112.0)):
+        clock.mark(phase, at)
+    phases = clock.phases()
+    assert phases["wait"] == phases["start"] == 0.0  # never marked: in init's 2 s
+    assert (phases["init"], phases["compile"]) == (2.0, 5.0) and clock.total() == 12.0
+    clock.write(str(tmp_path), 13)
+    (record,) = [json.loads(x) for x in (tmp_path / restarts.RECORDS).open()]
+    assert record["steps_lost"] == 3 and record["total_s"] == 12.0 and record["stop_s"] == 1.5
+    assert clock.line().startswith("detect 0.5 s, stop 1.5 s, init 2.0 s, join 0.5 s")
+    with pytest.raises(ValueError, match="restart phase 'nap'"):
+        clock.mark("nap")
