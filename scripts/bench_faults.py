@@ -17,8 +17,9 @@ Runs, one after the other:
   ``--at`` is done (IP forwarding off in the router namespace), then restored.
 
 Per run, from the launcher's output and the metrics file: seconds from the fault to the
-next completed step, steps lost (steps computed twice), restarts, goodput (trained tokens
-per wall second of the whole run over the reference's), the final eval loss against the
+next completed step, each restart's seconds by phase (``<run_dir>/restarts.jsonl``),
+steps lost (steps computed twice), restarts, goodput (trained tokens per wall second of
+the whole run over the reference's), the final eval loss against the
 reference's, and the largest per-step loss difference from the reference. Beside them:
 the planner's predicted step ratio of the survivors' plan (from the trainer's re-plan
 line) and this machine's compute speed (an fp32 matmul), since emulated links have fixed
@@ -128,7 +129,15 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
         cut.join()
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(x) for x in f]
-    return {"code": code, "wall": wall, "lines": lines, "fault_at": fault_at, "records": records}
+    itemised = os.path.join(run_dir, "restarts.jsonl")  # the launcher's phases per restart
+    phases = []
+    if os.path.exists(itemised):
+        with open(itemised) as f:
+            phases = [json.loads(x) for x in f]
+    return {
+        "code": code, "wall": wall, "lines": lines, "fault_at": fault_at, "records": records,
+        "phases": phases,
+    }  # fmt: skip
 
 
 def summarize(name: str, run: dict, ref: dict | None, args) -> dict:
@@ -141,6 +150,11 @@ def summarize(name: str, run: dict, ref: dict | None, args) -> dict:
         "steps_finished": len(done) == args.steps and done[-1] == args.steps,
         "steps_lost": len(steps) - len(done),
         "restarts": sum("then restart" in x for _, x in lines),
+        # each restart's seconds by phase, as the launcher measured them (restarts.jsonl)
+        "restart_phases": [
+            {k: v for k, v in r.items() if k.endswith("_s") or k in ("compile", "cause")}
+            for r in run["phases"]
+        ],
     }
     final = [r for r in records if r["step"] == args.steps and "eval_loss" in r]
     out["eval_loss"] = round(final[-1]["eval_loss"], 5) if final else None
