@@ -294,10 +294,10 @@ class IslandSync:
             parts = self._each(
                 lambda lane, sync: sync.sync(self._part(theta_f, lane), tokens, average=average)
             )
-        glob = _union(parts)
-        if not abstain:  # the other fragments keep their progress (abstain: none is kept)
-            glob = {**theta, **{k: glob[k] for k in theta_f}}
-        self.snap.update(glob)  # the next inner steps start from it
+        union = _union(parts)  # abstain: the whole global model replaces the parameters
+        fresh = union if abstain else {k: union[k] for k in theta_f}
+        self.snap.update(fresh)  # the global model the round's next inner steps start from
+        glob = {**theta, **fresh}  # the other fragments keep their progress
         self._count_round()
         ended, line = step, ""
         if self.main:
