@@ -27,9 +27,10 @@ The rules:
   model, when it sends one, is the lane's keys and shapes in finite fp32;
 - a result from a leader: its step's ``lr`` and ``mu`` equal this island's own
   ``diloco.outer_lr`` and ``outer_momentum``, its arrays are the lane's in the wire dtype
-  with finite values (a sparse run's step: sparse parts at most a chunk's length each, or
-  dense in ``int8`` / ``fp32``, as ``encoding`` says); a whole state is the lane's keys
-  twice (``g/``, ``m/``), finite fp32.
+  with finite values (a sparse run's step: the islands' deltas relayed as they were sent,
+  each checked as a delta is, with their tokens as ``weights``; or sparse parts at most a
+  chunk's length each; or dense in ``int8`` / ``fp32``, as ``encoding`` says); a whole
+  state is the lane's keys twice (``g/``, ``m/``), finite fp32.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Delta:
     dead: frozenset[int]
     average: bool
     values: Shards | None  # None: abstains (its inner steps were not finite)
+    parts: Shards | None = None  # a sparse delta's checked arrays, as sent (to relay)
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,7 @@ def parse_delta(meta: dict, arrays: Shards, sender: int, ex: Expect) -> Delta:
         values = _decoded(meta, arrays, ex.for_round(rnd))
     elif arrays:
         raise Refused("abstain=true: carries no arrays")
+    sparse_parts = dict(arrays) if ex.outer_dtype == "sparse" and not abstain else None
     tokens = _int(meta, "tokens", 0, ex.round_tokens + 1)
     if abstain and tokens:
         raise Refused(f"tokens={tokens}: an abstaining island counts none")
@@ -333,7 +336,65 @@ def parse_delta(meta: dict, arrays: Shards, sender: int, ex: Expect) -> Delta:
         dead=_islands(meta, "dead", ex),
         average=_bool(meta, "average"),
         values=values,
+        parts=sparse_parts,
     )
+
+
+def weighted_mean(values: dict[int, Shards], weights: dict[int, int], keys) -> Shards:
+    """``Σ w_i·v_i / Σ w_i`` on each of ``keys`` in fp32 (all weights zero: the plain
+    mean), in island order: the leader and every member that relays compute it alike."""
+    order, total = sorted(values), sum(weights[i] for i in values)
+    out = {}
+    for k in keys:
+        if total > 0:
+            out[k] = sum(weights[i] * values[i][k] for i in order) / total
+        else:
+            out[k] = sum(values[i][k] for i in order) / len(order)
+        out[k] = out[k].astype(np.float32)
+    return out
+
+
+def relay_key(island: int, key: str) -> str:
+    """The name of island ``island``'s part ``key`` (``<lane key>|<part>``) in a relayed
+    step."""
+    return f"i{island}/{key}"
+
+
+def _relayed(meta: dict, arrays: Shards, ex: Expect, me: int, own: Shards | None) -> Shards:
+    """A ``relay`` step: the deltas of the islands ``meta['weights']`` names, as they sent
+    them (island ``me``'s own left out: ``own``, the values it sent), each checked and
+    decoded, then their weighted mean (:func:`weighted_mean`)."""
+    weights = meta.get("weights")
+    ok = isinstance(weights, dict) and 0 < len(weights) <= len(ex.islands)
+    if ok:
+        try:
+            weights = {int(i): w for i, w in weights.items()}
+        except ValueError:
+            ok = False
+    bad = lambda i, w: i not in ex.islands or type(w) is not int or w < 0  # noqa: E731
+    if not ok or any(bad(i, w) for i, w in weights.items()):
+        raise Refused("weights: must map islands of the run to their tokens")
+    values, sp, wanted = {}, ex.sparse, set()
+    for i in weights:
+        if i == me:
+            if own is None or own.keys() != ex.shapes.keys():
+                raise Refused(f"weights: name island {me}, which sent nothing this round")
+            values[i] = own
+            continue
+        wanted |= {relay_key(i, f"{k}{SEP}{p}") for k in ex.shapes for p in PARTS}
+    _exact_keys(arrays, wanted)
+    for i in weights:
+        if i in values:
+            continue
+        decoded = {}
+        for k, shape in ex.shapes.items():
+            parts = {p: arrays[relay_key(i, f"{k}{SEP}{p}")] for p in PARTS}
+            why = sparse.check(parts, shape, sp, sp.bits, delta=True)
+            if why:
+                raise Refused(f"island {i}'s array {k}{SEP}{why}")
+            decoded[k] = sparse.decode(parts, shape, sp, sp.bits)
+        values[i] = decoded
+    return weighted_mean(values, weights, ex.shapes)
 
 
 def parse_join(meta: dict, arrays: Shards, sender: int, ex: Expect) -> Join:
@@ -363,8 +424,11 @@ def parse_join(meta: dict, arrays: Shards, sender: int, ex: Expect) -> Join:
     )
 
 
-def parse_step(meta: dict, arrays: Shards, ex: Expect) -> Step:
-    """A leader's ``kind: step`` result, checked (module doc).
+def parse_step(
+    meta: dict, arrays: Shards, ex: Expect, me: int = -1, own: Shards | None = None
+) -> Step:
+    """A leader's ``kind: step`` result, checked (module doc); a sparse run's ``relay``
+    step is decoded with island ``me``'s ``own`` delta, the values it sent.
 
     Raises:
       Refused: a rule broken (the one-line reason).
@@ -379,7 +443,11 @@ def parse_step(meta: dict, arrays: Shards, ex: Expect) -> Step:
         average=_bool(meta, "average"),
         leader=_island(meta, "leader", ex),
         members=_islands(meta, "members", ex, empty=False),
-        values=_decoded(meta, arrays, ex.for_round(rnd), step=True),
+        values=(
+            _relayed(meta, arrays, ex.for_round(rnd), me, own)
+            if ex.outer_dtype == "sparse" and meta.get("encoding") == "relay"
+            else _decoded(meta, arrays, ex.for_round(rnd), step=True)
+        ),
     )
 
 

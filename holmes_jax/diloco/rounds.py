@@ -38,6 +38,8 @@ from holmes_jax.diloco.messages import (
     State,
     Step,
     fork_round,
+    relay_key,
+    weighted_mean,
 )
 from holmes_jax.diloco.schedule import Schedule
 from holmes_jax.diloco.sparse import PARTS, SEP, Sparse, nonzero
@@ -132,7 +134,8 @@ class Rounds:
         self.dead: set[int] = set()  # reported dead during the open round
         self.excused: set[int] = set()  # refused during the open round: alive, not waited for
         self.awaiting: set[int] = set()  # joined to take the open round's result in step
-        self.step: tuple[str, bytes] | None = None  # the last round's (base key, packed step)
+        # the last round's step: (base key, meta, arrays, the deltas it relays by island)
+        self.step: tuple[str, dict, Shards, dict[int, Shards]] | None = None
         self.took: dict[int, set[int]] = {}  # round -> its participants but this island
         self.fetched: dict[int, set[int]] = {}  # round -> islands that acknowledged it
         if state is not None:
@@ -220,51 +223,71 @@ class Rounds:
         weights = {i: d.tokens for i, d in sent.items()}
         total = sum(weights.values())
         average = self.average or not sent  # nothing sent: a zero averaging step
-        means = {}
-        for k in self.expect.for_round(self.round + 1).shapes:  # the round's fragment
-            if not sent:
-                avg = np.zeros_like(self.glob[k])
-            elif total > 0:
-                avg = sum(weights[i] * d.values[k] for i, d in sent.items()) / total
-            else:
-                avg = sum(d.values[k] for d in sent.values()) / len(sent)
-            means[k] = avg.astype(np.float32)
-        arrays, encoding = self._encode_step(means)
+        keys = self.expect.for_round(self.round + 1).shapes  # the round's fragment
+        means = {k: np.zeros_like(self.glob[k]) for k in keys}
+        if sent:
+            means = weighted_mean({i: d.values for i, d in sent.items()}, weights, keys)
+        relayed = {i: d.parts for i, d in sent.items()}
+        arrays, encoding = self._encode_step(means, relayed)
+        if encoding.get("encoding") == "relay":
+            encoding["weights"] = {str(i): w for i, w in weights.items()}
+        else:
+            relayed = {}
         self.members = set(self.open) | self.joined | self.excused
         self.leader = min(self.members)
         meta = {"round": self.round + 1, "tokens": self.tokens + total, "average": average}
         meta.update(encoding, lr=self.cfg.outer_lr, mu=self.cfg.outer_momentum)
         meta.update(leader=self.leader, members=sorted(self.members))
         base = self.key()
-        values = self._decode_step(arrays, meta)
+        values = means if relayed else self._decode_step(arrays, meta)
         self.apply(
             Step(
                 meta["round"], meta["tokens"], average, self.leader, frozenset(self.members), values
             )
         )
-        self.step = (base, pack({**meta, "kind": "step"}, arrays))
+        self.step = (base, {**meta, "kind": "step"}, arrays, relayed)
         self.took[self.round] = (set(self.open) | self.awaiting) - {self.island}
         self.clear()
         self.awaiting = set()
         for old in (self.took, self.fetched):
             old.pop(self.round - ROUNDS_KEPT, None)
 
-    def _encode_step(self, means: Shards) -> tuple[Shards, dict]:
-        """A step's arrays and their meta: ``means`` in ``outer_dtype``; for sparse, every
-        nonzero of them (:func:`~holmes_jax.diloco.sparse.nonzero`) or dense in the
-        expected dense dtype, whichever is fewer bytes."""
+    def step_body(self, asker: int) -> bytes:
+        """The last round's step, packed for island ``asker``: a relay step leaves out
+        ``asker``'s own delta (it holds what it sent)."""
+        _, meta, arrays, relayed = self.step
+        if relayed:
+            arrays = {
+                relay_key(i, name): a
+                for i, parts in sorted(relayed.items())
+                if i != asker
+                for name, a in parts.items()
+            }
+        return pack(meta, arrays)
+
+    def _encode_step(self, means: Shards, relayed: dict[int, Shards | None]) -> tuple[Shards, dict]:
+        """A step's arrays and their meta: ``means`` in ``outer_dtype``; for sparse, the
+        smallest of: the islands' deltas relayed as they were sent (``relayed``: every
+        island then takes the same weighted mean of the same decoded values), every
+        nonzero of the mean (:func:`~holmes_jax.diloco.sparse.nonzero`), or the mean
+        dense in the expected dense dtype."""
         dense = self.expect.dense_dtype
         arrays, scales = encode_tree(means, dense)
         if self.cfg.outer_dtype != "sparse":
             return arrays, {"scales": scales}
+        size = lambda tree: sum(a.nbytes for a in tree.values())  # noqa: E731
+        candidates = [(size(arrays), arrays, {"encoding": dense, "scales": scales})]
+        if relayed and None not in relayed.values():  # what one island fetches, at most
+            relay = sum(size(p) for p in relayed.values()) - min(map(size, relayed.values()))
+            candidates.append((relay, {}, {"encoding": "relay"}))
         parts = {
             f"{k}{SEP}{p}": a
             for k, avg in means.items()
             for p, a in nonzero(avg, self.cfg.sparse).items()
         }
-        if sum(a.nbytes for a in parts.values()) < sum(a.nbytes for a in arrays.values()):
-            return parts, {"encoding": "sparse"}
-        return arrays, {"encoding": dense, "scales": scales}
+        candidates.append((size(parts), parts, {"encoding": "sparse"}))
+        _, arrays, meta = min(candidates, key=lambda c: c[0])  # the first of equal sizes
+        return arrays, meta
 
     def _decode_step(self, arrays: Shards, meta: dict) -> Shards:
         """The values of :meth:`_encode_step`'s output, decoded as every member decodes

@@ -202,8 +202,9 @@ class OuterSync:
                         return dict(self.r.glob)  # that round is another fragment's: late
                     leader = self.r.leader
                 if leader == self.island:
+                    parts = payload[0] if payload is not None and self.feedback else None
                     mine = Delta(
-                        self.island, want, lineage, tokens, frozenset(dead), average, values
+                        self.island, want, lineage, tokens, frozenset(dead), average, values, parts
                     )
                     with self.cond:
                         accepted = self.r.accept(mine, self.clock())
@@ -228,7 +229,7 @@ class OuterSync:
                     if meta.get("refused"):  # another lineage or a closed round: join it
                         self._join_via(leader, then_next=bool(meta.get("late")))
                         continue
-                    self._fetch_result(leader, want)
+                    self._fetch_result(leader, want, values)
                     self._acknowledge(leader, want)
                 except Unreachable:
                     dead.add(leader)
@@ -307,10 +308,11 @@ class OuterSync:
             status = None
         return self._checked(j, parse_status, status, self.r.expect)
 
-    def _fetch_result(self, j: int, want: int) -> None:
+    def _fetch_result(self, j: int, want: int, own: Shards | None = None) -> None:
         """Round ``want``'s result from leader ``j``: only the step (half the whole state's
-        bytes) when this island still holds the state the round started from (its lineage,
-        round and tokens match), else the whole state."""
+        bytes, or a sparse run's relayed deltas, with ``own``, the values this island sent)
+        when this island still holds the state the round started from (its lineage, round
+        and tokens match), else the whole state."""
         with self.cond:
             have = self.r.key() if self.r.ready else ""
         query = f"round={want}&have={urllib.parse.quote(have)}"
@@ -318,7 +320,7 @@ class OuterSync:
         if meta.get("kind") != "step":
             self._adopt(j, meta, arrays)
             return
-        step = self._checked(j, parse_step, meta, arrays, self.r.expect)
+        step = self._checked(j, parse_step, meta, arrays, self.r.expect, self.island, own)
         with self.cond:
             if self.r.key() == have:  # unchanged while it travelled
                 self.r.apply(step)
@@ -576,7 +578,7 @@ class OuterSync:
             body = None
             step = self.r.step
             if closed and self.r.round == want and step and step[0] == have:
-                body = step[1]  # the asker holds the round's start: the step only
+                body = self.r.step_body(req.sender)  # the asker holds the round's start
             elif closed:  # else the whole state, of the latest round
                 body = self.r.state_body()
         if body is None:

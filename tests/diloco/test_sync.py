@@ -22,6 +22,7 @@ import pytest
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.diloco.codec import decode, encode
+from holmes_jax.diloco.messages import Refused, parse_step
 from holmes_jax.diloco.rounds import SyncConfig
 from holmes_jax.diloco.schedule import Schedule
 from holmes_jax.diloco.sparse import Sparse
@@ -671,7 +672,7 @@ def test_the_bytes_each_island_sends_are_counted_at_the_transport(islands):
     made = islands[1]
     rng = np.random.default_rng(8)
     glob = {k: rng.standard_normal((512, 512)).astype(np.float32) for k in KEYS}
-    sent = {}
+    sent, back = {}, {}
     for dtype in ("fp32", "sparse"):
         cfg = dataclasses.replace(
             CFG, outer_dtype=dtype, sparse=Sparse() if dtype == "sparse" else None
@@ -690,7 +691,48 @@ def test_the_bytes_each_island_sends_are_counted_at_the_transport(islands):
         (lead_sent, lead_got), (member_sent, member_got) = (n.traffic.totals() for n in nodes)
         assert member_sent == lead_got and lead_sent == member_got > 0, dtype
         sent[dtype] = member_sent
+        back[dtype] = lead_sent
     assert sent["fp32"] > 3 * 512 * 512 * 4 and sent["fp32"] / sent["sparse"] > 120, sent
+    # the sparse step back relays the leader's own delta: one delta's bytes, not the mean's
+    assert back["sparse"] < 1.05 * sent["sparse"], (back, sent)
+
+
+def test_a_sparse_step_relays_the_deltas_and_every_island_takes_the_same_mean(islands):
+    """Three islands, sparse deltas (8 of each 64 values, 2 bits), lr 1, μ 0: the leader
+    relays the deltas as they were sent rather than re-encoding their mean, each member
+    fetching the others'; every island decodes them and takes the token-weighted mean of
+    the values the islands sent (their deltas minus what their buffers kept), bit for bit
+    alike. A relayed delta that breaks a delta's rules is refused in one line."""
+    sp = Sparse(chunk=64, k=8, bits=2)
+    cfg = dataclasses.replace(CFG, outer_lr=1.0, outer_momentum=0.0, outer_dtype="sparse")
+    rng = np.random.default_rng(9)
+    start = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in KEYS}
+    peers = free_ports(3)
+    state = lambda: ({k: v.copy() for k, v in start.items()}, _zeros(start))  # noqa: E731
+    sparse_cfg = dataclasses.replace(cfg, sparse=sp)
+    nodes = [OuterSync(i, peers, sparse_cfg, state(), clock=Clock()) for i in range(3)]
+    islands[1].extend(nodes)
+    thetas = [inner(n, 90 + i) for i, n in enumerate(nodes)]
+    sync_all(nodes, thetas, [1, 2, 3])
+    assert nodes[0].r.step[1]["encoding"] == "relay"
+    assert all(same(n.glob, nodes[0].glob) for n in nodes)
+    for k in KEYS:
+        sent = [
+            start[k] - th[k] - n.feedback.buffers[k] for th, n in zip(thetas, nodes, strict=True)
+        ]
+        want = (1 * sent[0] + 2 * sent[1] + 3 * sent[2]) / 6
+        np.testing.assert_allclose(start[k] - nodes[0].glob[k], want, rtol=0, atol=1e-6)
+    body = nodes[0].r.step_body(1)  # what island 1 fetches: islands 0 and 2's deltas
+    meta, arrays = unpack(body)
+    assert {name.split("/")[0] for name in arrays} == {"i0", "i2"}
+    bad = dict(arrays)
+    name = next(n for n in bad if n.endswith("|count"))
+    bad[name] = bad[name] + 1  # a count that is not k
+    expect = nodes[1].r.expect
+    with pytest.raises(Refused, match=r"^island [02]'s array .*count"):
+        parse_step(meta, bad, expect, 1, _zeros(start))
+    with pytest.raises(Refused, match="which sent nothing this round"):
+        parse_step(meta, arrays, expect, 1, None)
 
 
 def served(nodes):
