@@ -184,10 +184,10 @@ class OuterSync:
         with self.cond:
             want, lineage = self.r.round + 1, self.r.lineage
         # sparse: encoded once, via the buffer (a leader's own too); dense: when first posted
-        payload, values = None, delta
+        payload, values, parts = None, delta, None
         if self.feedback is not None and delta is not None:
-            arrays, values = self.feedback.encode_tree(delta)
-            payload = (arrays, {})
+            parts, values = self.feedback.encode_tree(delta)
+            payload = (parts, {})
         kept = self.feedback.generation if self.feedback is not None else 0
         delivered = False  # taken into a round (by this island as leader, or a peer)
         dead: set[int] = set()
@@ -202,10 +202,8 @@ class OuterSync:
                         return dict(self.r.glob)  # that round is another fragment's: late
                     leader = self.r.leader
                 if leader == self.island:
-                    parts = payload[0] if payload is not None and self.feedback else None
-                    mine = Delta(
-                        self.island, want, lineage, tokens, frozenset(dead), average, values, parts
-                    )
+                    gone = frozenset(dead)
+                    mine = Delta(self.island, want, lineage, tokens, gone, average, values, parts)
                     with self.cond:
                         accepted = self.r.accept(mine, self.clock())
                         self.cond.notify_all()
