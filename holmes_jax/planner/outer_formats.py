@@ -5,9 +5,9 @@ inter-island link ``bw`` per host and ``h`` hosts in the smallest island (lanes 
 round over them), per round:
 
     delta = P/F · β                     # one island's upload (core.spec.outer_element_bytes)
-    step  = P/F · β_step                # the answer; dense: β; sparse: the union of the R
-                                        # deltas' positions, values in max(bits, 8) bits,
-                                        # or dense int8 when smaller (an upper bound)
+    step  = P/F · β_step                # the answer; dense: β; sparse: the other R − 1
+                                        # deltas relayed, the union of the R deltas'
+                                        # positions in 8 bits, or int8, the smallest
     independent: round = (R−1)·(delta + step) / (h·bw) + 2·lat   # the leader's link
     spmd:        round = 2(R−1)/R · delta / (h·bw) + 2(R−1)·lat  # a ring, no step back
     hidden:      round <= τ·t            # τ = diloco.overlap_steps (independent), t the
@@ -64,14 +64,15 @@ class FormatCost:
 
 
 def step_element_bytes(fmt: str, sparse: tuple[int, int, int], islands: int) -> float:
-    """Bytes per parameter of a round's step back (module doc); ``sparse`` is
-    ``(chunk, k, bits)``."""
+    """Bytes per parameter of a round's step back to one member (module doc); ``sparse``
+    is ``(chunk, k, bits)``: the smallest of the other islands' deltas relayed, the
+    union of every island's positions with values in 8 bits, and dense int8."""
     if fmt != "sparse":
         return OUTER_DENSE_BYTES[fmt]
     chunk, k, bits = sparse
-    union = min(chunk, islands * k)
-    sent = union * (chunk.bit_length() - 1 + max(bits, 8)) + 16 + 32
-    return min(sent / chunk / 8, OUTER_DENSE_BYTES["int8"] + 4 / chunk)
+    relay = (islands - 1) * outer_element_bytes(fmt, chunk, k, bits)
+    union = min(chunk, islands * k) * (chunk.bit_length() - 1 + max(bits, 8)) + 16 + 32
+    return min(relay, union / chunk / 8, OUTER_DENSE_BYTES["int8"] + 4 / chunk)
 
 
 def format_costs(req: PlanRequest, topology: Topology, inner_s: float) -> list[FormatCost]:

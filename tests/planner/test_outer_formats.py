@@ -42,8 +42,11 @@ def test_bytes_shrink_with_the_format_and_fragments_keep_bytes_per_token():
     assert costs["fp32"].step_bytes == costs["fp32"].delta_bytes  # dense: the same width back
     sizes = [costs[f].delta_bytes for f in ("fp32", "bf16", "int8", "sparse")]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] / sizes[-1] > 100
-    # the sparse step: the union of two islands' 64 a chunk in 8 bits, under dense int8
-    assert step_element_bytes("sparse", (4096, 64, 2), 2) == (128 * 20 + 48) / 4096 / 8
+    # the sparse step back: the other islands' deltas relayed, or dense int8 once they
+    # would be larger (eight islands sending 1024 of each 4096)
+    assert step_element_bytes("sparse", (4096, 64, 2), 2) == (64 * 14 + 48) / 4096 / 8
+    assert step_element_bytes("sparse", (4096, 64, 2), 8) == 7 * (64 * 14 + 48) / 4096 / 8
+    assert step_element_bytes("sparse", (4096, 1024, 2), 8) == 1 + 4 / 4096
     assert step_element_bytes("sparse", (4096, 4096, 32), 2) <= 1 + 4 / 4096
     # a fragment round carries half the model as often again: the same bytes per token
     req2 = dataclasses.replace(req, diloco=dataclasses.replace(req.diloco, fragments=2))
