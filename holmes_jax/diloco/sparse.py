@@ -16,9 +16,9 @@ island's delta at the default (chunk 4096, k 64, 2 bits) is
 ``(64·(12 + 2) + 16 + 32) / 4096`` bits a value: 139x fewer bytes than fp32.
 
 An island's delta sends the ``k`` values of largest magnitude of each chunk
-(:func:`top_k`). A leader's step sends every nonzero of the mean (the union of what the
-islands sent) at ``max(bits, 8)`` bits (:func:`nonzero`), or dense ``int8`` / ``fp32``
-when that is smaller (:mod:`holmes_jax.diloco.rounds`).
+(:func:`top_k`). A leader's step relays the other islands' deltas as they were sent, or
+sends every nonzero of the mean at ``max(bits, 8)`` bits (:func:`nonzero`), or the mean
+dense in ``int8`` / ``fp32``, whichever is smallest (:mod:`holmes_jax.diloco.rounds`).
 
 Error feedback (:class:`Feedback`): an island sends the encoding of ``u = Δ + e`` and
 keeps ``e ← u − decode(sent)``; what it sends over the rounds sums to the sum of its
