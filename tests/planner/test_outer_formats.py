@@ -84,3 +84,19 @@ def test_auto_picks_the_first_format_within_its_budget():
     assert fmt == first.fmt and f"{AUTO_EXPOSED:.0%} of the 30 s" in why
     tiny = [dataclasses.replace(c, exposed_s=1e9) for c in costs]  # nothing fits: smallest
     assert choose(tiny, inner_s=1.0, span=30)[0] == "sparse"
+
+
+def test_the_trainer_resolves_auto_on_the_whole_mesh_before_an_island_takes_its_share():
+    """An island's job resolves ``auto`` on the whole mesh (its own island alone has no
+    link to price), the same on every island; a run without a mesh sends fp32."""
+    from holmes_jax.runtime.setup import _outer_dtype
+
+    got = []
+    for island in (0, 1):
+        sets = [*INDEPENDENT, f"diloco.island={island}", "diloco.outer_dtype=auto"]
+        cfg = load_config(f"{ROOT}/configs/quickstart.yaml", [f"parallel.mesh={SLOW}", *sets])
+        resolved, why = _outer_dtype(cfg)
+        got.append((resolved.diloco.outer_dtype, why))
+    assert got[0] == got[1] and got[0][0] in ("int8", "sparse") and "fp32 would be" in got[0][1]
+    bare = load_config(None, ["diloco.outer_dtype=auto"])
+    assert _outer_dtype(bare)[0].diloco.outer_dtype == "fp32"
