@@ -103,13 +103,14 @@ class Expect:
         if self.outer_dtype != "sparse":
             name = WIRE_DTYPES[self.outer_dtype].name
             return [(k, name, shape) for k, shape in self.shapes.items()]
-        out = []
-        for k, shape in self.shapes.items():
+        joined: dict[str, tuple[str, int]] = {}  # part -> dtype, length (sparse.join)
+        for shape in self.shapes.values():
             n = math.prod(shape)
             counts = np.minimum(self.sparse.k, self.sparse.lengths(n))
             parts = sparse.part_shapes(n, self.sparse, counts, self.sparse.bits)
-            out += [(f"{k}{SEP}{p}", dtype, want) for p, (dtype, want) in parts.items()]
-        return out
+            for p, (dtype, (size,)) in parts.items():
+                joined[p] = (dtype, joined.get(p, (dtype, 0))[1] + size)
+        return [(p, dtype, (size,)) for p, (dtype, size) in joined.items()]
 
 
 @dataclass(frozen=True)
@@ -295,18 +296,21 @@ def _decoded(meta: dict, arrays: Shards, ex: Expect, step: bool = False) -> Shar
     return {k: decode(arrays[k], scales[k]) for k in ex.shapes}
 
 
-def _sparse_decoded(arrays: Shards, ex: Expect, step: bool) -> Shards:
-    """A sparse delta's or step's parts (:mod:`~holmes_jax.diloco.sparse`), checked, decoded."""
+def _sparse_decoded(arrays: Shards, ex: Expect, step: bool, who: str = "") -> Shards:
+    """A sparse delta's or step's four arrays (:func:`~holmes_jax.diloco.sparse.join`),
+    cut into each key's parts, checked and decoded; ``who`` names whose they are."""
     sp = ex.sparse
     bits = sp.step_bits if step else sp.bits
-    _exact_keys(arrays, {f"{k}{SEP}{p}" for k in ex.shapes for p in PARTS})
+    _exact_keys(arrays, set(PARTS))
+    by_key = sparse.split(arrays, ex.shapes, sp, bits)
+    if isinstance(by_key, str):
+        raise Refused(f"{who}arrays {by_key}")
     out = {}
     for k, shape in ex.shapes.items():
-        parts = {p: arrays[f"{k}{SEP}{p}"] for p in PARTS}
-        why = sparse.check(parts, shape, sp, bits, delta=not step)
+        why = sparse.check(by_key[k], shape, sp, bits, delta=not step)
         if why:
-            raise Refused(f"array {k}{SEP}{why}")
-        out[k] = sparse.decode(parts, shape, sp, bits)
+            raise Refused(f"{who}array {k}{SEP}{why}")
+        out[k] = sparse.decode(by_key[k], shape, sp, bits)
     return out
 
 
@@ -354,10 +358,10 @@ def weighted_mean(values: dict[int, Shards], weights: dict[int, int], keys) -> S
     return out
 
 
-def relay_key(island: int, key: str) -> str:
-    """The name of island ``island``'s part ``key`` (``<lane key>|<part>``) in a relayed
+def relay_key(island: int, part: str) -> str:
+    """The name of island ``island``'s array ``part`` (of its delta's four) in a relayed
     step."""
-    return f"i{island}/{key}"
+    return f"i{island}/{part}"
 
 
 def _relayed(meta: dict, arrays: Shards, ex: Expect, me: int, own: Shards | None) -> Shards:
@@ -374,26 +378,19 @@ def _relayed(meta: dict, arrays: Shards, ex: Expect, me: int, own: Shards | None
     bad = lambda i, w: i not in ex.islands or type(w) is not int or w < 0  # noqa: E731
     if not ok or any(bad(i, w) for i, w in weights.items()):
         raise Refused("weights: must map islands of the run to their tokens")
-    values, sp, wanted = {}, ex.sparse, set()
+    values, wanted = {}, set()
     for i in weights:
         if i == me:
             if own is None or own.keys() != ex.shapes.keys():
                 raise Refused(f"weights: name island {me}, which sent nothing this round")
             values[i] = own
             continue
-        wanted |= {relay_key(i, f"{k}{SEP}{p}") for k in ex.shapes for p in PARTS}
+        wanted |= {relay_key(i, p) for p in PARTS}
     _exact_keys(arrays, wanted)
     for i in weights:
-        if i in values:
-            continue
-        decoded = {}
-        for k, shape in ex.shapes.items():
-            parts = {p: arrays[relay_key(i, f"{k}{SEP}{p}")] for p in PARTS}
-            why = sparse.check(parts, shape, sp, sp.bits, delta=True)
-            if why:
-                raise Refused(f"island {i}'s array {k}{SEP}{why}")
-            decoded[k] = sparse.decode(parts, shape, sp, sp.bits)
-        values[i] = decoded
+        if i not in values:
+            parts = {p: arrays[relay_key(i, p)] for p in PARTS}
+            values[i] = _sparse_decoded(parts, ex, False, f"island {i}'s ")
     return weighted_mean(values, weights, ex.shapes)
 
 

@@ -42,7 +42,7 @@ from holmes_jax.diloco.messages import (
     weighted_mean,
 )
 from holmes_jax.diloco.schedule import Schedule
-from holmes_jax.diloco.sparse import PARTS, SEP, Sparse, nonzero
+from holmes_jax.diloco.sparse import Sparse, nonzero
 from holmes_jax.diloco.wire import pack, packed_size
 
 Shards = dict[str, np.ndarray]
@@ -280,11 +280,7 @@ class Rounds:
         if relayed and None not in relayed.values():  # what one island fetches, at most
             relay = sum(size(p) for p in relayed.values()) - min(map(size, relayed.values()))
             candidates.append((relay, {}, {"encoding": "relay"}))
-        parts = {
-            f"{k}{SEP}{p}": a
-            for k, avg in means.items()
-            for p, a in nonzero(avg, self.cfg.sparse).items()
-        }
+        parts = sparse.join({k: nonzero(avg, self.cfg.sparse) for k, avg in means.items()})
         candidates.append((size(parts), parts, {"encoding": "sparse"}))
         _, arrays, meta = min(candidates, key=lambda c: c[0])  # the first of equal sizes
         return arrays, meta
@@ -294,11 +290,9 @@ class Rounds:
         them (the same functions, after their checks)."""
         if meta.get("encoding") != "sparse":
             return {k: decode(a, meta["scales"][k]) for k, a in arrays.items()}
-        sp = self.cfg.sparse
-        return {
-            k: sparse.decode({p: arrays[f"{k}{SEP}{p}"] for p in PARTS}, shape, sp, sp.step_bits)
-            for k, shape in self.expect.for_round(meta["round"]).shapes.items()
-        }
+        sp, shapes = self.cfg.sparse, self.expect.for_round(meta["round"]).shapes
+        by_key = sparse.split(arrays, shapes, sp, sp.step_bits)
+        return {k: sparse.decode(by_key[k], shape, sp, sp.step_bits) for k, shape in shapes.items()}
 
     def clear(self) -> None:
         """No round open: no deltas, arrivals, joiners or dead reported."""

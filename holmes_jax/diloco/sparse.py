@@ -13,7 +13,10 @@ of ``chunk`` values (the last may be shorter). Each chunk sends ``count`` of its
 
 ``idx`` and ``val`` are bit-packed, little-endian, ``count.sum()`` entries each, so an
 island's delta at the default (chunk 4096, k 64, 2 bits) is
-``(64·(12 + 2) + 16 + 32) / 4096`` bits a value: 139x fewer bytes than fp32.
+``(64·(12 + 2) + 16 + 32) / 4096`` bits a value: 139x fewer bytes than fp32. A message
+carries every tensor's parts as four arrays (:func:`join`: each part concatenated over
+the tensors in key order, each tensor's ``idx`` and ``val`` whole bytes), so its framing
+does not grow with the tensor count; :func:`split` cuts them apart again.
 
 An island's delta sends the ``k`` values of largest magnitude of each chunk
 (:func:`top_k`). A leader's step relays the other islands' deltas as they were sent, or
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PARTS = ("count", "idx", "val", "scale")
-SEP = "|"  # a part's array name: "<lane key>|<part>"
+SEP = "|"  # how a refusal names a key's part: "<lane key>|<part>"
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,48 @@ def part_shapes(n: int, sp: Sparse, counts: np.ndarray, bits: int) -> dict[str, 
         "val": val,
         "scale": ("float32", (c,)),
     }
+
+
+def join(by_key: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Every key's parts as one array per part, concatenated in sorted key order."""
+    keys = sorted(by_key)
+    return {p: np.concatenate([by_key[k][p] for k in keys]) for p in PARTS} if keys else {}
+
+
+def split(
+    joined: dict[str, np.ndarray], shapes: dict[str, tuple], sp: Sparse, bits: int
+) -> dict[str, dict[str, np.ndarray]] | str:
+    """:func:`join`'s arrays cut into each key's parts (``shapes``: the keys and their
+    tensors' shapes), or what is wrong with them: a part's dtype, or lengths that are not
+    what the chunks and counts make. Each key's parts are then for :func:`check`."""
+    chunks = {k: len(sp.lengths(math.prod(shapes[k]))) for k in sorted(shapes)}
+    count = joined["count"]
+    total_c = sum(chunks.values())
+    for name, dtype in (("count", np.uint16), ("scale", np.float32)):
+        got = joined[name]
+        if got.dtype != dtype or got.shape != (total_c,):
+            want = np.dtype(dtype).name
+            return f"{name}: {got.dtype.name}{list(got.shape)}, must be {want}[{total_c}]"
+    val_dtype = np.float32 if bits == 32 else np.uint8
+    for name, dtype in (("idx", np.uint8), ("val", val_dtype)):
+        got = joined[name]
+        if got.dtype != dtype or got.ndim != 1:
+            return f"{name}: {got.dtype.name}{list(got.shape)}, must be 1-D {np.dtype(dtype).name}"
+    out, c0, at = {}, 0, {"idx": 0, "val": 0}
+    for k, c in chunks.items():
+        counts = count[c0 : c0 + c].astype(np.int64)
+        total = int(counts.sum())
+        sizes = {"idx": math.ceil(total * sp.index_bits / 8)}
+        sizes["val"] = total if bits == 32 else math.ceil(total * bits / 8)
+        parts = {"count": count[c0 : c0 + c], "scale": joined["scale"][c0 : c0 + c]}
+        for name, size in sizes.items():
+            parts[name] = joined[name][at[name] : at[name] + size]
+            at[name] += size
+        out[k], c0 = parts, c0 + c
+    for name, used in at.items():
+        if joined[name].size != used:
+            return f"{name}: {joined[name].size} entries, the counts make {used}"
+    return out
 
 
 def pack_bits(codes: np.ndarray, width: int) -> np.ndarray:
@@ -234,13 +279,12 @@ class Feedback:
         return parts, sent
 
     def encode_tree(self, delta: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
-        """:meth:`encode` of every key: the parts to send, named ``<key>|<part>``, and the
-        values they decode to."""
-        arrays, values = {}, {}
+        """:meth:`encode` of every key: the parts to send (:func:`join`'s four arrays) and
+        the values they decode to."""
+        by_key, values = {}, {}
         for k, d in delta.items():
-            parts, values[k] = self.encode(k, d)
-            arrays.update({f"{k}{SEP}{p}": a for p, a in parts.items()})
-        return arrays, values
+            by_key[k], values[k] = self.encode(k, d)
+        return join(by_key), values
 
     def unsent(self, values: dict[str, np.ndarray]) -> None:
         """A round closed without this island's values: they go back into the buffer."""

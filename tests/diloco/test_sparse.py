@@ -111,9 +111,10 @@ def test_bits_pack_and_unpack():
 
 
 def test_a_peer_s_sparse_delta_is_checked_before_it_is_decoded():
-    """The messages' rules for a sparse delta and step: the parts of every key, each
-    checked (one line naming the array), the step's encoding named; the bound on a delta's
-    body (:meth:`Rounds.max_body`) holds the largest a real delta packs to."""
+    """The messages' rules for a sparse delta and step: four arrays (every key's parts
+    joined), cut by the counts into each key's parts, each checked (one line naming the
+    array), the step's encoding named; the bound on a delta's body
+    (:meth:`Rounds.max_body`) holds the largest a real delta packs to."""
     from holmes_jax.diloco.messages import Expect, Refused, parse_delta, parse_step
     from holmes_jax.diloco.rounds import Rounds, SyncConfig
     from holmes_jax.diloco.wire import pack
@@ -123,7 +124,8 @@ def test_a_peer_s_sparse_delta_is_checked_before_it_is_decoded():
     ex = Expect(shapes, "sparse", frozenset({0, 1}), 100, 0.7, 0.9, sp)
     rng = np.random.default_rng(5)
     deltas = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-    arrays = {f"{k}|{p}": a for k, d in deltas.items() for p, a in top_k(d, sp).items()}
+    arrays = sparse.join({k: top_k(d, sp) for k, d in deltas.items()})
+    assert sorted(arrays) == ["count", "idx", "scale", "val"]
     meta = {"island": 1, "round": 1, "lineage": "root", "tokens": 10, "dead": []}
     got = parse_delta(meta, arrays, 1, ex)
     for k, d in deltas.items():
@@ -132,11 +134,15 @@ def test_a_peer_s_sparse_delta_is_checked_before_it_is_decoded():
     state = ({k: np.zeros(s, np.float32) for k, s in shapes.items()},) * 2
     assert len(pack(meta, arrays)) <= Rounds(0, [0, 1], cfg, state).max_body("/delta")
 
+    counts = np.array([3, 4, 2, 3], np.uint16)  # b#0's chunk, then w#0's three: total kept
     with pytest.raises(Refused, match=r"array w#0\|count: must be min"):
-        parse_delta(meta, {**arrays, "w#0|count": np.array([3, 3, 1], np.uint16)}, 1, ex)
+        parse_delta(meta, {**arrays, "count": counts}, 1, ex)
+    short = {**arrays, "idx": arrays["idx"][:-1]}
+    with pytest.raises(Refused, match=r"arrays idx: \d+ entries, the counts make \d+"):
+        parse_delta(meta, short, 1, ex)
     bad = dict(arrays)
-    del bad["b#0|scale"]
-    with pytest.raises(Refused, match=r"arrays: 1 of the lane's keys missing \['b#0\|scale'\]"):
+    del bad["scale"]
+    with pytest.raises(Refused, match=r"arrays: 1 of the lane's keys missing \['scale'\]"):
         parse_delta(meta, bad, 1, ex)
     step = {"round": 1, "tokens": 10, "average": False, "leader": 0, "members": [0, 1]}
     step.update(lr=0.7, mu=0.9, encoding="fp16")

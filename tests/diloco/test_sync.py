@@ -25,7 +25,7 @@ from holmes_jax.diloco.codec import decode, encode
 from holmes_jax.diloco.messages import Refused, parse_step
 from holmes_jax.diloco.rounds import SyncConfig
 from holmes_jax.diloco.schedule import Schedule
-from holmes_jax.diloco.sparse import Sparse
+from holmes_jax.diloco.sparse import PARTS, Sparse
 from holmes_jax.diloco.sync import OuterSync
 from holmes_jax.diloco.transport import request
 from holmes_jax.diloco.wire import pack, unpack
@@ -725,11 +725,12 @@ def test_a_sparse_step_relays_the_deltas_and_every_island_takes_the_same_mean(is
     body = nodes[0].r.step_body(1)  # what island 1 fetches: islands 0 and 2's deltas
     meta, arrays = unpack(body)
     assert {name.split("/")[0] for name in arrays} == {"i0", "i2"}
+    assert sorted(arrays) == [f"i{i}/{p}" for i in (0, 2) for p in sorted(PARTS)]  # 4 each
     bad = dict(arrays)
-    name = next(n for n in bad if n.endswith("|count"))
-    bad[name] = bad[name] + 1  # a count that is not k
+    bad["i2/count"] = bad["i2/count"].copy()
+    bad["i2/count"][:2] = [9, 7]  # the same total, not k in each chunk
     expect = nodes[1].r.expect
-    with pytest.raises(Refused, match=r"^island [02]'s array .*count"):
+    with pytest.raises(Refused, match=r"^island 2's array .*\|count: must be min\(k=8"):
         parse_step(meta, bad, expect, 1, _zeros(start))
     with pytest.raises(Refused, match="which sent nothing this round"):
         parse_step(meta, arrays, expect, 1, None)
