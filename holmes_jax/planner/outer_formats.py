@@ -37,13 +37,13 @@ if TYPE_CHECKING:
 # auto keeps a format whose round leaves at most this fraction of the compute between two
 # rounds exposed
 AUTO_EXPOSED = 0.05
-# The eval-loss cost of each format against fp32 DiLoCo, measured (docs/benchmarks.md,
-# "Sparse outer deltas"): what the plan table prints beside each.
+# The eval-loss cost of each format against fp32 DiLoCo on the quickstart model at 500
+# steps, measured (docs/benchmarks.md, "DiLoCo over a WAN"): what the plan table prints.
 QUALITY = {
     "fp32": "exact",
     "bf16": "~exact",
-    "int8": "+0.8%",
-    "sparse": "+2.6% (k 256) to +9% (k 64)",
+    "int8": "+0.1% (H 30)",
+    "sparse": "+1.3% (k 1024, H 10) to +20% (k 64, H 30)",
 }
 
 
