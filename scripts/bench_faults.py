@@ -47,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "meshes/cpu8-two-islands.yaml"
 STEP = re.compile(r"^\[ib-0\s*\] step (\d+) \|")
 FAULT = re.compile(r"^launch: --fail-host \S+: SIGKILL to ")
+RESUMED = "launch: training resumed: "
 REPLAN = re.compile(r"predicted step ([0-9.e+-]+) s, ([0-9.]+)x the full topology's")
 RUNS = ("reference", "kill", "host", "island", "link")
 
@@ -158,8 +159,10 @@ def summarize(name: str, run: dict, ref: dict | None, args) -> dict:
     }
     final = [r for r in records if r["step"] == args.steps and "eval_loss" in r]
     out["eval_loss"] = round(final[-1]["eval_loss"], 5) if final else None
-    if run["fault_at"] is not None:
-        after = [t for t, x in lines if t > run["fault_at"] and STEP.match(x)]
+    if run["fault_at"] is not None:  # to the restart's first step (a step line may still
+        # come from the survivors' steps in flight when the fault lands)
+        after = [t for t, x in lines if t > run["fault_at"] and x.startswith(RESUMED)]
+        after = after or [t for t, x in lines if t > run["fault_at"] and STEP.match(x)]
         out["fault_to_next_step_s"] = round(after[0] - run["fault_at"], 1) if after else None
     replans = [REPLAN.search(x) for _, x in lines if "re-planned for the survivors" in x]
     replans = [m for m in replans if m]
