@@ -136,6 +136,7 @@ class Rounds:
         self.awaiting: set[int] = set()  # joined to take the open round's result in step
         # the last round's step: (base key, meta, arrays, the deltas it relays by island)
         self.step: tuple[str, dict, Shards, dict[int, Shards]] | None = None
+        self.bodies: dict[int | None, bytes] = {}  # its packed bodies (relay: per asker)
         self.took: dict[int, set[int]] = {}  # round -> its participants but this island
         self.fetched: dict[int, set[int]] = {}  # round -> islands that acknowledged it
         if state is not None:
@@ -246,6 +247,7 @@ class Rounds:
             )
         )
         self.step = (base, {**meta, "kind": "step"}, arrays, relayed)
+        self.bodies = {}
         self.took[self.round] = (set(self.open) | self.awaiting) - {self.island}
         self.clear()
         self.awaiting = set()
@@ -254,16 +256,20 @@ class Rounds:
 
     def step_body(self, asker: int) -> bytes:
         """The last round's step, packed for island ``asker``: a relay step leaves out
-        ``asker``'s own delta (it holds what it sent)."""
+        ``asker``'s own delta (it holds what it sent). Packed once for every asker it
+        serves alike."""
         _, meta, arrays, relayed = self.step
-        if relayed:
-            arrays = {
-                relay_key(i, name): a
-                for i, parts in sorted(relayed.items())
-                if i != asker
-                for name, a in parts.items()
-            }
-        return pack(meta, arrays)
+        who = asker if relayed else None
+        if who not in self.bodies:
+            if relayed:
+                arrays = {
+                    relay_key(i, name): a
+                    for i, parts in sorted(relayed.items())
+                    if i != asker
+                    for name, a in parts.items()
+                }
+            self.bodies[who] = pack(meta, arrays)
+        return self.bodies[who]
 
     def _encode_step(self, means: Shards, relayed: dict[int, Shards | None]) -> tuple[Shards, dict]:
         """A step's arrays and their meta: ``means`` in ``outer_dtype``; for sparse, the
