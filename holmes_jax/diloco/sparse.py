@@ -120,11 +120,10 @@ def split(
     out, c0, at = {}, 0, {"idx": 0, "val": 0}
     for k, c in chunks.items():
         counts = count[c0 : c0 + c].astype(np.int64)
-        total = int(counts.sum())
-        sizes = {"idx": math.ceil(total * sp.index_bits / 8)}
-        sizes["val"] = total if bits == 32 else math.ceil(total * bits / 8)
+        sizes = part_shapes(math.prod(shapes[k]), sp, counts, bits)
         parts = {"count": count[c0 : c0 + c], "scale": joined["scale"][c0 : c0 + c]}
-        for name, size in sizes.items():
+        for name in at:
+            (size,) = sizes[name][1]
             parts[name] = joined[name][at[name] : at[name] + size]
             at[name] += size
         out[k], c0 = parts, c0 + c
