@@ -106,7 +106,7 @@ class Expect:
         joined: dict[str, tuple[str, int]] = {}  # part -> dtype, length (sparse.join)
         for shape in self.shapes.values():
             n = math.prod(shape)
-            counts = np.minimum(self.sparse.k, self.sparse.lengths(n))
+            counts = self.sparse.counts(n)
             parts = sparse.part_shapes(n, self.sparse, counts, self.sparse.bits)
             for p, (dtype, (size,)) in parts.items():
                 joined[p] = (dtype, joined.get(p, (dtype, 0))[1] + size)

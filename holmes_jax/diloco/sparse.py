@@ -2,7 +2,10 @@
 in a few bits, and what is not sent kept for the next round (error feedback).
 
 A tensor of ``n`` values (flattened, C-order) is cut into ``C = ceil(n / chunk)`` chunks
-of ``chunk`` values (the last may be shorter). Each chunk sends ``count`` of its values:
+of ``chunk`` values (the last may be shorter). An island's delta sends ``k`` values of
+each whole chunk and ``ceil(k·length/chunk)`` of a shorter last one, so a tensor's bytes
+follow its size, however finely fragments and lanes cut the model (:meth:`Sparse.counts`).
+Each chunk sends ``count`` of its values:
 
 - ``idx``: their positions in the chunk, increasing, ``log2(chunk)`` bits each;
 - ``val``: ``bits``-bit codes ``q`` of the values, ``v ≈ (q − L)·s`` with
@@ -66,9 +69,14 @@ class Sparse:
         out[-1] = n - (c - 1) * self.chunk
         return out
 
+    def counts(self, n: int) -> np.ndarray:
+        """The values an island's delta sends of each chunk, int64 ``[C]``: ``k`` of a whole
+        chunk, ``ceil(k·length/chunk)`` of a shorter one (``length`` at ``k = chunk``)."""
+        return -(-self.k * self.lengths(n) // self.chunk)
+
     def bits_per_value(self, n: int = 1 << 24) -> float:
         """An island's delta: bits sent per value of a tensor of ``n`` values."""
-        sent = np.minimum(self.k, self.lengths(n))
+        sent = self.counts(n)
         per_chunk = 16 + 32  # count, scale
         total = sent.sum() * (self.index_bits + self.bits) + len(sent) * per_chunk
         return float(total / n)
@@ -156,7 +164,7 @@ def _padded(u: np.ndarray, sp: Sparse) -> np.ndarray:
 
 
 def top_k(u: np.ndarray, sp: Sparse) -> dict[str, np.ndarray]:
-    """An island's delta: each chunk's ``k`` values of largest magnitude (module doc)."""
+    """An island's delta: each chunk's :meth:`Sparse.counts` values of largest magnitude."""
     chunks = _padded(u, sp)
     lengths = sp.lengths(np.size(u))
     keep = min(sp.k, sp.chunk)
@@ -164,8 +172,8 @@ def top_k(u: np.ndarray, sp: Sparse) -> dict[str, np.ndarray]:
     magnitude.reshape(-1)[np.size(u) :] = -1  # the padding: never chosen over a value
     pick = np.argpartition(-magnitude, keep - 1, axis=1)[:, :keep]  # [C, k]
     pick.sort(axis=1)
-    counts = np.minimum(keep, lengths)
-    if counts[-1] < keep:  # the short last chunk: its first ``length`` positions at most
+    counts = sp.counts(np.size(u))
+    if counts[-1] < keep:  # the short last chunk: its own share, of its first ``length``
         last = np.argsort(-np.abs(chunks[-1, : lengths[-1]]), kind="stable")[: counts[-1]]
         rows = [pick[i] for i in range(len(pick) - 1)] + [np.sort(last)]
         positions = np.concatenate(rows) if rows else np.zeros(0, np.int64)
@@ -222,7 +230,7 @@ def decode(parts: dict[str, np.ndarray], shape: tuple, sp: Sparse, bits: int) ->
 
 def check(parts: dict[str, np.ndarray], shape: tuple, sp: Sparse, bits: int, delta: bool) -> str:
     """What is wrong with a peer's ``parts`` of a tensor of ``shape`` ("" when nothing):
-    each part's dtype and size; ``count`` exactly ``min(k, length)`` per chunk for a delta,
+    each part's dtype and size; ``count`` exactly :meth:`Sparse.counts` for a delta,
     at most the chunk's length for a step; positions increasing inside each chunk and
     before its end; scales finite, positive and small enough to decode finite; 32-bit
     values finite."""
@@ -232,8 +240,8 @@ def check(parts: dict[str, np.ndarray], shape: tuple, sp: Sparse, bits: int, del
     if counts.dtype != np.uint16 or counts.shape != (len(lengths),):
         return f"count: {counts.dtype.name}{list(counts.shape)}, must be uint16[{len(lengths)}]"
     counts = counts.astype(np.int64)
-    if delta and not np.array_equal(counts, np.minimum(sp.k, lengths)):
-        return f"count: must be min(k={sp.k}, the chunk's length) in every chunk"
+    if delta and not np.array_equal(counts, sp.counts(n)):
+        return f"count: must be ceil(k={sp.k}·length/chunk={sp.chunk}) in every chunk"
     if (counts > lengths).any():
         return "count: more values than the chunk holds"
     for name, (dtype, want) in part_shapes(n, sp, counts, bits).items():

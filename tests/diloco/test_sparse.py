@@ -23,7 +23,7 @@ def test_top_k_keeps_each_chunk_s_largest_within_half_a_step(shape, bits):
     flat, dec = u.reshape(-1), got.reshape(-1)
     for c, length in enumerate(sp.lengths(flat.size)):
         part, back = flat[c * 256 : c * 256 + length], dec[c * 256 : c * 256 + length]
-        kept = np.argsort(-np.abs(part), kind="stable")[: min(16, length)]
+        kept = np.argsort(-np.abs(part), kind="stable")[: math.ceil(16 * length / 256)]
         assert set(np.flatnonzero(back)) <= set(kept)  # only the k largest are sent
         scale = parts["scale"][c]
         bound = 0 if bits == 32 else scale / 2 * (1 + 1e-6)
@@ -41,6 +41,21 @@ def test_every_value_at_32_bits_is_exact_and_the_default_is_139x_smaller():
     sent = sum(a.nbytes for a in top_k(big, default).values())
     assert big.nbytes / sent == pytest.approx(32 / default.bits_per_value(big.size), rel=1e-3)
     assert big.nbytes / sent > 138
+
+
+@pytest.mark.parametrize("pieces", [2, 4, 8])
+def test_a_tensor_cut_into_fragments_sends_what_it_sends_whole(pieces):
+    """A fragment's delta costs its share of the parameters: a short chunk sends
+    ceil(k·length/chunk) values, so cutting a (8, 128) norm or an (8, 128, 512) kernel
+    into layer ranges adds at most one value per piece, not k."""
+    sp = Sparse(chunk=4096, k=64, bits=2)
+    for shape in [(8, 128), (8, 128, 512), (8, 3, 4, 32)]:
+        whole = int(sp.counts(math.prod(shape)).sum())
+        per = math.prod(shape) // pieces
+        cut = int(sum(sp.counts(per).sum() for _ in range(pieces)))
+        assert whole <= cut <= whole + pieces
+        u = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+        assert int(top_k(u, sp)["count"].astype(np.int64).sum()) == whole
 
 
 def test_a_step_sends_every_nonzero_of_the_mean():
@@ -65,11 +80,11 @@ def test_bad_parts_are_named():
         return check({**good, **change}, (40,), sp, 4, delta=True)
 
     assert broken(count=good["count"].astype(np.int32)).startswith("count: int32")
-    assert "min(k=4" in broken(count=np.array([4, 4, 3], np.uint16))
+    assert "ceil(k=4" in broken(count=np.array([4, 4, 3], np.uint16))
     assert broken(val=good["val"][:-1]).startswith("val: uint8")
     assert broken(scale=np.array([1, np.nan, 1], np.float32)).startswith("scale:")
     assert broken(scale=np.array([1, -1, 1], np.float32)).startswith("scale:")
-    positions = sparse.unpack_bits(good["idx"], 4, 12)
+    positions = sparse.unpack_bits(good["idx"], 4, 10)  # 4 + 4 + ceil(4·8/16)
     backwards = positions.copy()
     backwards[[0, 1]] = backwards[[1, 0]]
     assert "increase" in broken(idx=sparse.pack_bits(backwards, 4))
@@ -134,8 +149,8 @@ def test_a_peer_s_sparse_delta_is_checked_before_it_is_decoded():
     state = ({k: np.zeros(s, np.float32) for k, s in shapes.items()},) * 2
     assert len(pack(meta, arrays)) <= Rounds(0, [0, 1], cfg, state).max_body("/delta")
 
-    counts = np.array([3, 4, 2, 3], np.uint16)  # b#0's chunk, then w#0's three: total kept
-    with pytest.raises(Refused, match=r"array w#0\|count: must be min"):
+    counts = np.array([1, 4, 2, 1], np.uint16)  # b#0's chunk, then w#0's three: total kept
+    with pytest.raises(Refused, match=r"array w#0\|count: must be ceil"):
         parse_delta(meta, {**arrays, "count": counts}, 1, ex)
     short = {**arrays, "idx": arrays["idx"][:-1]}
     with pytest.raises(Refused, match=r"arrays idx: \d+ entries, the counts make \d+"):

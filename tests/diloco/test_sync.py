@@ -730,7 +730,7 @@ def test_a_sparse_step_relays_the_deltas_and_every_island_takes_the_same_mean(is
     bad["i2/count"] = bad["i2/count"].copy()
     bad["i2/count"][:2] = [9, 7]  # the same total, not k in each chunk
     expect = nodes[1].r.expect
-    with pytest.raises(Refused, match=r"^island 2's array .*\|count: must be min\(k=8"):
+    with pytest.raises(Refused, match=r"^island 2's array .*\|count: must be ceil\(k=8"):
         parse_step(meta, bad, expect, 1, _zeros(start))
     with pytest.raises(Refused, match="which sent nothing this round"):
         parse_step(meta, arrays, expect, 1, None)
