@@ -2,6 +2,8 @@
 
     sudo .venv/bin/python scripts/bench_faults.py [--steps 30] [--every 5] [--at 12] \\
         [--only reference,kill] [--keep-logs DIR]
+    sudo .venv/bin/python scripts/bench_faults.py --schedule random --seed 1 \\
+        --mtbf-steps 100 [--steps 200] [--independent-islands]
 
 The quickstart model on meshes/cpu8-two-islands.yaml (an InfiniBand and a RoCE island of
 2 hosts x 2 devices, 1 Gbit/s between them), each host a process in its own network
@@ -15,6 +17,14 @@ Runs, one after the other:
 - ``island`` (c): both RoCE hosts are killed at step ``--at`` and never come back;
 - ``link`` (d): the link between the islands is cut for ``--cut`` seconds when step
   ``--at`` is done (IP forwarding off in the router namespace), then restored.
+
+``--schedule random`` runs ``reference`` and ``random`` instead: a run with faults drawn
+from a seeded schedule (:mod:`holmes_jax.cluster.fault_schedule`: workers killed, a host
+away for ``2·--rejoin + 5`` s, a kill at a checkpoint step, one link cut) striking any host
+but ib-0 (process 0, beside the launcher). With ``--independent-islands`` both runs are
+independent DiLoCo islands (``launch --independent-islands``), the faults strike the RoCE
+island only, and each island is reported on its own: the InfiniBand island is the
+survivor, whose goodput says what the others' faults cost it.
 
 Per run, from the launcher's output and the metrics file: seconds from the fault to the
 next completed step, each restart's seconds by phase (``<run_dir>/restarts.jsonl``),
@@ -44,15 +54,30 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from holmes_jax.cluster import fault_schedule  # noqa: E402 (plain Python: no jax import)
+
 MESH = "meshes/cpu8-two-islands.yaml"
 STEP = re.compile(r"^\[ib-0\s*\] step (\d+) \|")
 FAULT = re.compile(r"^launch: --fail-host \S+: SIGKILL to ")
 RESUMED = "launch: training resumed: "
 REPLAN = re.compile(r"predicted step ([0-9.e+-]+) s, ([0-9.]+)x the full topology's")
 RUNS = ("reference", "kill", "host", "island", "link")
+ISLAND_STEP = re.compile(r"^\[(ib|roce)-\d+\s*\] step (\d+) \|")
+# an independent island's job (as bench_independent's rows): one stage, data parallel
+INDEPENDENT = [
+    "parallel.stages=1",
+    "parallel.data=2",
+    "parallel.microbatches=1",
+    "parallel.layers_per_stage=null",
+    "diloco.enabled=true",
+]
 
 
-def fault_flags(name: str, at: int) -> list[str]:
+def fault_flags(name: str, args) -> list[str]:
+    if name == "random":
+        return fault_schedule.flags(args.faults)
+    at = args.at
     return {
         "kill": ["--fail-host", f"roce-1@{at}"],
         "host": ["--fail-host", f"roce-1@{at}:permanent"],
@@ -77,8 +102,11 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
     """One launch; returns its timeline and metrics records."""
     run_dir = os.path.join(folder, name)
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", MESH, "--emulate"]
-    cmd += ["--max-restarts", "3", "--rejoin-timeout", str(args.rejoin), "--grace", "5"]
-    cmd += fault_flags(name, args.at)
+    restarts = 3 + 2 * len(args.faults) if name == "random" else 3
+    cmd += ["--max-restarts", str(restarts), "--rejoin-timeout", str(args.rejoin), "--grace", "5"]
+    cmd += fault_flags(name, args)
+    if args.independent_islands:
+        cmd.append("--independent-islands")
     train = ["--config", "configs/quickstart.yaml"]
     for o in (
         f"train.steps={args.steps}",
@@ -89,6 +117,7 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
         "logging.log_every=1",
         "logging.progress=plain",
         "distributed.heartbeat_timeout_s=10",
+        *(INDEPENDENT if args.independent_islands else []),
         *args.set,
     ):
         train += ["--set", o]
@@ -128,37 +157,60 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
     log.close()
     if cut is not None:
         cut.join()
+    out = {"code": code, "wall": wall, "lines": lines, "fault_at": fault_at, "began": began}
+    if not args.independent_islands:
+        return {**out, **read_run(run_dir)}
+    return {**out, "islands": {isl: read_run(os.path.join(run_dir, isl)) for isl in ISLANDS}}
+
+
+ISLANDS = ("ib", "roce")
+
+
+def read_run(run_dir: str) -> dict:
+    """A job's metrics records and restart records (the launcher's phases per restart)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(x) for x in f]
-    itemised = os.path.join(run_dir, "restarts.jsonl")  # the launcher's phases per restart
+    itemised = os.path.join(run_dir, "restarts.jsonl")
     phases = []
     if os.path.exists(itemised):
         with open(itemised) as f:
             phases = [json.loads(x) for x in f]
+    return {"records": records, "phases": phases}
+
+
+def job_row(job: dict, args) -> dict:
+    """What one job's records say: steps done and lost, each restart by phase (as the
+    launcher measured them, restarts.jsonl) and their sum by phase, the final eval loss."""
+    records = job["records"]
+    steps = [r["step"] for r in records]
+    done = sorted(set(steps))
+    phases = [
+        {k: v for k, v in r.items() if k.endswith("_s") or k in ("compile", "cause")}
+        for r in job["phases"]
+    ]
+    lost: dict[str, float] = {}
+    for r in phases:
+        for k, v in r.items():
+            if k.endswith("_s"):
+                lost[k] = round(lost.get(k, 0.0) + v, 2)
+    final = [r for r in records if r["step"] == args.steps and "eval_loss" in r]
     return {
-        "code": code, "wall": wall, "lines": lines, "fault_at": fault_at, "records": records,
-        "phases": phases,
-    }  # fmt: skip
+        "steps_finished": bool(done) and len(done) == args.steps and done[-1] == args.steps,
+        "steps_lost": len(steps) - len(done),
+        "restart_phases": phases,
+        "seconds_lost_by_phase": lost,
+        "eval_loss": round(final[-1]["eval_loss"], 5) if final else None,
+    }
 
 
 def summarize(name: str, run: dict, ref: dict | None, args) -> dict:
     records, lines = run["records"], run["lines"]
-    steps = [r["step"] for r in records]
-    done = sorted(set(steps))
     out: dict = {
         "exit_code": run["code"],
         "wall_s": round(run["wall"], 1),
-        "steps_finished": len(done) == args.steps and done[-1] == args.steps,
-        "steps_lost": len(steps) - len(done),
         "restarts": sum("then restart" in x for _, x in lines),
-        # each restart's seconds by phase, as the launcher measured them (restarts.jsonl)
-        "restart_phases": [
-            {k: v for k, v in r.items() if k.endswith("_s") or k in ("compile", "cause")}
-            for r in run["phases"]
-        ],
+        **job_row(run, args),
     }
-    final = [r for r in records if r["step"] == args.steps and "eval_loss" in r]
-    out["eval_loss"] = round(final[-1]["eval_loss"], 5) if final else None
     if run["fault_at"] is not None:  # to the restart's first step (a step line may still
         # come from the survivors' steps in flight when the fault lands)
         after = [t for t, x in lines if t > run["fault_at"] and x.startswith(RESUMED)]
@@ -182,6 +234,25 @@ def summarize(name: str, run: dict, ref: dict | None, args) -> dict:
     return out
 
 
+def summarize_islands(run: dict, ref: dict | None, args) -> dict:
+    """Independent islands: each island's row (:func:`job_row`), its seconds from the
+    launch to its last step, and its goodput (the reference island's seconds over its own:
+    an island trains the same tokens in either run) and eval loss against the reference."""
+    out: dict = {"exit_code": run["code"], "wall_s": round(run["wall"], 1)}
+    for isl in ISLANDS:
+        last = [t for t, x in run["lines"] if (m := ISLAND_STEP.match(x)) and m[1] == isl]
+        row = job_row(run["islands"][isl], args)
+        row["island_s"] = round(last[-1] - run["began"], 1) if last else None
+        if ref is not None and row["island_s"]:
+            row["goodput"] = round(ref[isl]["island_s"] / row["island_s"], 3)
+            if row["eval_loss"] and ref[isl]["eval_loss"]:
+                row["eval_loss_vs_reference"] = round(
+                    row["eval_loss"] / ref[isl]["eval_loss"] - 1, 5
+                )
+        out[isl] = row
+    return out
+
+
 def compute_gflops() -> float:
     """This machine's fp32 matmul speed, one device (a fresh process: no jax here)."""
     code = (
@@ -200,7 +271,7 @@ def compute_gflops() -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="30; 200 with --schedule random")
     parser.add_argument("--every", type=int, default=5, help="checkpoint.every")
     parser.add_argument("--at", type=int, default=12, help="the step the fault comes at")
     parser.add_argument("--cut", type=float, default=20.0, help="seconds the link is cut")
@@ -209,7 +280,14 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], help="config override")
     parser.add_argument("--keep-logs", default=None, help="folder for the logs and run dirs")
     parser.add_argument("--verbose", action="store_true", help="echo the launcher's output")
+    parser.add_argument("--schedule", choices=("fixed", "random"), default="fixed")
+    parser.add_argument("--seed", type=int, default=0, help="--schedule random's seed")
+    parser.add_argument("--mtbf-steps", type=float, default=100.0, help="mean steps between faults")
+    parser.add_argument(
+        "--independent-islands", action="store_true", help="--schedule random on DiLoCo islands"
+    )
     args = parser.parse_args(argv)
+    args.steps = args.steps or (200 if args.schedule == "random" else 30)
     if os.geteuid() != 0:
         parser.error("needs root (network namespaces): sudo .venv/bin/python ...")
     names = args.only.split(",") if args.only else list(RUNS)
@@ -220,9 +298,22 @@ def main(argv=None) -> int:
         names.insert(0, "reference")
     if not 1 <= args.at < args.steps:
         parser.error(f"--at={args.at}: must be in [1, --steps)")
-    sys.path.insert(0, ROOT)
+    if args.independent_islands and args.schedule != "random":
+        parser.error("--independent-islands: only with --schedule random")
     from holmes_jax.core.config import load_config
+    from holmes_jax.core.errors import ConfigError
 
+    args.faults = []
+    if args.schedule == "random":
+        names = ["reference", "random"]
+        hosts = ("roce-0", "roce-1") if args.independent_islands else ("ib-1", "roce-0", "roce-1")
+        try:
+            args.faults = fault_schedule.draw(
+                args.seed, args.steps, args.mtbf_steps, hosts, args.every,
+                away_s=2 * args.rejoin + 5, cut_s=args.cut,
+            )  # fmt: skip
+        except ConfigError as e:
+            parser.error(str(e))
     cfg = load_config(os.path.join(ROOT, "configs", "quickstart.yaml"), args.set)
     args.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
 
@@ -237,14 +328,22 @@ def main(argv=None) -> int:
         "fault_at_step": args.at,
         "rejoin_timeout_s": args.rejoin,
         "link_cut_s": args.cut,
+        "schedule": args.schedule,
+        "independent_islands": args.independent_islands,
         "compute_gflops_fp32": compute_gflops(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpu_cores": os.cpu_count(),
     }
+    if args.schedule == "random":
+        result.update(seed=args.seed, mtbf_steps=args.mtbf_steps)
+        result["faults"] = [f.to_dict() for f in args.faults]
     ref = None
     for name in names:
         run = run_one(name, args, folder, cache)
-        row = summarize(name, run, ref, args)
+        if args.independent_islands:
+            row = summarize_islands(run, ref, args)
+        else:
+            row = summarize(name, run, ref, args)
         row["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # others sharing the cores
         if name == "reference":
             ref = row
