@@ -101,6 +101,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         f"on without it, re-planned for the survivors (default {DEFAULT_REJOIN_S:g})",
     )
     parser.add_argument(
+        "--replan-candidates",
+        type=int,
+        default=None,
+        metavar="K",
+        help="when survivors re-plan, try the planner's K fastest predicted plans for a few "
+        "steps each and train on the fastest measured (sets parallel.replan_candidates; "
+        "default 2, 1: trust the prediction)",
+    )
+    parser.add_argument(
         "--independent-islands",
         action="store_true",
         help="one job per island, supervised on its own, as independent DiLoCo islands "
@@ -160,6 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"{flag}: only used with --emulate")
         if args.grace < 0:
             raise ConfigError(f"--grace={args.grace}: must be >= 0")
+        if args.replan_candidates is not None:
+            if args.replan_candidates < 1:
+                raise ConfigError(f"--replan-candidates={args.replan_candidates}: must be >= 1")
+            train_args = [
+                *train_args,
+                "--set",
+                f"parallel.replan_candidates={args.replan_candidates}",
+            ]
         if not train_args:
             load_topology(args.mesh)  # a bad --mesh is the first thing to fix
             raise ConfigError(

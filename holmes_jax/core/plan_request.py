@@ -137,6 +137,7 @@ class ParallelSpec:
     enforce_islands: bool  # false: the naive placement, data groups across islands
     mesh: str | None  # the topology file; None: one host, one island
     exclude_hosts: tuple[str, ...]  # hosts of ``mesh`` the run goes without
+    replan_candidates: int = 1  # survivors' plans tried by the trainer (planner.failures)
 
     def layout(self, degrees: Degrees) -> Layout:
         """``degrees`` with these micro-batches and schedule (``auto``: 1F1B, the base the
@@ -279,6 +280,7 @@ def plan_request(cfg: Config, attention: str = "xla") -> PlanRequest:
         enforce_islands=p.enforce_islands,
         mesh=p.mesh,
         exclude_hosts=p.exclude_hosts,
+        replan_candidates=p.replan_candidates,
     )
     diloco = DilocoSpec(
         enabled=d.enabled,

@@ -253,6 +253,10 @@ class ParallelConfig:
     # Hosts of parallel.mesh to run without (a failure's survivors): the trainer re-plans
     # degrees, micro-batches, schedule, split and remat for the rest, same global batch.
     exclude_hosts: tuple[str, ...] = ()
+    # With exclude_hosts: the planner's fastest plans for the survivors that each run a few
+    # steps before training (runtime/replan_trial.py); the fastest measured trains. 1: the
+    # fastest predicted trains, untried.
+    replan_candidates: int = 2
     # When gradients are reduced over data (and replica): "layer" each layer's as soon as
     # its last backward completes (overlaps the backward with asynchronous collectives),
     # "step" every leaf once, all layers at a time, after the backward (a few collectives
@@ -274,7 +278,9 @@ class ParallelConfig:
         if self.data < 0:
             raise ConfigError(f"parallel.data={self.data}: must be >= 0 (0 = auto)")
         _positive(
-            self, "parallel", ("tensor", "stages", "microbatches", "replica", "virtual_stages")
+            self,
+            "parallel",
+            ("tensor", "stages", "microbatches", "replica", "virtual_stages", "replan_candidates"),
         )
         if self.schedule == "auto":
             if self.virtual_stages != 1 or isinstance(self.layers_per_stage, tuple):

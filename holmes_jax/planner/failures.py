@@ -10,11 +10,17 @@ are interchangeable, so one search covers them all. Both compare the survivors' 
 :func:`full_step`, the run as written on the whole topology (what the job runs once
 every host is back). The survivors' decision comes back as a
 :class:`~holmes_jax.core.plan_request.ParallelSpec` (:attr:`Replan.parallel`), which the
-trainer applies to its config. Pure Python; no jax import.
+trainer applies to its config.
+
+With ``parallel.replan_candidates`` K > 1 the search keeps its K fastest predicted plans
+(:attr:`Replan.candidates`, ranked by the step as the trainer runs it); the trainer runs a
+few steps of each and trains on the fastest measured
+(:mod:`holmes_jax.runtime.replan_trial`). Pure Python; no jax import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +32,7 @@ from holmes_jax.planner.plans import (
     make_plan,
     plan_overrides,
     predict_run,
+    top_plans,
     topology_blocks,
     with_plan,
 )
@@ -33,6 +40,26 @@ from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology, without_hosts
 
 EXCLUDE_KEY = "parallel.exclude_hosts"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan for the survivors: the parallelism that runs it, the plan and its step
+    predicted as the trainer runs it."""
+
+    parallel: ParallelSpec
+    plan: Plan
+    step_s: float
+
+    def describe(self) -> str:
+        """Its degrees, micro-batches, schedule and remat, in a few words."""
+        lay = self.plan.layout
+        replica = f"replica={lay.replica} " if lay.replica > 1 else ""
+        schedule = f" {lay.schedule}" if lay.stages > 1 else ""
+        return (
+            f"{replica}stage={lay.stages} data={lay.data} tensor={lay.tensor} "
+            f"m={lay.microbatches}{schedule} remat {self.plan.remat}"
+        )
 
 
 @dataclass(frozen=True)
@@ -47,6 +74,20 @@ class Replan:
     plan: Plan
     step_s: float  # predicted, as the trainer runs it
     full_step_s: float | None  # the run on the whole topology; None: not priceable
+    # the K fastest predicted plans, fastest first; the first is the one above
+    candidates: tuple[Candidate, ...] = ()
+
+    def choose(self, index: int) -> Replan:
+        """This re-plan with candidate ``index`` as its plan."""
+        c = self.candidates[index]
+        return dataclasses.replace(self, parallel=c.parallel, plan=c.plan, step_s=c.step_s)
+
+    def spread(self) -> float | None:
+        """How much slower the second candidate is predicted than the first (0.05: 5%);
+        None with one candidate."""
+        if len(self.candidates) < 2:
+            return None
+        return self.candidates[1].step_s / self.candidates[0].step_s - 1
 
     def line(self) -> str:
         """One line: what was re-planned and the predicted step."""
@@ -81,7 +122,8 @@ def replan(
     """Plan ``req`` on ``topology`` without the hosts ``excluded``.
 
     Args:
-      req: the run (its degrees are replaced; its global batch is kept).
+      req: the run (its degrees are replaced; its global batch is kept;
+        ``parallel.replan_candidates`` plans are kept, module doc).
       topology: the whole cluster (``parallel.mesh``).
       excluded: host names to leave out.
       calibration: device speed (e.g. from a profile).
@@ -99,19 +141,29 @@ def replan(
     # Degrees that the planner chooses, not the ones written for the whole topology.
     base = req.with_parallel(devices=0, exclude_hosts=excluded)
     try:
-        searched = make_plan(base, survivors, calibration=calibration)
+        searched = [make_plan(base, survivors, calibration=calibration)]
+        top = req.parallel.replan_candidates
+        if top > 1:
+            searched += top_plans(base, survivors, top, calibration=calibration)[1:]
     except ConfigError as e:
         raise ConfigError(
             f"{EXCLUDE_KEY}={list(excluded)}: no plan for the survivors ({e})"
         ) from None
-    # The plan priced as the trainer runs it, so plan.predicted_step_s is step_s.
-    plan = as_trained(base, survivors, searched, calibration, sync_collectives=sync_collectives)
+    # Each plan priced as the trainer runs it (plan.predicted_step_s is step_s), fastest first.
+    priced = [
+        as_trained(base, survivors, p, calibration, sync_collectives=sync_collectives)
+        for p in searched
+    ]
+    priced.sort(key=lambda p: p.predicted_step_s)
+    candidates = tuple(
+        Candidate(with_plan(base.parallel, p), p, p.predicted_step_s) for p in priced
+    )
     try:
         full_s = full_step(req, topology, calibration, sync_collectives=sync_collectives)
     except ConfigError:
         full_s = None
-    parallel = with_plan(base.parallel, plan)
-    return Replan(excluded, survivors, parallel, plan, plan.predicted_step_s, full_s)
+    first = candidates[0]
+    return Replan(excluded, survivors, first.parallel, first.plan, first.step_s, full_s, candidates)
 
 
 def full_step(
@@ -161,6 +213,9 @@ class FailurePlan:
             "plan": r.plan.to_dict(),
             "predicted_step_s": r.step_s,
             "relative_step": r.step_s / r.full_step_s if r.full_step_s else None,
+            "candidates": [
+                {"plan": c.plan.to_dict(), "predicted_step_s": c.step_s} for c in r.candidates
+            ],
             "overrides": survivor_overrides(r),
         }
 

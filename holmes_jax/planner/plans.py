@@ -34,7 +34,7 @@ from holmes_jax.planner.search import (
     best_policy_plan,
     plan_for_layout,
     schedule_layouts,
-    search_plan,
+    search_plans,
 )
 from holmes_jax.planner.stage_costs import memory_inputs, stage_costs
 from holmes_jax.planner.step_time import Prediction, predict, with_lockstep
@@ -80,16 +80,7 @@ def make_plan(
     """
     model, run, par = req.model, req.run, req.parallel
     if not keep_degrees:  # everything open: degrees, micro-batches, schedule, policy
-        plan = search_plan(
-            topology,
-            model,
-            run,
-            method=method,
-            schedule=par.schedule,
-            calibration=calibration,
-            remats=REMAT_POLICIES,
-            schedules=SCHEDULES,
-        )
+        plan = top_plans(req, topology, 1, method, calibration)[0]
     else:
         per = par.replica * par.stages * par.tensor
         data = par.data or topology.num_devices // per
@@ -102,6 +93,25 @@ def make_plan(
         plan = lockstep_split(req, topology, plan, calibration)
     by = schedule_alternatives(topology, model, run, plan, method, calibration)
     return dataclasses.replace(plan, by_schedule=by)
+
+
+def top_plans(
+    req: PlanRequest,
+    topology: Topology,
+    top: int,
+    method: str = "optimal",
+    calibration: Calibration | None = None,
+) -> list[Plan]:
+    """The ``top`` fastest predicted plans of the open search (degrees, micro-batches,
+    schedule, policy), fastest first (:func:`~holmes_jax.planner.search.search_plans`).
+
+    Raises:
+      ConfigError: nothing fits in memory.
+    """
+    return search_plans(
+        topology, req.model, req.run, method=method, schedule=req.parallel.schedule,
+        calibration=calibration, remats=REMAT_POLICIES, schedules=SCHEDULES, top=top,
+    )  # fmt: skip
 
 
 def lockstep_split(

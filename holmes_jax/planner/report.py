@@ -268,8 +268,10 @@ def format_failures(
 ) -> str:
     """``--failures`` as text: the whole topology's step, one row per failure (what is
     lost, the hosts and devices left, the survivors' degrees, micro-batches, schedule,
-    remat, predicted step and its ratio to the whole topology's, or why there is no plan),
-    then ``command`` with the ``--set`` overrides that run each plan by hand."""
+    remat, predicted step and its ratio to the whole topology's, how much slower the next
+    candidate is predicted (``parallel.replan_candidates``: close candidates are where the
+    trainer's trial decides), or why there is no plan), then ``command`` with the ``--set``
+    overrides that run each plan by hand."""
     hosts = f"{topology.num_hosts} host" + ("s" if topology.num_hosts > 1 else "")
     head = f"topology {topology.name}: {hosts}, {topology.num_devices} devices"
     if full_step_s is None:
@@ -286,7 +288,7 @@ def format_failures(
     )
     lines.append(
         f"  {'lost':<{width}}  hosts  devices  replica  stage  data  tensor  micro-batches  "
-        "schedule        remat      step s  vs full"
+        "schedule        remat      step s  vs full  next"
     )
     for label, p in zip(labels, plans, strict=True):
         left = f"  {label:<{width}}  {p.survivors.num_hosts:<5}  {p.survivors.num_devices:<7}"
@@ -297,10 +299,12 @@ def format_failures(
         lay = r.plan.layout
         schedule = _schedule_name(lay.schedule, lay.virtual_stages) if lay.stages > 1 else "-"
         relative = f"{r.step_s / r.full_step_s:.2f}x" if r.full_step_s else "-"
+        spread = r.spread()
+        after = "-" if spread is None else f"+{100 * spread:.1f}%"
         lines.append(
             f"{left}  {lay.replica:<7}  {lay.stages:<5}  {lay.data:<4}  {lay.tensor:<6}  "
             f"{lay.microbatches:<13}  {schedule:<14}  {r.plan.remat:<9}  {r.step_s:<6.3g}  "
-            f"{relative}"
+            f"{relative:<7}  {after}"
         )
     runnable = [(label, p.replan) for label, p in zip(labels, plans, strict=True) if p.replan]
     if runnable:

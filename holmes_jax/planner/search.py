@@ -227,6 +227,7 @@ def search_plan(
     replica: int | None = None,
     remats: Sequence[str] | None = None,
     schedules: Sequence[str] | None = None,
+    top: int = 1,
 ) -> Plan:
     """Search placements (replica, tensor, data, hence stages per island, micro-batches
     and so the micro-batch size), the activation policy and the split, minimising the
@@ -243,11 +244,38 @@ def search_plan(
         None: only ``schedule``.
 
     Returns:
-      The best :class:`Plan` that fits in memory.
+      The best :class:`Plan` that fits in memory (:func:`search_plans` for the ``top``).
 
     Raises:
       ConfigError: unknown method, or no candidate placement fits in memory.
     """
+    return search_plans(
+        topology, model, run, method=method, schedule=schedule, calibration=calibration,
+        stages=stages, data=data, tensor=tensor, microbatches=microbatches, replica=replica,
+        remats=remats, schedules=schedules, top=top,
+    )[0]  # fmt: skip
+
+
+def search_plans(
+    topology: Topology,
+    model: ModelSpec,
+    run: RunSpec,
+    *,
+    method: str = "optimal",
+    schedule: str = "1f1b",
+    calibration: Calibration | None = None,
+    stages: int | None = None,
+    data: int | None = None,
+    tensor: int | None = None,
+    microbatches: int | None = None,
+    replica: int | None = None,
+    remats: Sequence[str] | None = None,
+    schedules: Sequence[str] | None = None,
+    top: int = 1,
+) -> list[Plan]:
+    """:func:`search_plan`'s ``top`` best plans that fit, fastest predicted first (fewer
+    when fewer fit): each a distinct placement, schedule or activation policy. The branch
+    and bound prunes against the ``top``-th best found so far."""
     _check_method(method)
     bounded, hardware, too_big = [], {}, 0
     for layout in candidate_layouts(
@@ -270,18 +298,18 @@ def search_plan(
                     costs = with_schedule(base, variant, hardware[key])
                 bounded.append((_lower_bound(costs), id(costs), costs))
     bounded.sort(key=lambda x: x[:2])
-    best: Plan | None = None
+    best: list[Plan] = []  # the fastest found, at most ``top``, fastest first
     for bound, _, costs in bounded:
-        if bound == math.inf or (best is not None and bound >= best.predicted_step_s):
+        cutoff = best[-1].predicted_step_s if len(best) == top else math.inf
+        if bound == math.inf or bound >= cutoff:
             break
-        cutoff = best.predicted_step_s if best is not None else math.inf
         split = _split(costs, method, cutoff)
         if split is None:
             continue
         plan = _plan(topology, costs.layout, costs, split, method)
-        if plan.prediction.fits and (best is None or plan.predicted_step_s < best.predicted_step_s):
-            best = plan
-    if best is None:
+        if plan.prediction.fits and plan.predicted_step_s < cutoff:
+            best = sorted([*best, plan], key=lambda p: p.predicted_step_s)[:top]
+    if not best:
         over = f"; {too_big} skipped: over {SPLIT_CELLS.text} {SPLIT_CELLS.what}" if too_big else ""
         raise ConfigError(
             f"topology '{topology.name}': no placement of the {model.num_params / 1e9:.2f}B-"

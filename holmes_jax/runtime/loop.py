@@ -21,6 +21,7 @@ import jax
 from holmes_jax.core.config import Config
 from holmes_jax.diloco.modes import outer_steps
 from holmes_jax.diloco.scope import island_outputs
+from holmes_jax.runtime import replan_trial
 from holmes_jax.runtime.each_step import Logbook, Saves, Stepper, Stops
 from holmes_jax.runtime.engine.mesh import build_mesh
 from holmes_jax.runtime.nonfinite import SkipGuard
@@ -59,12 +60,15 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     outputs = choose_run_dir(island_outputs(cfg))
     cache = compile_cache.configure(outputs.cfg)
     r = resolve(cfg, outputs)
+    # a failure's survivors: their candidate plans tried, the fastest measured kept
+    r, program = replan_trial.choose(cfg, outputs, r, resolve, _program)
     cfg, asked = r.cfg, r.asked
     plan_lines, predicted_s = describe_plan(
         cfg, r.shape, r.topology, r.devices, asked.parallel.layers_per_stage
     )
     logger = make_logger(cfg, r)
-    program = Program(cfg, build_mesh(r.shape, r.devices))  # nothing compiles yet
+    if program is None:  # nothing compiles yet
+        program = _program(r)
     outer = outer_steps(
         cfg, program, r.share, logger.message, asked.diloco.enabled, r.diloco_choice
     )
@@ -130,3 +134,8 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         logger.close()
     book.summary(step, predicted_s)
     return book.history
+
+
+def _program(r) -> Program:
+    """The program of a resolved run (:func:`~holmes_jax.runtime.setup.resolve`)."""
+    return Program(r.cfg, build_mesh(r.shape, r.devices))

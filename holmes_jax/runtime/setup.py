@@ -80,6 +80,8 @@ class Resolved:
       share: an independent DiLoCo island's rows of the global batch
         (:mod:`holmes_jax.diloco.scope`), else None.
       outer_why: why ``diloco.outer_dtype: auto`` resolved as it did, else empty.
+      trial: the line of the survivors' candidates tried
+        (:mod:`holmes_jax.runtime.replan_trial`), else empty.
     """
 
     cfg: Config
@@ -92,12 +94,14 @@ class Resolved:
     diloco_choice: Any
     share: Any = None
     outer_why: str = ""
+    trial: str = ""
 
 
-def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
+def resolve(cfg: Config, outputs: RunDir | None = None, candidate: int = 0) -> Resolved:
     """Choose the run directory (unless ``outputs`` is given), then resolve the degrees and
     what the config leaves to the planner, on the visible devices, and check the plan fits
-    in memory. Compiles nothing and writes nothing.
+    in memory. Compiles nothing and writes nothing. A failure's survivors run their
+    ``candidate``-th plan (:attr:`~holmes_jax.planner.failures.Replan.candidates`).
 
     Raises:
       ConfigError: settings that are impossible on the visible devices.
@@ -115,6 +119,7 @@ def resolve(cfg: Config, outputs: RunDir | None = None) -> Resolved:
         full = job_topology(req)
         sync = collectives_block(devices)
         replanned = replan(req, full, req.parallel.exclude_hosts, sync_collectives=sync)
+        replanned = replanned.choose(candidate)
         req = req.with_parallel(replanned.parallel)
         cfg = apply_parallel(cfg, replanned.parallel)
     asked = cfg
@@ -246,7 +251,7 @@ def announce(log, r: Resolved, data: Data, plan_lines, outer_lines, resumed, sta
     if r.outputs.continued:
         lines.append(f"restart: continuing the run in {cfg.train.run_dir}")
     if r.replanned is not None:
-        lines.append(r.replanned.line())
+        lines += [r.replanned.line(), r.trial]
     lines += [moved_line(r.outputs), outputs_line(cfg), *plan_lines]
     if not plan_lines and (cfg.parallel.stages > 1 or cfg.parallel.microbatches > 1):
         lines.append(

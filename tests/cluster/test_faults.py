@@ -276,7 +276,8 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     """``launch`` on two hosts (one per island), a checkpoint every 2 steps; roce-0 is killed
     at step 3 and never comes back. After ``--rejoin-timeout`` the supervisor starts ib-0
     alone with ``parallel.exclude_hosts=[roce-0]``; the trainer re-plans for one island (no
-    pipeline across islands any more), resumes from the step-2 checkpoint and finishes. The
+    pipeline across islands any more), tries its two fastest predicted plans for 3 steps
+    each, trains on the faster measured, resumes from the step-2 checkpoint and finishes. The
     global batch is unchanged, so every step's loss equals the uninterrupted run's up to the
     reduction order. Saves are synchronous, so the step-2 checkpoint has committed when
     roce-0 dies."""
@@ -298,6 +299,11 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     replanned = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-planned for" in x]
     assert len(replanned) == 1 and replanned[0].startswith("re-planned for the survivors "
         "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip
+    # the planner's 2 fastest predicted plans each ran 3 steps; the faster measured trains
+    (trial,) = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-plan trial of" in x]
+    measured = [float(x) for x in re.findall(r"measured ([0-9.e+-]+) s", trial)]
+    chosen = int(re.search(r"-> candidate (\d+) trains", trial)[1])
+    assert len(measured) == 2 and measured[chosen - 1] == min(measured), trial
     recs = records(survivors / "metrics.jsonl")
     assert {r["step"] for r in recs} == set(range(1, 7))
     for r in recs:  # one host of 4 devices now: the same batches, token for token

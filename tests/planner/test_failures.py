@@ -129,3 +129,21 @@ def test_a_failure_the_survivors_cannot_run_says_why():
     assert lost.why.startswith("parallel.exclude_hosts=['ib-0', 'ib-1']: no plan")
     d = lost.to_dict()
     assert d["plan"] is None and d["why"] == lost.why and (d["hosts"], d["devices"]) == (2, 4)
+
+
+def test_the_survivors_candidates_are_the_fastest_predicted_plans_ranked_as_trained():
+    """``parallel.replan_candidates`` K: K distinct plans, fastest predicted first (as the
+    trainer prices them), the first the re-plan's own; ``choose`` runs another; K = 1 is
+    the one plan of the search. A search that keeps more never predicts a slower best."""
+    full = load_mesh_topology(request())
+    one = replan(request("parallel.replan_candidates=1"), full, ["roce-0"], sync_collectives=True)
+    four = replan(request("parallel.replan_candidates=4"), full, ["roce-0"], sync_collectives=True)
+    assert len(one.candidates) == 1 and one.spread() is None
+    steps = [c.step_s for c in four.candidates]
+    assert len(steps) == 4 and steps == sorted(steps) and four.step_s == steps[0]
+    assert len({c.parallel for c in four.candidates}) == 4
+    assert four.step_s <= one.step_s
+    assert four.spread() == pytest.approx(steps[1] / steps[0] - 1)
+    second = four.choose(1)
+    assert (second.parallel, second.step_s) == (four.candidates[1].parallel, steps[1])
+    assert second.candidates == four.candidates and second.excluded == four.excluded

@@ -1,0 +1,106 @@
+"""The survivors' candidate plans, tried: a re-plan that checks its cost model.
+
+When a restart re-plans for the survivors (``parallel.exclude_hosts``) and the planner
+kept K > 1 candidates (``parallel.replan_candidates``,
+:attr:`~holmes_jax.planner.failures.Replan.candidates`), :func:`choose` builds each
+candidate's program, runs :data:`TRIAL_STEPS` train steps of it on a fresh state and a
+batch of zeros of the run's shape, and keeps the candidate whose step measured fastest
+(:func:`fastest`). A step's time does not depend on the values it computes, and training's
+own state is restored afterwards as it would be without a trial, so the trial changes
+which plan trains, never what it trains. The first step of each candidate compiles it (from
+the compilation cache when warm); the others are timed and their fastest counts. Every
+process measures; a candidate's time is the slowest process's, so every process chooses the
+same. The winner's program keeps its compiled step, so training does not compile it again.
+
+One line reports each candidate's predicted and measured step and the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from holmes_jax.runtime.data.loader import global_array, local_rows
+
+TRIAL_STEPS = 3  # per candidate: the first compiles, the fastest of the others counts
+
+
+def fastest(predicted: Sequence[float], measure: Callable[[int], float]) -> tuple[int, list]:
+    """The index of the candidate that measures fastest and every measured step, each
+    candidate measured once, in order (``measure(i)`` -> seconds). Ties keep the earlier
+    candidate: the one predicted faster."""
+    measured = [measure(i) for i in range(len(predicted))]
+    return min(range(len(measured)), key=lambda i: (measured[i], i)), measured
+
+
+def choose(cfg, outputs, r, resolve, make_program):
+    """``(resolved, program)``: the candidate that trains, its ``trial`` the line that
+    reports the trial, and its program; ``(r, None)`` when there is nothing to try.
+
+    Args:
+      cfg: the config as given to the run.
+      outputs: the run directory (:func:`~holmes_jax.runtime.setup.resolve`'s).
+      r: the resolved run, candidate 0.
+      resolve: ``resolve(cfg, outputs, candidate=i)``.
+      make_program: ``make_program(resolved)`` -> its :class:`~holmes_jax.runtime.program.
+        Program` (nothing compiled).
+    """
+    replanned = r.replanned
+    if replanned is None or len(replanned.candidates) < 2:
+        return r, None
+    runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(replanned.candidates))]
+    programs: list = []
+
+    def measure(i: int) -> float:
+        program = make_program(runs[i])
+        programs.append(program)
+        return step_seconds(program, runs[i])
+
+    local = [measure(i) for i in range(len(runs))]
+    slowest = _slowest_process(local)
+    best, measured = fastest([c.step_s for c in replanned.candidates], lambda i: slowest[i])
+    parts = [
+        f"{i + 1}. {c.describe()}: predicted {c.step_s:.3g} s, measured {m:.3g} s"
+        for i, (c, m) in enumerate(zip(replanned.candidates, measured, strict=True))
+    ]
+    line = (
+        f"re-plan trial of {len(runs)} candidates ({TRIAL_STEPS} steps each): "
+        + "; ".join(parts)
+        + f" -> candidate {best + 1} trains"
+    )
+    return dataclasses.replace(runs[best], trial=line), programs[best]
+
+
+def step_seconds(program, r) -> float:
+    """The fastest of :data:`TRIAL_STEPS` − 1 timed train steps of ``program`` (after one
+    that compiles), on a fresh state and a batch of zeros; nothing is kept."""
+    rows = r.share.rows if r.share is not None else r.cfg.train.global_batch_size
+    sharding = program.shardings.batch
+    mine = local_rows(sharding, rows)
+    zeros = np.zeros((len(mine), r.cfg.model.seq_len + 1), np.int32)
+    batch = global_array(zeros, sharding, rows)
+    state = program.init(r.cfg.train.seed)
+    program.compile_train_step(state, batch)
+    best = float("inf")
+    for n in range(TRIAL_STEPS):
+        began = time.perf_counter()
+        state, metrics = program.train_step(state, batch)  # state donated: a new one each
+        jax.block_until_ready((state, metrics))
+        if n:  # the first runs the freshly loaded executable
+            best = min(best, time.perf_counter() - began)
+    del state, metrics
+    return best
+
+
+def _slowest_process(local: list[float]) -> list[float]:
+    """Each candidate's slowest time over the processes (the same on every process)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    every = multihost_utils.process_allgather(np.asarray(local, np.float64))  # [P, K]
+    return [float(x) for x in np.asarray(every).reshape(-1, len(local)).max(axis=0)]
