@@ -67,6 +67,7 @@ from holmes_jax.runtime.nonfinite import (
     keep_finite,
     skip_metrics,
 )
+from holmes_jax.runtime.rundir import compile_cache
 from holmes_jax.runtime.state import Shardings, TrainState, cast, compute_dtype
 
 
@@ -309,7 +310,8 @@ class Program:
         :meth:`train_step` with the same shapes and shardings runs that executable."""
         if self._jit.compiled_step is None:
             with self.context():
-                self._jit.compiled_step = self._jit.train_step.lower(state, batch).compile()
+                lowered = self._jit.train_step.lower(state, batch)
+                self._jit.compiled_step = compile_cache.load_or_compile(lowered, "train_step")
 
     def due_fragments(self, steps_done: int) -> list[int]:
         """DiLoCo: the fragments whose outer step is due after ``steps_done`` inner steps."""

@@ -19,16 +19,28 @@ programs out), unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set.
 
 :class:`CacheHits` counts jax's cache events (``jax.monitoring``), so a run can say
 whether its train step came from the cache.
+
+jax writes cache entries from process 0 alone, and on CPU its cache key holds the
+process's device assignment, so in a job of several CPU processes every process but 0
+compiles again on every restart (and process 0 waits for them). :func:`load_or_compile`
+keeps each such process's own executable of a program beside jax's entries
+(``<cache>/executables/<program>-<hash>-p<process>.bin``, written whole: a temporary file
+renamed), keyed by the lowered program's text, the jax version, the process and the XLA
+flags, and loads it instead of compiling. The files are the run's own, as trusted as
+jax's cache entries (loading one runs code).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import threading
 
 from holmes_jax.core.config import Config
 from holmes_jax.runtime.rundir.paths import AUTO, COMPILE_CACHE_NAME
 
+STORE = "executables"  # load_or_compile's folder inside the cache directory
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -99,6 +111,13 @@ class CacheHits:
             with CacheHits._lock:
                 CacheHits._counts[event] += 1
 
+    @staticmethod
+    def note(hit: bool) -> None:
+        """One compile that asked :func:`load_or_compile`'s store, served or not."""
+        CacheHits._on_event(REQUEST_EVENT)
+        if hit:
+            CacheHits._on_event(HIT_EVENT)
+
     @property
     def hits(self) -> int:
         return CacheHits._counts[HIT_EVENT] - self._start[HIT_EVENT]
@@ -117,3 +136,33 @@ class CacheHits:
         if self.hits:
             return f"compilation cache: {self.hits} of {self.requests} hit"
         return "compilation cache: miss"
+
+
+def load_or_compile(lowered, name: str):
+    """``lowered.compile()``; in a job of several CPU processes with a cache directory, this
+    process's executable of the same program from the store when it holds one, else
+    compiled and stored (module doc). Returns a :class:`jax.stages.Compiled`."""
+    import jax
+    from jax.experimental import serialize_executable
+
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
+        return lowered.compile()
+    text = lowered.as_text()
+    me = f"{jax.process_index()}/{jax.process_count()}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    key = hashlib.sha256(f"{jax.__version__}|{me}|{flags}|{text}".encode()).hexdigest()[:32]
+    path = os.path.join(directory, STORE, f"{name}-{key}-p{jax.process_index()}.bin")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree = pickle.load(f)
+        CacheHits.note(hit=True)
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    compiled = lowered.compile()
+    CacheHits.note(hit=False)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.{os.getpid()}.part"
+    with open(part, "wb") as f:
+        pickle.dump(serialize_executable.serialize(compiled), f)
+    os.replace(part, path)
+    return compiled
