@@ -110,6 +110,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "default 2, 1: trust the prediction)",
     )
     parser.add_argument(
+        "--warm-failures",
+        action="store_true",
+        help="before training, compile the survivors' programs of every one-host and "
+        "one-island failure into train.compilation_cache (train --compile-only), so a "
+        "re-plan loads them",
+    )
+    parser.add_argument(
         "--independent-islands",
         action="store_true",
         help="one job per island, supervised on its own, as independent DiLoCo islands "
@@ -198,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             latency=not args.no_latency,
             independent=args.independent_islands,
             cut_islands=args.cut_islands,
+            warm_failures=args.warm_failures,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "<run_dir>/profile/; sets logging.profile_steps",
     )
     parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the train step (a failure's survivors: each candidate plan's) into "
+        "train.compilation_cache and exit without training",
+    )
+    parser.add_argument(
         "--print-config",
         action="store_true",
         help="print the resolved config (every auto decided on the visible devices) as "
@@ -112,6 +118,23 @@ def print_config(cfg: Config) -> int:
     return 0
 
 
+def compile_only(cfg: Config) -> int:
+    """``--compile-only``: :func:`holmes_jax.runtime.replan_trial.compile_ahead`."""
+    import jax
+
+    from holmes_jax.diloco.scope import island_outputs
+    from holmes_jax.runtime.loop import program_of
+    from holmes_jax.runtime.replan_trial import compile_ahead
+    from holmes_jax.runtime.rundir.paths import choose_run_dir
+    from holmes_jax.runtime.setup import resolve
+
+    def say(line: str) -> None:
+        if jax.process_index() == 0:
+            print(line, file=sys.stderr if line.startswith("error:") else sys.stdout, flush=True)
+
+    return compile_ahead(cfg, choose_run_dir(island_outputs(cfg)), resolve, program_of, say)
+
+
 def main(argv: list[str] | None = None) -> int:
     status.report("started")  # to a launcher: imports done (a restart's phases)
     args = parse_args(argv)
@@ -131,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         if args.print_config:
             return print_config(cfg)
+        if args.compile_only:
+            return compile_only(cfg)
         run(cfg)
         return 0
 

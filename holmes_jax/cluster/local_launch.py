@@ -19,14 +19,17 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from holmes_jax.cluster import island_jobs, linkcut
 from holmes_jax.cluster.launcher import (
     DEFAULT_GRACE_S,
     EMULATED_PORT,
+    Launch,
     Worker,
     _Stop,
+    describe,
     free_port,
     plan_workers,
 )
@@ -37,6 +40,7 @@ from holmes_jax.cluster.supervisor import (
     parse_fault,
 )
 from holmes_jax.core.errors import ConfigError
+from holmes_jax.planner.failures import failure_cases
 from holmes_jax.planner.topology import Topology, load_topology
 
 
@@ -58,6 +62,7 @@ def launch(
     latency: bool = True,
     independent: bool = False,
     cut_islands: str | None = None,
+    warm_failures: bool = False,
 ) -> int:
     """Run one process per host of the topology on this machine (see the module doc).
 
@@ -83,6 +88,8 @@ def launch(
         islands (:mod:`holmes_jax.cluster.island_jobs`).
       cut_islands: with ``emulate``, ``STEP:+SECONDS``: cut the links between islands
         (:mod:`holmes_jax.cluster.linkcut`).
+      warm_failures: before training, compile the survivors' programs of every failure
+        into the compilation cache (:meth:`_Jobs.warm`).
 
     Returns:
       The exit code of the last attempt (see :meth:`~holmes_jax.cluster.launcher.Launch.run`);
@@ -96,6 +103,11 @@ def launch(
     faults = [parse_fault(spec, hosts) for spec in fail_hosts]
     cut = linkcut.parse_cut(cut_islands) if cut_islands is not None else None
     _check(topology, cut_islands, emulate, max_restarts, rejoin_timeout_s, independent, program)
+    if warm_failures and (independent or program != "train"):
+        why = "--independent-islands" if independent else f"--program={program}"
+        raise ConfigError(
+            f"--warm-failures: not with {why} (it compiles the survivors of one training job)"
+        )
     plan_workers(topology, mesh_path, train_args, "127.0.0.1:1", base_env={}, program=program)
     say = lambda line: print(f"launch: {line}", file=out or sys.stdout, flush=True)  # noqa: E731
     jobs = _Jobs(
@@ -104,6 +116,7 @@ def launch(
         dict(max_restarts=max_restarts, grace_s=grace_s, out=out, verbose=verbose,
              rejoin_timeout_s=rejoin_timeout_s),
     )  # fmt: skip
+    jobs.warm_failures = warm_failures
     try:
         with _signals_to(jobs.supervisors):
             if not emulate:
@@ -145,6 +158,7 @@ class _Jobs:
         self.topology, self.mesh_path, self.train_args = topology, mesh_path, train_args
         self.faults, self.base_env, self.program, self.say = faults, base_env, program, say
         self.opts = opts  # Supervisor's keyword arguments
+        self.warm_failures = False  # --warm-failures
         self.supervisors: list[Supervisor] = []
         self.on_step: Callable | None = None  # --cut-islands' cutter, once the network is up
 
@@ -157,24 +171,49 @@ class _Jobs:
           prefix: the command prefix that runs a host's process in its namespace, or None.
         """
         if not independent:
+            if self.warm_failures:
+                self.warm(coordinator, prefix)
             return self.supervise(coordinator, prefix).run()
         with island_jobs.run_key(self.train_args) as key:  # every island authenticates
             jobs = island_jobs.plan_jobs(self.topology, self.faults, peer_address, key)
             runs = [(job.name, self.supervise(coordinator, prefix, job)) for job in jobs]
             return island_jobs.run_all(runs, self.opts["out"])
 
+    def workers(self, job, coordinator, prefix, extra, excluded, more=()) -> list[Worker]:
+        """``job``'s processes (without ``excluded``: the survivors, whose trainer re-plans),
+        with ``extra`` in their environment and ``more`` train arguments."""
+        hosts, args = job.topology, [*self.train_args, *job.args, *fault_args(job.faults)]
+        if excluded:
+            hosts = island_jobs.survivors(job, excluded)
+            args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
+        return plan_workers(
+            hosts, self.mesh_path, [*args, *more], coordinator(hosts),
+            base_env={**self.base_env, **extra}, program=self.program, prefix=prefix,
+        )  # fmt: skip
+
+    def warm(self, coordinator, prefix=None) -> None:
+        """``--warm-failures``: before training, the survivors of each failure
+        (:func:`~holmes_jax.planner.failures.failure_cases`) run ``train --compile-only``
+        one after the other, so a restart on them loads its candidate plans' programs."""
+        job = island_jobs.Job(self.topology, (), ())
+        out = self.opts["out"]
+        for what, island, excluded in failure_cases(self.topology, every_host=True):
+            what = excluded[0] if what == "host" else f"island {island}"
+            began = time.monotonic()
+            workers = self.workers(job, coordinator, prefix, {}, excluded, ["--compile-only"])
+            launch = Launch(workers, out=out, count_hidden=False)
+            code = launch.run()
+            done = "compiled" if code == 0 else f"not compiled ({describe(code)})"
+            self.say(
+                f"--warm-failures: the survivors of {what}: {done} in "
+                f"{time.monotonic() - began:.1f} s"
+            )
+
     def supervise(self, coordinator, prefix=None, job=None) -> Supervisor:
         job = job or island_jobs.Job(self.topology, (), self.faults)  # the whole topology
 
         def make_workers(extra: dict[str, str], excluded: tuple[str, ...]) -> list[Worker]:
-            hosts, args = job.topology, [*self.train_args, *job.args, *fault_args(job.faults)]
-            if excluded:  # the survivors: the trainer re-plans for them
-                hosts = island_jobs.survivors(job, excluded)
-                args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
-            return plan_workers(
-                hosts, self.mesh_path, args, coordinator(hosts),
-                base_env={**self.base_env, **extra}, program=self.program, prefix=prefix,
-            )  # fmt: skip
+            return self.workers(job, coordinator, prefix, extra, excluded)
 
         if injected := fault_args(job.faults):
             specs = " ".join(f.spec for f in job.faults if f.inject)

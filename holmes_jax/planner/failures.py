@@ -228,21 +228,31 @@ def failure_plans(
     sync_collectives: bool | None = None,
 ) -> list[FailurePlan]:
     """The survivors' plan for the loss of one host of each island (its first: the
-    hosts of an island are alike) and of each whole island, in topology order."""
+    hosts of an island plan alike) and of each whole island, in topology order."""
+    out = []
+    for what, island, gone in failure_cases(topology):
+        survivors = without_hosts(topology, gone, key=EXCLUDE_KEY)
+        try:
+            r = replan(req, topology, gone, calibration, sync_collectives=sync_collectives)
+            out.append(FailurePlan(what, island, gone, survivors, r))
+        except ConfigError as e:
+            out.append(FailurePlan(what, island, gone, survivors, None, str(e)))
+    return out
+
+
+def failure_cases(
+    topology: Topology, every_host: bool = False
+) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``(what, island, lost hosts)`` of each failure that leaves survivors, in topology
+    order: one host of each island of several (``host``; its first, or each with
+    ``every_host``: the plans are alike, the programs differ by device) and each whole
+    island when there are several (``island``)."""
     out = []
     for isl in topology.islands:
-        cases = []
         if isl.num_hosts > 1:  # else losing its host is losing the island
-            cases.append(("host", (isl.hosts[0],)))
+            out += [("host", isl.name, (h,)) for h in isl.hosts[: None if every_host else 1]]
         if len(topology.islands) > 1:  # else nothing would be left
-            cases.append(("island", tuple(isl.hosts)))
-        for what, gone in cases:
-            survivors = without_hosts(topology, gone, key=EXCLUDE_KEY)
-            try:
-                r = replan(req, topology, gone, calibration, sync_collectives=sync_collectives)
-                out.append(FailurePlan(what, isl.name, gone, survivors, r))
-            except ConfigError as e:
-                out.append(FailurePlan(what, isl.name, gone, survivors, None, str(e)))
+            out.append(("island", isl.name, tuple(isl.hosts)))
     return out
 
 

@@ -73,10 +73,10 @@ class Stepper:
         if first:
             self.logger.message("compiling the train step ...")
             hits = compile_cache.CacheHits()
+            self.program.compile_train_step(state, batch)  # as --compile-only does
             if jax.process_count() > 1:  # every process compiled before any step runs
-                self.program.compile_train_step(state, batch)
                 barrier("holmes_jax/train_step_compiled", COMPILE_WAIT_S)
-        # The first call traces and compiles before it dispatches the step.
+        # The first call runs the executable compiled (or loaded) above.
         with jax.profiler.StepTraceAnnotation("train_step", step_num=step + 1):
             state, metrics = self.program.train_step(state, batch)
         if first:

@@ -61,14 +61,14 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     cache = compile_cache.configure(outputs.cfg)
     r = resolve(cfg, outputs)
     # a failure's survivors: their candidate plans tried, the fastest measured kept
-    r, program = replan_trial.choose(cfg, outputs, r, resolve, _program)
+    r, program = replan_trial.choose(cfg, outputs, r, resolve, program_of)
     cfg, asked = r.cfg, r.asked
     plan_lines, predicted_s = describe_plan(
         cfg, r.shape, r.topology, r.devices, asked.parallel.layers_per_stage
     )
     logger = make_logger(cfg, r)
     if program is None:  # nothing compiles yet
-        program = _program(r)
+        program = program_of(r)
     outer = outer_steps(
         cfg, program, r.share, logger.message, asked.diloco.enabled, r.diloco_choice
     )
@@ -136,6 +136,6 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     return book.history
 
 
-def _program(r) -> Program:
+def program_of(r) -> Program:
     """The program of a resolved run (:func:`~holmes_jax.runtime.setup.resolve`)."""
     return Program(r.cfg, build_mesh(r.shape, r.devices))

@@ -13,6 +13,11 @@ process measures; a candidate's time is the slowest process's, so every process 
 same. The winner's program keeps its compiled step, so training does not compile it again.
 
 One line reports each candidate's predicted and measured step and the choice.
+
+:func:`compile_ahead` (``train --compile-only``, which ``launch --warm-failures`` runs
+for the survivors of each failure) compiles the train step of each candidate, or of the run
+itself, into the compilation cache and trains nothing, so a restart and its trial load
+their programs rather than compile them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import jax
 import numpy as np
 
 from holmes_jax.runtime.data.loader import global_array, local_rows
+from holmes_jax.runtime.rundir import compile_cache
 
 TRIAL_STEPS = 3  # per candidate: the first compiles, the fastest of the others counts
 
@@ -54,11 +60,14 @@ def choose(cfg, outputs, r, resolve, make_program):
         return r, None
     runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(replanned.candidates))]
     programs: list = []
+    served = [0, 0]  # train steps the compilation cache served, asked
 
     def measure(i: int) -> float:
         program = make_program(runs[i])
         programs.append(program)
-        return step_seconds(program, runs[i])
+        seconds, hits = step_seconds(program, runs[i])
+        served[0], served[1] = served[0] + hits.hits, served[1] + hits.requests
+        return seconds
 
     local = [measure(i) for i in range(len(runs))]
     slowest = _slowest_process(local)
@@ -67,23 +76,26 @@ def choose(cfg, outputs, r, resolve, make_program):
         f"{i + 1}. {c.describe()}: predicted {c.step_s:.3g} s, measured {m:.3g} s"
         for i, (c, m) in enumerate(zip(replanned.candidates, measured, strict=True))
     ]
+    how = f", {compile_cache.describe(*served)}" if served[1] else ""
     line = (
-        f"re-plan trial of {len(runs)} candidates ({TRIAL_STEPS} steps each): "
+        f"re-plan trial of {len(runs)} candidates ({TRIAL_STEPS} steps each{how}): "
         + "; ".join(parts)
         + f" -> candidate {best + 1} trains"
     )
     return dataclasses.replace(runs[best], trial=line), programs[best]
 
 
-def step_seconds(program, r) -> float:
+def step_seconds(program, r) -> tuple[float, compile_cache.CacheHits]:
     """The fastest of :data:`TRIAL_STEPS` − 1 timed train steps of ``program`` (after one
-    that compiles), on a fresh state and a batch of zeros; nothing is kept."""
+    that compiles), on a fresh state and a batch of zeros, and the train step's compile's
+    cache events; nothing is kept."""
     rows = r.share.rows if r.share is not None else r.cfg.train.global_batch_size
     sharding = program.shardings.batch
     mine = local_rows(sharding, rows)
     zeros = np.zeros((len(mine), r.cfg.model.seq_len + 1), np.int32)
     batch = global_array(zeros, sharding, rows)
     state = program.init(r.cfg.train.seed)
+    hits = compile_cache.CacheHits()
     program.compile_train_step(state, batch)
     best = float("inf")
     for n in range(TRIAL_STEPS):
@@ -93,7 +105,7 @@ def step_seconds(program, r) -> float:
         if n:  # the first runs the freshly loaded executable
             best = min(best, time.perf_counter() - began)
     del state, metrics
-    return best
+    return best, hits
 
 
 def _slowest_process(local: list[float]) -> list[float]:
@@ -104,3 +116,32 @@ def _slowest_process(local: list[float]) -> list[float]:
 
     every = multihost_utils.process_allgather(np.asarray(local, np.float64))  # [P, K]
     return [float(x) for x in np.asarray(every).reshape(-1, len(local)).max(axis=0)]
+
+
+def compile_ahead(cfg, outputs, resolve, make_program, say) -> int:
+    """``train --compile-only``: the train step of every candidate plan (or of the run)
+    compiled into the compilation cache; nothing trained, nothing written but the cache.
+    Returns the exit code: 2 (one line) without a cache directory to fill."""
+    directory = compile_cache.configure(outputs.cfg)
+    if directory is None:
+        say(
+            "error: --compile-only: no compilation cache to fill (set "
+            "train.compilation_cache to a path)"
+        )
+        return 2
+    r = resolve(cfg, outputs)
+    count = len(r.replanned.candidates) if r.replanned is not None else 1
+    for i in range(count):
+        run = r if i == 0 else resolve(cfg, outputs, candidate=i)
+        program = make_program(run)
+        rows = run.share.rows if run.share is not None else run.cfg.train.global_batch_size
+        batch = jax.ShapeDtypeStruct(
+            (rows, run.cfg.model.seq_len + 1), np.int32, sharding=program.shardings.batch
+        )
+        began = time.perf_counter()
+        hits = compile_cache.CacheHits()
+        program.compile_train_step(program.abstract_state, batch)
+        how = hits.describe() or "compiled"
+        which = f"candidate {i + 1} of {count}" if r.replanned is not None else "the train step"
+        say(f"--compile-only: {which}: {time.perf_counter() - began:.1f} s ({how}) in {directory}")
+    return 0

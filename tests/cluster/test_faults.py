@@ -285,15 +285,19 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     at step 3 and never comes back. After ``--rejoin-timeout`` the supervisor starts ib-0
     alone with ``parallel.exclude_hosts=[roce-0]``; the trainer re-plans for one island (no
     pipeline across islands any more), tries its two fastest predicted plans for 3 steps
-    each, trains on the faster measured, resumes from the step-2 checkpoint and finishes. The
+    each (compiled before training by ``--warm-failures``), trains on the faster measured,
+    resumes from the step-2 checkpoint and finishes. The
     global batch is unchanged, so every step's loss equals the uninterrupted run's up to the
     reduction order. Saves are synchronous, so the step-2 checkpoint has committed when
     roce-0 dies."""
     survivors = tmp_path / "survivors"
-    flags = ["--fail-host", "roce-0@3:permanent", "--rejoin-timeout", "1"]
+    flags = ["--fail-host", "roce-0@3:permanent", "--rejoin-timeout", "1", "--warm-failures"]
     overrides = [*straight.flags, "checkpoint.every=2", SYNC_SAVES]
     out = launch(straight.mesh, straight.env, survivors, flags, overrides)
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
+    for lost in ("ib", "roce"):  # before training: each island's loss, its survivors compiled
+        assert any(x.startswith(f"launch: --warm-failures: the survivors of island {lost}: "
+                                "compiled in ") for x in lines), out[-4000:]  # fmt: skip
     assert (
         "launch: roce-0 did not come back within 1 s: the others go on without it, "
         "re-planned for the survivors, from the newest checkpoint" in lines
@@ -307,8 +311,10 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     replanned = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-planned for" in x]
     assert len(replanned) == 1 and replanned[0].startswith("re-planned for the survivors "
         "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip
-    # the planner's 2 fastest predicted plans each ran 3 steps; the faster measured trains
+    # the planner's 2 fastest predicted plans each ran 3 steps, loaded from the programs
+    # --warm-failures compiled; the faster measured trains
     (trial,) = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-plan trial of" in x]
+    assert "(3 steps each, compilation cache: hit)" in trial, trial
     measured = [float(x) for x in re.findall(r"measured ([0-9.e+-]+) s", trial)]
     chosen = int(re.search(r"-> candidate (\d+) trains", trial)[1])
     assert len(measured) == 2 and measured[chosen - 1] == min(measured), trial

@@ -127,15 +127,20 @@ class CacheHits:
         return CacheHits._counts[REQUEST_EVENT] - self._start[REQUEST_EVENT]
 
     def describe(self) -> str:
-        """``compilation cache: hit`` (every compile served), ``... N of M hit`` or
-        ``... miss``; empty when no compile asked the cache."""
-        if not self.requests:
-            return ""
-        if self.hits == self.requests:
-            return "compilation cache: hit"
-        if self.hits:
-            return f"compilation cache: {self.hits} of {self.requests} hit"
-        return "compilation cache: miss"
+        """:func:`describe` of the compiles since this object was made."""
+        return describe(self.hits, self.requests)
+
+
+def describe(hits: int, requests: int) -> str:
+    """``compilation cache: hit`` (every compile served), ``... N of M hit`` or
+    ``... miss``; empty when no compile asked the cache."""
+    if not requests:
+        return ""
+    if hits == requests:
+        return "compilation cache: hit"
+    if hits:
+        return f"compilation cache: {hits} of {requests} hit"
+    return "compilation cache: miss"
 
 
 def load_or_compile(lowered, name: str):
