@@ -8,8 +8,9 @@
 The quickstart model on meshes/cpu8-two-islands.yaml (an InfiniBand and a RoCE island of
 2 hosts x 2 devices, 1 Gbit/s between them), each host a process in its own network
 namespace (``launch --emulate``), a checkpoint every ``--every`` steps, ``--max-restarts 3
---rejoin-timeout 10``, one compilation cache for all runs (filled by the reference run).
-Runs, one after the other:
+--rejoin-timeout 10``, one compilation cache for all runs. First (unless ``--no-warm``) a
+one-step ``launch --warm-failures`` fills it with the survivors' programs of every one-host
+and one-island failure; the reference run adds the full program. Runs, one after the other:
 
 - ``reference``: no fault;
 - ``kill`` (a): roce-1's worker gets SIGKILL at step ``--at`` and comes back at once;
@@ -102,6 +103,8 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
     """One launch; returns its timeline and metrics records."""
     run_dir = os.path.join(folder, name)
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", MESH, "--emulate"]
+    if name == "warm":
+        cmd.append("--warm-failures")
     restarts = 3 + 2 * len(args.faults) if name == "random" else 3
     cmd += ["--max-restarts", str(restarts), "--rejoin-timeout", str(args.rejoin), "--grace", "5"]
     cmd += fault_flags(name, args)
@@ -109,7 +112,7 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
         cmd.append("--independent-islands")
     train = ["--config", "configs/quickstart.yaml"]
     for o in (
-        f"train.steps={args.steps}",
+        f"train.steps={1 if name == 'warm' else args.steps}",
         f"checkpoint.every={args.every}",
         f"train.eval_every={args.steps}",
         f"train.run_dir={run_dir}",
@@ -220,6 +223,7 @@ def summarize(name: str, run: dict, ref: dict | None, args) -> dict:
     replans = [m for m in replans if m]
     if replans:
         out["predicted_step_ratio"] = float(replans[-1][2])
+    out["replan_trials"] = [x.split("] ", 1)[1] for _, x in lines if "] re-plan trial of" in x]
     tokens = args.steps * args.tokens_per_step
     out["tokens_per_s"] = round(tokens / run["wall"], 1)
     if ref is not None:
@@ -280,6 +284,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], help="config override")
     parser.add_argument("--keep-logs", default=None, help="folder for the logs and run dirs")
     parser.add_argument("--verbose", action="store_true", help="echo the launcher's output")
+    parser.add_argument("--no-warm", dest="warm", action="store_false", help="no --warm-failures")
     parser.add_argument("--schedule", choices=("fixed", "random"), default="fixed")
     parser.add_argument("--seed", type=int, default=0, help="--schedule random's seed")
     parser.add_argument("--mtbf-steps", type=float, default=100.0, help="mean steps between faults")
@@ -337,6 +342,13 @@ def main(argv=None) -> int:
     if args.schedule == "random":
         result.update(seed=args.seed, mtbf_steps=args.mtbf_steps)
         result["faults"] = [f.to_dict() for f in args.faults]
+    if (
+        args.warm and not args.independent_islands
+    ):  # the survivors' programs, compiled ahead (not timed as a run)
+        began = time.monotonic()
+        warm = run_one("warm", args, folder, cache)
+        result["warm_s"] = round(time.monotonic() - began, 1)
+        result["warm_lines"] = [x for _, x in warm["lines"] if "--warm-failures" in x]
     ref = None
     for name in names:
         run = run_one(name, args, folder, cache)
