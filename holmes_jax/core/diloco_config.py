@@ -63,9 +63,11 @@ class DilocoConfig:
     # power of two, 16..32768); what a chunk does not send is kept and added to the next
     # round's delta (error feedback)
     sparse_chunk: int = 4096
-    sparse_k: int = 64  # outer_dtype sparse: the values each chunk sends, its largest
+    # outer_dtype sparse: the values each chunk sends, its largest. The default (with 4 bits)
+    # is the smallest measured within 1% of fp32 (8x); 64 with 2 bits sends 139x fewer bytes
+    sparse_k: int = 1024
     # outer_dtype sparse: bits per value sent (2, 4, 8; 32 sends fp32), one scale a chunk
-    sparse_bits: int = 2
+    sparse_bits: int = 4
     auto_min_speedup: float = 1.5  # enabled=auto picks DiLoCo only at this predicted speedup
     # K: the first K steps each end with plain averaging of the replicas (every fragment,
     # outer lr 1, momentum untouched); then rounds of H steps.

@@ -17,7 +17,7 @@ The rules:
   key, finite and positive (``int8``; exactly 1 for ``fp32`` and ``bf16``, whose payload
   carries its own range); the decoded values are finite. A ``sparse`` delta holds each
   key's four parts, each checked by :func:`~holmes_jax.diloco.sparse.check` (sizes,
-  counts of exactly ``sparse_k`` a chunk, positions increasing inside their chunk, scales
+  counts of ``sparse_k`` a whole chunk, positions increasing inside their chunk, scales
   that decode finite);
 - a delta's ``tokens`` is an integer in ``[0, round_tokens]``, where ``round_tokens`` is
   the tokens of the whole global batch over ``diloco.inner_steps`` steps: no island's

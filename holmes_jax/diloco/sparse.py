@@ -15,8 +15,9 @@ Each chunk sends ``count`` of its values:
 - ``count`` (uint16 per chunk) and ``scale`` (fp32 per chunk).
 
 ``idx`` and ``val`` are bit-packed, little-endian, ``count.sum()`` entries each, so an
-island's delta at the default (chunk 4096, k 64, 2 bits) is
-``(64·(12 + 2) + 16 + 32) / 4096`` bits a value: 139x fewer bytes than fp32. A message
+island's delta at the default (chunk 4096, k 1024, 4 bits) is
+``(1024·(12 + 4) + 16 + 32) / 4096`` bits a value, 8x fewer bytes than fp32; at k 64 and
+2 bits ``(64·(12 + 2) + 16 + 32) / 4096``, 139x. A message
 carries every tensor's parts as four arrays (:func:`join`: each part concatenated over
 the tensors in key order, each tensor's ``idx`` and ``val`` whole bytes), so its framing
 does not grow with the tensor count; :func:`split` cuts them apart again.
@@ -50,8 +51,8 @@ class Sparse:
     """The format's parameters (``diloco.sparse_chunk``, ``sparse_k``, ``sparse_bits``)."""
 
     chunk: int = 4096
-    k: int = 64
-    bits: int = 2
+    k: int = 1024
+    bits: int = 4
 
     @property
     def index_bits(self) -> int:

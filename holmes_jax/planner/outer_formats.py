@@ -43,7 +43,7 @@ QUALITY = {
     "fp32": "exact",
     "bf16": "~exact",
     "int8": "+0.1% (H 30)",
-    "sparse": "+1.3% (k 1024, H 10) to +20% (k 64, H 30)",
+    "sparse": "-0.3% (k 1024, 4 bits, H 10) to +20% (k 64, 2 bits, H 30)",
 }
 
 

@@ -32,15 +32,15 @@ def test_top_k_keeps_each_chunk_s_largest_within_half_a_step(shape, bits):
             assert scale == pytest.approx(np.abs(part[kept]).max() / sparse.levels(bits))
 
 
-def test_every_value_at_32_bits_is_exact_and_the_default_is_139x_smaller():
+def test_every_value_at_32_bits_is_exact_and_the_default_is_8x_and_k_64_139x_smaller():
     u = np.random.default_rng(1).standard_normal((5, 300)).astype(np.float32)
     sp = Sparse(chunk=64, k=64, bits=32)  # k = chunk: nothing dropped
     assert np.array_equal(decode(top_k(u, sp), u.shape, sp, 32), u)
-    default = Sparse()
     big = np.random.default_rng(2).standard_normal(1 << 20).astype(np.float32)
-    sent = sum(a.nbytes for a in top_k(big, default).values())
-    assert big.nbytes / sent == pytest.approx(32 / default.bits_per_value(big.size), rel=1e-3)
-    assert big.nbytes / sent > 138
+    for sp, ratio in [(Sparse(), 7.97), (Sparse(k=64, bits=2), 138.8)]:
+        sent = sum(a.nbytes for a in top_k(big, sp).values())
+        assert big.nbytes / sent == pytest.approx(32 / sp.bits_per_value(big.size), rel=1e-3)
+        assert big.nbytes / sent == pytest.approx(ratio, abs=0.1)
 
 
 @pytest.mark.parametrize("pieces", [2, 4, 8])

@@ -36,12 +36,14 @@ def test_outer_sync_formula_by_hand():
     assert outer_sync_s(1e6, OUTER_BYTES["bf16"], 4, 1e6, 0.0) == pytest.approx(1.5 * 2e6 / 1e6)
     assert outer_sync_s(1e6, OUTER_BYTES["fp32"], 1, 1e6, 0.0) == 0.0
     assert OUTER_BYTES["int8"] < OUTER_BYTES["bf16"] < OUTER_BYTES["fp32"]
-    # sparse at the default: 64 of 4096 values, 12-bit positions, 2-bit values, per chunk
-    # a uint16 count and an fp32 scale: 139x fewer bytes than fp32
+    # sparse: 64 of 4096 values, 12-bit positions, 2-bit values, per chunk a uint16 count
+    # and an fp32 scale: 139x fewer bytes than fp32; the default (1024, 4 bits) 8x
     sparse = outer_element_bytes("sparse", 4096, 64, 2)
     assert sparse == pytest.approx((64 * 14 + 48) / 4096 / 8)
     assert 4.0 / sparse == pytest.approx(138.8, abs=0.1)
-    assert sparse == pytest.approx(Sparse().bits_per_value() / 8, rel=1e-4)
+    assert sparse == pytest.approx(Sparse(k=64, bits=2).bits_per_value() / 8, rel=1e-4)
+    default = outer_element_bytes("sparse", 4096, 1024, 4)
+    assert default == pytest.approx(Sparse().bits_per_value() / 8, rel=1e-4)
 
 
 def test_fragment_syncs_block_so_fragments_cut_the_pause_not_the_total():
