@@ -212,48 +212,13 @@ def split_layers(
     return list(plan.layers_per_stage)
 
 
-def search_plan(
-    topology: Topology,
-    model: ModelSpec,
-    run: RunSpec,
-    *,
-    method: str = "optimal",
-    schedule: str = "1f1b",
-    calibration: Calibration | None = None,
-    stages: int | None = None,
-    data: int | None = None,
-    tensor: int | None = None,
-    microbatches: int | None = None,
-    replica: int | None = None,
-    remats: Sequence[str] | None = None,
-    schedules: Sequence[str] | None = None,
-    top: int = 1,
-) -> Plan:
-    """Search placements (replica, tensor, data, hence stages per island, micro-batches
-    and so the micro-batch size), the activation policy and the split, minimising the
-    predicted step time among the plans that fit in memory.
-
-    Args:
-      topology, model, run: the problem.
-      method: how each candidate placement is split (``uniform``, ``holmes``, ``optimal``).
-      schedule: the pipeline schedule when ``schedules`` is None.
-      calibration: device speed (default fraction of peak, or a profile's).
-      stages, data, tensor, microbatches, replica: pin a degree; None searches it.
-      remats: activation policies to consider (None: only ``run.remat``).
-      schedules: schedules to consider (interleaved with v in :data:`VIRTUAL_CHOICES`);
-        None: only ``schedule``.
-
-    Returns:
-      The best :class:`Plan` that fits in memory (:func:`search_plans` for the ``top``).
+def search_plan(topology: Topology, model: ModelSpec, run: RunSpec, **options: Any) -> Plan:
+    """The best plan of :func:`search_plans` (``options`` are its keywords).
 
     Raises:
       ConfigError: unknown method, or no candidate placement fits in memory.
     """
-    return search_plans(
-        topology, model, run, method=method, schedule=schedule, calibration=calibration,
-        stages=stages, data=data, tensor=tensor, microbatches=microbatches, replica=replica,
-        remats=remats, schedules=schedules, top=top,
-    )[0]  # fmt: skip
+    return search_plans(topology, model, run, **options)[0]
 
 
 def search_plans(
@@ -273,9 +238,29 @@ def search_plans(
     schedules: Sequence[str] | None = None,
     top: int = 1,
 ) -> list[Plan]:
-    """:func:`search_plan`'s ``top`` best plans that fit, fastest predicted first (fewer
-    when fewer fit): each a distinct placement, schedule or activation policy. The branch
-    and bound prunes against the ``top``-th best found so far."""
+    """Search placements (replica, tensor, data, hence stages per island, micro-batches
+    and so the micro-batch size), the activation policy and the split, minimising the
+    predicted step time among the plans that fit in memory.
+
+    Args:
+      topology, model, run: the problem.
+      method: how each candidate placement is split (``uniform``, ``holmes``, ``optimal``).
+      schedule: the pipeline schedule when ``schedules`` is None.
+      calibration: device speed (default fraction of peak, or a profile's).
+      stages, data, tensor, microbatches, replica: pin a degree; None searches it.
+      remats: activation policies to consider (None: only ``run.remat``).
+      schedules: schedules to consider (interleaved with v in :data:`VIRTUAL_CHOICES`);
+        None: only ``schedule``.
+      top: how many plans to keep.
+
+    Returns:
+      The ``top`` best plans that fit, fastest predicted first (fewer when fewer fit), each
+      a distinct placement, schedule or activation policy; the branch and bound prunes
+      against the ``top``-th best found so far.
+
+    Raises:
+      ConfigError: unknown method, or no candidate placement fits in memory.
+    """
     _check_method(method)
     bounded, hardware, too_big = [], {}, 0
     for layout in candidate_layouts(
