@@ -311,7 +311,9 @@ class Program:
         if self._jit.compiled_step is None:
             with self.context():
                 lowered = self._jit.train_step.lower(state, batch)
-                self._jit.compiled_step = compile_cache.load_or_compile(lowered, "train_step")
+                self._jit.compiled_step = compile_cache.load_or_compile(
+                    lowered, "train_step", self.mesh.devices.flat
+                )
 
     def due_fragments(self, steps_done: int) -> list[int]:
         """DiLoCo: the fragments whose outer step is due after ``steps_done`` inner steps."""

@@ -25,8 +25,9 @@ process's device assignment, so in a job of several CPU processes every process 
 compiles again on every restart (and process 0 waits for them). :func:`load_or_compile`
 keeps each such process's own executable of a program beside jax's entries
 (``<cache>/executables/<program>-<hash>-p<process>.bin``, written whole: a temporary file
-renamed), keyed by the lowered program's text, the jax version, the process and the XLA
-flags, and loads it instead of compiling. The files are the run's own, as trusted as
+renamed), keyed by the lowered program's text, its devices (ids and processes, in the
+mesh's order: the text alone does not name them), the jax version, the process and the
+XLA flags, and loads it instead of compiling. The files are the run's own, as trusted as
 jax's cache entries (loading one runs code).
 """
 
@@ -143,10 +144,11 @@ def describe(hits: int, requests: int) -> str:
     return "compilation cache: miss"
 
 
-def load_or_compile(lowered, name: str):
+def load_or_compile(lowered, name: str, devices):
     """``lowered.compile()``; in a job of several CPU processes with a cache directory, this
-    process's executable of the same program from the store when it holds one, else
-    compiled and stored (module doc). Returns a :class:`jax.stages.Compiled`."""
+    process's executable of the same program on the same ``devices`` (the mesh's, in its
+    order) from the store when it holds one, else compiled and stored (module doc).
+    Returns a :class:`jax.stages.Compiled`."""
     import jax
     from jax.experimental import serialize_executable
 
@@ -156,7 +158,9 @@ def load_or_compile(lowered, name: str):
     text = lowered.as_text()
     me = f"{jax.process_index()}/{jax.process_count()}"
     flags = os.environ.get("XLA_FLAGS", "")
-    key = hashlib.sha256(f"{jax.__version__}|{me}|{flags}|{text}".encode()).hexdigest()[:32]
+    where = [(d.id, d.process_index) for d in devices]
+    key = f"{jax.__version__}|{me}|{flags}|{where}|{text}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:32]
     path = os.path.join(directory, STORE, f"{name}-{key}-p{jax.process_index()}.bin")
     if os.path.exists(path):
         with open(path, "rb") as f:
