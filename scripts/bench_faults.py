@@ -8,9 +8,10 @@
 The quickstart model on meshes/cpu8-two-islands.yaml (an InfiniBand and a RoCE island of
 2 hosts x 2 devices, 1 Gbit/s between them), each host a process in its own network
 namespace (``launch --emulate``), a checkpoint every ``--every`` steps, ``--max-restarts 3
---rejoin-timeout 10``, one compilation cache for all runs. First (unless ``--no-warm``) a
-one-step ``launch --warm-failures`` fills it with the survivors' programs of every one-host
-and one-island failure; the reference run adds the full program. Runs, one after the other:
+--rejoin-timeout 10``, one compilation cache for all runs. First (unless ``--no-warm``)
+``launch --warm-failures -- ... --compile-only`` fills it with the full program and the
+survivors' programs of every one-host and one-island failure (the same config: the step
+count is in the program). Runs, one after the other:
 
 - ``reference``: no fault;
 - ``kill`` (a): roce-1's worker gets SIGKILL at step ``--at`` and comes back at once;
@@ -111,8 +112,10 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
     if args.independent_islands:
         cmd.append("--independent-islands")
     train = ["--config", "configs/quickstart.yaml"]
+    if name == "warm":
+        train.append("--compile-only")
     for o in (
-        f"train.steps={1 if name == 'warm' else args.steps}",
+        f"train.steps={args.steps}",
         f"checkpoint.every={args.every}",
         f"train.eval_every={args.steps}",
         f"train.run_dir={run_dir}",
@@ -161,6 +164,8 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
     if cut is not None:
         cut.join()
     out = {"code": code, "wall": wall, "lines": lines, "fault_at": fault_at, "began": began}
+    if name == "warm":  # nothing trained
+        return out
     if not args.independent_islands:
         return {**out, **read_run(run_dir)}
     return {**out, "islands": {isl: read_run(os.path.join(run_dir, isl)) for isl in ISLANDS}}
