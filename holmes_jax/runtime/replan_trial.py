@@ -3,7 +3,7 @@
 When a restart re-plans for the survivors (``parallel.exclude_hosts``) and the planner
 kept K > 1 candidates (``parallel.replan_candidates``,
 :attr:`~holmes_jax.planner.failures.Replan.candidates`), :func:`choose` builds each
-candidate's program, runs :data:`TRIAL_STEPS` train steps of it on a fresh state and a
+candidate's program, runs :data:`TRIAL_STEPS` train steps of it on a state of zeros and a
 batch of zeros of the run's shape, and keeps the candidate whose step measured fastest
 (:func:`fastest`). A step's time does not depend on the values it computes, and training's
 own state is restored afterwards as it would be without a trial, so the trial changes
@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from holmes_jax.runtime.data.loader import global_array, local_rows
@@ -87,14 +88,14 @@ def choose(cfg, outputs, r, resolve, make_program):
 
 def step_seconds(program, r) -> tuple[float, compile_cache.CacheHits]:
     """The fastest of :data:`TRIAL_STEPS` − 1 timed train steps of ``program`` (after one
-    that compiles), on a fresh state and a batch of zeros, and the train step's compile's
-    cache events; nothing is kept."""
+    that compiles), on a state and a batch of zeros, and the train step's compile's cache
+    events; nothing is kept."""
     rows = r.share.rows if r.share is not None else r.cfg.train.global_batch_size
     sharding = program.shardings.batch
     mine = local_rows(sharding, rows)
     zeros = np.zeros((len(mine), r.cfg.model.seq_len + 1), np.int32)
     batch = global_array(zeros, sharding, rows)
-    state = program.init(r.cfg.train.seed)
+    state = _zeros(program)
     hits = compile_cache.CacheHits()
     program.compile_train_step(state, batch)
     best = float("inf")
@@ -106,6 +107,16 @@ def step_seconds(program, r) -> tuple[float, compile_cache.CacheHits]:
             best = min(best, time.perf_counter() - began)
     del state, metrics
     return best, hits
+
+
+def _zeros(program):
+    """A state of zeros in ``program``'s layout: the values do not change a step's time, and
+    zeros compile in a moment where the model's initialiser does not."""
+    shapes = program.abstract_state
+    shardings = jax.tree.map(lambda a: a.sharding, shapes)
+    make = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+                   out_shardings=shardings)  # fmt: skip
+    return make()
 
 
 def _slowest_process(local: list[float]) -> list[float]:
