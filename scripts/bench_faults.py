@@ -69,7 +69,7 @@ ISLAND_STEP = re.compile(r"^\[(ib|roce)-\d+\s*\] step (\d+) \|")
 # an independent island's job (as bench_independent's rows): one stage, data parallel
 INDEPENDENT = [
     "parallel.stages=1",
-    "parallel.data=2",
+    "parallel.data=0",
     "parallel.microbatches=1",
     "parallel.layers_per_stage=null",
     "diloco.enabled=true",
