@@ -22,7 +22,6 @@ import pytest
 
 from holmes_jax.cluster.launcher import free_port
 from holmes_jax.cluster.restarts import PHASES
-from holmes_jax.runtime.rundir import compile_cache
 from tests.cluster.procs import (
     FOUR,
     TWO,
@@ -144,7 +143,6 @@ class Straight:
     records: list  # its metrics records
     losses: dict  # {step: loss}
     digests: dict  # {step: data_digest}: its batches
-    cache: Path  # its compilation cache directory
 
 
 def launch(mesh, env, run_dir, flags, overrides=()):
@@ -190,7 +188,7 @@ def straight(tmp_path_factory, proc_env):
     assert sorted(got) == list(range(1, 7)), out[-3000:]
     assert "tokens (3 shards from " in out, out[-3000:]
     digests = {r["step"]: r["data_digest"] for r in recs}
-    return Straight(mesh, flags, env, out, recs, got, digests, root / "compile_cache")
+    return Straight(mesh, flags, env, out, recs, got, digests)
 
 
 def test_kill_at_random_steps_then_resume_matches_uninterrupted(tmp_path, straight):
@@ -240,10 +238,6 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     find it committed (an asynchronous save may still be writing then), and its line comes
     before the kill."""
     assert "compiled in " in straight.out and "(compilation cache: miss)" in straight.out
-    # every process's own executable of the train step, stored by the uninterrupted run
-    store = straight.cache / compile_cache.STORE
-    stored = {p.name: p.stat().st_ino for p in store.glob("train_step-*.bin")}
-    assert sorted(name[-7:] for name in stored) == ["-p0.bin", "-p1.bin"], stored
     chaos = tmp_path / "chaos"
     flags = ["--fail-host", "roce-0@2:+2", "--fail-host", "ib-0@4"]
     out = launch(straight.mesh, straight.env, chaos, flags, [*straight.flags, SYNC_SAVES])
@@ -262,8 +256,6 @@ def test_launch_restarts_after_sigkills_and_matches_the_uninterrupted_run(tmp_pa
     (first, none, lost_1), (second, ckpt, lost_2) = map(restart_of, resumed)
     assert (first, none, second, ckpt) == (1, 0, 2, 3) and lost_1 >= 2 and lost_2 >= 1, resumed
     assert all("compilation cache: hit): " in line for line in resumed), resumed
-    # no process compiled the train step again: its stored executable is the one written
-    assert {p.name: p.stat().st_ino for p in store.glob("train_step-*.bin")} == stored
     # each restart's record: phases that add up to its total, the compile a cache hit
     itemised = records(chaos / "restarts.jsonl")
     assert [(r["restart"], r["resumed_from"]) for r in itemised] == [(1, 0), (2, 3)]

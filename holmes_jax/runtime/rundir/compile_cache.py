@@ -28,7 +28,10 @@ keeps each such process's own executable of a program beside jax's entries
 renamed), keyed by the lowered program's text, its devices (ids and processes, in the
 mesh's order: the text alone does not name them), the jax version, the process and the
 XLA flags, and loads it instead of compiling. The files are the run's own, as trusted as
-jax's cache entries (loading one runs code).
+jax's cache entries (loading one runs code). It is off unless ``train.executable_store``:
+XLA:CPU in jaxlib 0.10.2 sometimes fails to run an executable read back this way
+(``NOT_FOUND: Function iota_compare_fusion not found``, once in a CI run of the restart
+tests), a failure every restart then repeats.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from holmes_jax.core.config import Config
 from holmes_jax.runtime.rundir.paths import AUTO, COMPILE_CACHE_NAME
 
 STORE = "executables"  # load_or_compile's folder inside the cache directory
+_STORE = False  # train.executable_store of the run that configured the cache
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -80,6 +84,8 @@ def configure(cfg: Config) -> str | None:
         os.makedirs(wanted, exist_ok=True)
         if not os.environ.get(ENV_MIN_TIME):
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    global _STORE
+    _STORE = bool(cfg.train.executable_store)
     if jax.config.jax_compilation_cache_dir != wanted:
         jax.config.update("jax_compilation_cache_dir", wanted)
         cc.reset_cache()  # jax opens its cache once; a new directory needs a new one
@@ -145,15 +151,16 @@ def describe(hits: int, requests: int) -> str:
 
 
 def load_or_compile(lowered, name: str, devices):
-    """``lowered.compile()``; in a job of several CPU processes with a cache directory, this
-    process's executable of the same program on the same ``devices`` (the mesh's, in its
-    order) from the store when it holds one, else compiled and stored (module doc).
-    Returns a :class:`jax.stages.Compiled`."""
+    """``lowered.compile()``; with ``train.executable_store``, in a job of several CPU
+    processes with a cache directory, this process's executable of the same program on
+    the same ``devices`` (the mesh's, in its order) from the store when it holds one,
+    else compiled and stored (module doc). Returns a :class:`jax.stages.Compiled`."""
     import jax
     from jax.experimental import serialize_executable
 
     directory = jax.config.jax_compilation_cache_dir
-    if not directory or jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
+    several = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+    if not (_STORE and directory and several):
         return lowered.compile()
     text = lowered.as_text()
     me = f"{jax.process_index()}/{jax.process_count()}"
