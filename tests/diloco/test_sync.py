@@ -667,15 +667,15 @@ def test_fragments_take_turns_and_only_their_keys_move(islands):
 def test_the_bytes_each_island_sends_are_counted_at_the_transport(islands):
     """Two islands, one round, 512x512 keys: what the member sent is what the leader
     received (bodies and trailers, counted where they cross the socket), and a sparse
-    delta (the default: 64 of 4096 values, 2 bits; 139x on the arrays alone) is over 120x
-    fewer bytes than fp32 on the wire, its meta included."""
+    delta (64 of 4096 values, 2 bits; 139x on the arrays alone) is over 120x fewer bytes
+    than fp32 on the wire, its meta included."""
     made = islands[1]
     rng = np.random.default_rng(8)
     glob = {k: rng.standard_normal((512, 512)).astype(np.float32) for k in KEYS}
     sent, back = {}, {}
     for dtype in ("fp32", "sparse"):
         cfg = dataclasses.replace(
-            CFG, outer_dtype=dtype, sparse=Sparse() if dtype == "sparse" else None
+            CFG, outer_dtype=dtype, sparse=Sparse(k=64, bits=2) if dtype == "sparse" else None
         )
         peers = free_ports(2)
         nodes = [

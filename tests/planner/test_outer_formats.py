@@ -35,7 +35,7 @@ def request(*sets, mesh=SLOW):
 
 
 def test_bytes_shrink_with_the_format_and_fragments_keep_bytes_per_token():
-    req, topo = request(*INDEPENDENT)
+    req, topo = request(*INDEPENDENT, "diloco.sparse_k=64", "diloco.sparse_bits=2")
     costs = {c.fmt: c for c in format_costs(req, topo, inner_s=0.5)}
     p = req.model.num_params
     assert costs["fp32"].delta_bytes == 4 * p and costs["int8"].delta_bytes == p
