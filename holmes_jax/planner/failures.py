@@ -29,12 +29,12 @@ from holmes_jax.core.plan_request import ParallelSpec, PlanRequest
 from holmes_jax.planner.placement import Calibration
 from holmes_jax.planner.plans import (
     as_trained,
-    make_plan,
     plan_overrides,
     predict_run,
     top_plans,
     topology_blocks,
     with_plan,
+    with_schedules,
 )
 from holmes_jax.planner.search import Plan
 from holmes_jax.planner.topology import Topology, without_hosts
@@ -141,10 +141,8 @@ def replan(
     # Degrees that the planner chooses, not the ones written for the whole topology.
     base = req.with_parallel(devices=0, exclude_hosts=excluded)
     try:
-        searched = [make_plan(base, survivors, calibration=calibration)]
         top = req.parallel.replan_candidates
-        if top > 1:
-            searched += top_plans(base, survivors, top, calibration=calibration)[1:]
+        searched = top_plans(base, survivors, top, calibration=calibration)
     except ConfigError as e:
         raise ConfigError(
             f"{EXCLUDE_KEY}={list(excluded)}: no plan for the survivors ({e})"
@@ -155,6 +153,7 @@ def replan(
         for p in searched
     ]
     priced.sort(key=lambda p: p.predicted_step_s)
+    priced[0] = with_schedules(base, survivors, priced[0], calibration=calibration)
     candidates = tuple(
         Candidate(with_plan(base.parallel, p), p, p.predicted_step_s) for p in priced
     )

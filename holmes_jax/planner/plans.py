@@ -91,7 +91,18 @@ def make_plan(
             plan = plan_for_layout(topology, model, run, layout, method, calibration)
     if sync_collectives:
         plan = lockstep_split(req, topology, plan, calibration)
-    by = schedule_alternatives(topology, model, run, plan, method, calibration)
+    return with_schedules(req, topology, plan, method, calibration)
+
+
+def with_schedules(
+    req: PlanRequest,
+    topology: Topology,
+    plan: Plan,
+    method: str = "optimal",
+    calibration: Calibration | None = None,
+) -> Plan:
+    """``plan`` with every schedule priced on its degrees (``by_schedule``)."""
+    by = schedule_alternatives(topology, req.model, req.run, plan, method, calibration)
     return dataclasses.replace(plan, by_schedule=by)
 
 
