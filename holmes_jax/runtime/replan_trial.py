@@ -7,10 +7,11 @@ candidate's program, runs :data:`TRIAL_STEPS` train steps of it on a state of ze
 batch of zeros of the run's shape, and keeps the candidate whose step measured fastest
 (:func:`fastest`). A step's time does not depend on the values it computes, and training's
 own state is restored afterwards as it would be without a trial, so the trial changes
-which plan trains, never what it trains. The first step of each candidate compiles it (from
-the compilation cache when warm); the others are timed and their fastest counts. Every
-process measures; a candidate's time is the slowest process's, so every process chooses the
-same. The winner's program keeps its compiled step, so training does not compile it again.
+which plan trains, never what it trains. Each candidate's train step is compiled (loaded
+from the compilation cache when warm) before its steps; the first step is not timed, the
+fastest of the others counts. Every process measures; a candidate's time is the slowest
+process's, so every process chooses the same. The winner's program keeps its compiled
+step, so training does not compile it again.
 
 One line reports each candidate's predicted and measured step and the choice.
 
@@ -90,7 +91,7 @@ def step_seconds(program, r) -> tuple[float, compile_cache.CacheHits]:
     """The fastest of :data:`TRIAL_STEPS` − 1 timed train steps of ``program`` (after one
     that compiles), on a state and a batch of zeros, and the train step's compile's cache
     events; nothing is kept."""
-    rows = r.share.rows if r.share is not None else r.cfg.train.global_batch_size
+    rows = _rows(r)
     sharding = program.shardings.batch
     mine = local_rows(sharding, rows)
     zeros = np.zeros((len(mine), r.cfg.model.seq_len + 1), np.int32)
@@ -107,6 +108,12 @@ def step_seconds(program, r) -> tuple[float, compile_cache.CacheHits]:
             best = min(best, time.perf_counter() - began)
     del state, metrics
     return best, hits
+
+
+def _rows(r) -> int:
+    """The rows of one step's batch of resolved run ``r``: an independent island's share,
+    else the global batch."""
+    return r.share.rows if r.share is not None else r.cfg.train.global_batch_size
 
 
 def _zeros(program):
@@ -145,9 +152,8 @@ def compile_ahead(cfg, outputs, resolve, make_program, say) -> int:
     for i in range(count):
         run = r if i == 0 else resolve(cfg, outputs, candidate=i)
         program = make_program(run)
-        rows = run.share.rows if run.share is not None else run.cfg.train.global_batch_size
         batch = jax.ShapeDtypeStruct(
-            (rows, run.cfg.model.seq_len + 1), np.int32, sharding=program.shardings.batch
+            (_rows(run), run.cfg.model.seq_len + 1), np.int32, sharding=program.shardings.batch
         )
         began = time.perf_counter()
         hits = compile_cache.CacheHits()
