@@ -29,9 +29,8 @@ renamed), keyed by the lowered program's text, its devices (ids and processes, i
 mesh's order: the text alone does not name them), the jax version, the process and the
 XLA flags, and loads it instead of compiling. The files are the run's own, as trusted as
 jax's cache entries (loading one runs code). It is off unless ``train.executable_store``:
-XLA:CPU in jaxlib 0.10.2 sometimes fails to run an executable read back this way
-(``NOT_FOUND: Function iota_compare_fusion not found``, once in a CI run of the restart
-tests), a failure every restart then repeats.
+XLA:CPU in jaxlib 0.10.2 can fail to run an executable read back this way
+(``NOT_FOUND: Function <name> not found``), and every restart would repeat the failure.
 """
 
 from __future__ import annotations
