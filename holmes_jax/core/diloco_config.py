@@ -77,6 +77,11 @@ class DilocoConfig:
     # independent: an island whose round delta is not in within this many seconds is
     # dropped from that outer step (the others average among themselves and go on)
     quorum_timeout_s: float = 60.0
+    # independent: a round's leader waits this many seconds (from the round's first delta)
+    # for members whose outer-sync port refuses connections: their process is down
+    # (restarting, or gone). 0: not at all, they take the round's result when back; at
+    # least diloco.quorum_timeout_s: as long as for a silent member
+    down_wait_s: float = 0.0
     # independent: this job's island, an index into diloco.peers (and parallel.mesh's
     # islands); `launch --independent-islands` sets it
     island: int = -1
@@ -120,6 +125,8 @@ class DilocoConfig:
                 )
         if self.quorum_timeout_s <= 0:
             raise ConfigError(f"diloco.quorum_timeout_s={self.quorum_timeout_s}: must be > 0")
+        if self.down_wait_s < 0:
+            raise ConfigError(f"diloco.down_wait_s={self.down_wait_s}: must be >= 0")
         gap = self.round_gap()
         if not 0 <= self.overlap_steps < gap:
             between = f"diloco.inner_steps={self.inner_steps}"

@@ -551,6 +551,7 @@ CONFIG_LIMITS: dict[str, Bound] = {
     "diloco.fragments": LAYERS,
     "diloco.warmup_steps": STEPS,
     "diloco.quorum_timeout_s": TIMEOUT_S,
+    "diloco.down_wait_s": TIMEOUT_S,
     "optimizer.warmup_steps": STEPS,
     "train.steps": STEPS,
     "train.global_batch_size": BATCH,

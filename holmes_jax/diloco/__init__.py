@@ -19,6 +19,7 @@ Layer: ``core`` <- ``planner`` <- ``cluster`` <- ``diloco`` <- ``runtime``. The 
 - ``rounds``: the protocol's state and pure round logic (membership, quorum, merge,
   lineage), no sockets and no threads.
 - ``transport``: the HTTP server and client (authentication, size limits, TLS).
-- ``sync``: one island's end of the protocol, :class:`~holmes_jax.diloco.sync.OuterSync`:
-  rounds driven over the transport.
+- ``sync``, ``leader``: one island's end of the protocol,
+  :class:`~holmes_jax.diloco.sync.OuterSync`: rounds driven over the transport; ``leader``
+  holds its leader's side (closing rounds, probing missing members) and its server.
 """

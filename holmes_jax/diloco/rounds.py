@@ -63,6 +63,9 @@ class SyncConfig:
     outer_dtype: str = "fp32"
     quorum_timeout_s: float = 60.0
     probe_s: float = 1.0  # seconds to wait for a peer's /status or a connection
+    # seconds after a round's first delta that the leader still waits for members whose
+    # port refuses connections (their process is down); inf: as long as for a silent one
+    down_wait_s: float = 0.0
     round_tokens: int = 1 << 40
     reply_timeout_s: float | None = None  # a socket silent this long ends (None: the quorum's)
     sparse: Sparse | None = None  # outer_dtype sparse: its chunk, k and bits
@@ -95,6 +98,7 @@ class SyncConfig:
             outer_momentum=diloco.outer_momentum,
             outer_dtype=diloco.outer_dtype,
             quorum_timeout_s=diloco.quorum_timeout_s,
+            down_wait_s=diloco.down_wait_s,
             probe_s=min(probe_s, diloco.quorum_timeout_s),
             round_tokens=round_tokens,
             sparse=(
@@ -133,6 +137,7 @@ class Rounds:
         self.joined: set[int] = set()  # joined during the open round
         self.dead: set[int] = set()  # reported dead during the open round
         self.excused: set[int] = set()  # refused during the open round: alive, not waited for
+        self.down: set[int] = set()  # the open round's missing members whose port refuses
         self.awaiting: set[int] = set()  # joined to take the open round's result in step
         # the last round's step: (base key, meta, arrays, the deltas it relays by island)
         self.step: tuple[str, dict, Shards, dict[int, Shards]] | None = None
@@ -208,13 +213,20 @@ class Rounds:
         """Whether a refused ``delta`` was for a round of this lineage already closed."""
         return delta.lineage == self.lineage and delta.round <= self.round
 
+    def missing(self) -> set[int]:
+        """The members the open round still waits for (none when no round is open)."""
+        return self.members - self.dead - set(self.open) if self.open else set()
+
     def due(self, now: float) -> bool:
         """Whether the open round closes now: every member in, or the quorum timeout
-        passed since the first delta."""
+        passed since the first delta, or every missing member is :attr:`down` and
+        ``down_wait_s`` passed. Members that are not in leave the next round's members."""
         if not self.open:
             return False
-        waiting = self.members - self.dead - set(self.open)
-        return not waiting or now >= self.first_arrival + self.cfg.quorum_timeout_s
+        waiting, since = self.missing(), now - self.first_arrival
+        if not waiting or since >= self.cfg.quorum_timeout_s:
+            return True
+        return waiting <= self.down and since >= self.cfg.down_wait_s
 
     def close(self) -> None:
         """Average the deltas token-weighted, encode the mean in ``outer_dtype``, take the
@@ -303,7 +315,7 @@ class Rounds:
     def clear(self) -> None:
         """No round open: no deltas, arrivals, joiners or dead reported."""
         self.open, self.first_arrival, self.joined, self.dead = {}, None, set(), set()
-        self.excused = set()
+        self.excused, self.down = set(), set()
 
     def merge(self, join: Join) -> None:
         """Merge a joiner's lineage token-weighted into this one, once (module doc).

@@ -31,6 +31,7 @@ import array
 import fcntl
 import http.client
 import json
+import socket
 import ssl
 import termios
 import threading
@@ -418,6 +419,20 @@ def request(
     finally:
         conn.close()
     return Response(resp.status, data)
+
+
+def refuses(address: tuple[str, int], timeout: float) -> bool:
+    """Whether ``address``'s host answers that nothing listens on its port (connection
+    refused): the peer's process is down. False when it accepts, or when nothing answers
+    within ``timeout`` seconds (a cut link, a host down: unknown, not down). The connection,
+    if made, closes before a byte is sent; the server takes no notice of it."""
+    try:
+        socket.create_connection(address, timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def server_context(cert: str, key: str, ca: str | None) -> ssl.SSLContext:

@@ -62,6 +62,8 @@ DILOCO = [
 # (an island restarted on a loaded machine may take minutes to come back): the tests that
 # drop a peer set their own timeout.
 PATIENT = f"diloco.quorum_timeout_s={HANG_S}"
+# and for an island whose process is down (restarting) too, not only a slow one
+PATIENT_FOR_RESTARTS = f"diloco.down_wait_s={HANG_S}"
 ROUND = re.compile(r"diloco: outer step after step (\d+): round (\d+), islands \[([\d, ]+)\]")
 
 
@@ -281,7 +283,8 @@ def test_a_sparse_island_resumes_with_its_error_feedback_exactly(tmp_path):
 def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spmd, proc_env):
     """``launch --independent-islands`` with ib on one host and roce on two: two lanes,
     both served by ib's process, one by each of roce's; two fragments (:data:`STREAM`).
-    roce-1 is killed at step 4 and the roce job restarts at once. Before the kill the mean
+    roce-1 is killed at step 4 and the roce job restarts at once (ib waits for it:
+    ``diloco.down_wait_s``). Before the kill the mean
     of the islands' losses is spmd's; roce comes back healed from ib on both lanes (no
     checkpoint), joins the next outer step, and both end with one global model, bit for bit
     in every lane."""
@@ -292,7 +295,8 @@ def test_killed_island_heals_from_its_peer_and_matches_spmd_before(tmp_path, spm
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "holmes_jax.launch", "--mesh", str(mesh), "--grace", "1"]
     cmd += ["--independent-islands", "--max-restarts", "1", "--fail-host", "roce-1@4"]
-    job = [*DILOCO, STREAM, PATIENT, f"train.run_dir={run_dir}", "checkpoint.every=2", cache]
+    job = [*DILOCO, STREAM, PATIENT, PATIENT_FOR_RESTARTS, f"train.run_dir={run_dir}"]
+    job += ["checkpoint.every=2", cache]
     cmd += ["--", *as_flags(job)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     out = done.stdout

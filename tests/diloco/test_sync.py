@@ -22,18 +22,21 @@ import pytest
 from holmes_jax.core.config import DilocoConfig
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.diloco.codec import decode, encode
-from holmes_jax.diloco.messages import Refused, parse_step
-from holmes_jax.diloco.rounds import SyncConfig
+from holmes_jax.diloco.messages import Delta, Refused, parse_step
+from holmes_jax.diloco.rounds import Rounds, SyncConfig
 from holmes_jax.diloco.schedule import Schedule
 from holmes_jax.diloco.sparse import PARTS, Sparse
 from holmes_jax.diloco.sync import OuterSync
-from holmes_jax.diloco.transport import request
+from holmes_jax.diloco.transport import refuses, request
 from holmes_jax.diloco.wire import pack, unpack
 from tests.common import HANG_S
 
 # Timeouts no live island reaches however loaded the machine; a dead one's runs out by
 # expire(). probe_s bounds a request to a live peer (a dead one refuses at once).
-CFG = SyncConfig(outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=120.0, probe_s=30.0)
+# down_wait_s: a test's island without a server (a raw client) is waited for like a live one
+CFG = SyncConfig(
+    outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=120.0, probe_s=30.0, down_wait_s=120.0
+)
 KEYS = ("blocks/w#0", "blocks/w#1", "embed#0")
 SHAPES = dict.fromkeys(KEYS, (4, 3))
 
@@ -269,6 +272,64 @@ def test_dead_island_dropped_then_restart_heals_bit_for_bit(islands):
     np.testing.assert_allclose(back.glob[KEYS[1]], want_g[KEYS[1]], rtol=1e-6)
 
 
+def test_a_down_island_is_not_waited_for_by_default(islands):
+    # After a round of three, island 2's process is gone: its port refuses. The leader's
+    # probe finds it down and closes the round with islands 0 and 1, no quorum timeout
+    # passed (a wait would be a hang, which fails); island 2 leaves the members.
+    nodes, _ = islands[0](3, dataclasses.replace(CFG, down_wait_s=0.0))  # the default
+    sync_all(nodes, [inner(n, 10 + i) for i, n in enumerate(nodes)], [1, 1, 1])
+    nodes[2].close()
+    glob, mom = dict(nodes[0].glob), dict(nodes[0].mom)
+    thetas = [inner(n, i) for i, n in enumerate(nodes[:2])]
+    sync_all(nodes[:2], thetas, [1, 1])
+    assert nodes[0].round == nodes[1].round == 2 and nodes[0].members == {0, 1}
+    want_g, _ = expected(glob, mom, thetas, [1, 1])
+    np.testing.assert_allclose(nodes[1].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6)
+
+
+def own_delta(island, lineage):
+    """Island ``island``'s delta of zeros for round 1 (for a :class:`Rounds` without sockets)."""
+    values = {k: np.zeros((4, 3), np.float32) for k in KEYS}
+    return Delta(island, 1, lineage, 1, frozenset(), False, values)
+
+
+def test_the_leader_finds_down_members_by_a_refused_connection(islands):
+    # _find_down marks the missing member whose port refuses, not one that accepts and
+    # is silent (a hung or slow process: waited for up to the quorum timeout), and only
+    # once this island has heard from it (before, it may not have started yet)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    peers = free_ports(3)
+    peers[1] = silent.getsockname()
+    a = OuterSync(0, peers, CFG, start_state(), clock=Clock())
+    islands[1].append(a)
+    try:
+        assert refuses(peers[2], 1.0) and not refuses(peers[1], 1.0)
+        with a.cond:
+            assert a.r.accept(own_delta(0, a.lineage), a.clock())
+            a._find_down()
+            assert a.r.down == set()  # never heard from: perhaps not started
+        assert call(peers[0], "GET", "/status", island=1) and call(
+            peers[0], "GET", "/status", island=2
+        )
+        with a.cond:
+            a._find_down()
+            assert a.r.missing() == {1, 2} and a.r.down == {2}
+            assert not a.r.due(a.clock())  # island 1 may still come
+    finally:
+        silent.close()
+
+
+def test_down_wait_s_bounds_the_wait_for_down_members():
+    r = Rounds(0, [0, 1, 2], dataclasses.replace(CFG, down_wait_s=5.0), start_state())
+    assert r.accept(own_delta(0, r.lineage), 100.0)
+    r.down = {2}
+    assert not r.due(200.0)  # island 1 is missing and not down: the quorum timeout rules
+    r.down = {1, 2}
+    assert not r.due(104.9) and r.due(105.0)
+    r.close()
+    assert r.members == {0} and r.down == set()
+
+
 def slow_relay(target, up, down=None):
     """A TCP relay to ``target`` that carries what a client sends at ``up`` bytes a second
     and the replies at ``down`` (None: at full speed): a slow link in one process, whose
@@ -360,9 +421,7 @@ def writing(node, island, now):
 
 # A socket silent 0.5 s ends (the stalled replies below); no live island meets the quorum
 # timeout, which the tests pass with expire() once the reply they wait for is in flight.
-STALLS = SyncConfig(
-    outer_lr=0.7, outer_momentum=0.9, quorum_timeout_s=120.0, probe_s=0.3, reply_timeout_s=0.5
-)
+STALLS = dataclasses.replace(CFG, probe_s=0.3, reply_timeout_s=0.5)
 
 
 def test_a_reply_that_stalls_ends_after_the_timeout(islands):
@@ -540,7 +599,7 @@ def test_a_probe_behind_a_cut_link_costs_a_round_nothing(islands):
     """Island 1 leads a group of its own; island 0's address accepts connections and never
     answers (a cut link: the connection hangs until ``probe_s``). The round's probe returns
     after ``PROBE_WAIT_S``; the next round takes the finished probe's answer (nothing)."""
-    from holmes_jax.diloco import sync as outer_sync
+    from holmes_jax.diloco import leader as outer_sync
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

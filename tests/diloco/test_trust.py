@@ -34,6 +34,7 @@ from holmes_jax.diloco.transport import (
     Unreachable,
     client_context,
     read_body,
+    refuses,
     server_context,
 )
 from holmes_jax.diloco.wire import WireError, pack, unpack
@@ -525,20 +526,28 @@ def certs(tmp_path_factory):
 
 def test_a_tls_round_trip_with_mutual_certificates(certs):
     """Two islands over TLS (each presents a certificate the CA signed) and the key: a
-    round agrees; a plain-HTTP client gets nothing."""
+    round agrees; a leader's probe of a port is no refusal; a plain-HTTP client gets
+    nothing."""
     tls = (certs["island.pem"], certs["island.key"], certs["ca.pem"])
     security = Security(KEY, server_context(*tls), client_context(*tls))
-    peers = free_ports(2)
-    nodes = [OuterSync(i, peers, PATIENT, start_state(), security=security) for i in range(2)]
+    peers, said = free_ports(2), []
+    nodes = [
+        OuterSync(i, peers, PATIENT, start_state(), security=security, say=said.append)
+        for i in range(2)
+    ]
     try:
+        assert not refuses(peers[0], 5.0)  # connects, and closes before the handshake
         glob, mom = start_state()
         thetas = [inner(n, 70 + i) for i, n in enumerate(nodes)]
         sync_all(nodes, thetas, [1, 1])
         want_g, _ = expected(glob, mom, thetas, [1, 1])
         assert same(nodes[0].glob, nodes[1].glob) and nodes[1].round == 1
         np.testing.assert_allclose(nodes[1].glob[KEYS[0]], want_g[KEYS[0]], rtol=1e-6)
+        assert said == []
         with pytest.raises((http.client.HTTPException, OSError)):
             send(peers[0], "GET", "/status", b"", {"X-Island": "1"}, timeout=2)
+        wait_for(lambda: said)  # the plain client's failed handshake: one refusal line
+        assert "connection failed before a request" in said[0]
     finally:
         for n in nodes:
             n.close()
