@@ -9,11 +9,13 @@ batch of zeros of the run's shape, and keeps the candidate whose step measured f
 own state is restored afterwards as it would be without a trial, so the trial changes
 which plan trains, never what it trains. Each candidate's train step is compiled (loaded
 from the compilation cache when warm) before its steps; the first step is not timed, the
-fastest of the others counts. Every process measures; a candidate's time is the slowest
-process's, so every process chooses the same. The winner's program keeps its compiled
-step, so training does not compile it again.
+fastest of the others counts, and a candidate stops as soon as a timed step shows it
+:data:`GIVE_UP` times slower than the best before it. Every process measures; a step's
+time is the slowest process's, so every process chooses the same. The winner's program
+keeps its compiled step, so training does not compile it again.
 
-One line reports each candidate's predicted and measured step and the choice.
+One line reports each candidate's predicted and measured step, the choice, and where the
+trial's seconds went (process 0's: building programs, making states, compiling, stepping).
 
 :func:`compile_ahead` (``train --compile-only``, which ``launch --warm-failures`` runs
 for the survivors of each failure) compiles the train step of each candidate, or of the run
@@ -34,15 +36,39 @@ import numpy as np
 from holmes_jax.runtime.data.loader import global_array, local_rows
 from holmes_jax.runtime.rundir import compile_cache
 
-TRIAL_STEPS = 3  # per candidate: the first compiles, the fastest of the others counts
+TRIAL_STEPS = 3  # per candidate at most: the first is not timed, the fastest of the others counts
+GIVE_UP = 1.5  # a candidate whose timed step is this many times the best so far stops there
 
 
-def fastest(predicted: Sequence[float], measure: Callable[[int], float]) -> tuple[int, list]:
+def fastest(predicted: Sequence[float], measure: Callable[[int, float], float]) -> tuple[int, list]:
     """The index of the candidate that measures fastest and every measured step, each
-    candidate measured once, in order (``measure(i)`` -> seconds). Ties keep the earlier
-    candidate: the one predicted faster."""
-    measured = [measure(i) for i in range(len(predicted))]
+    candidate measured once, in order (``measure(i, bound)`` -> seconds; it may stop once
+    its step is over ``bound``, :data:`GIVE_UP` times the fastest before it). Ties keep the
+    earlier candidate: the one predicted faster."""
+    measured: list[float] = []
+    for i in range(len(predicted)):
+        measured.append(measure(i, min(measured, default=float("inf")) * GIVE_UP))
     return min(range(len(measured)), key=lambda i: (measured[i], i)), measured
+
+
+@dataclasses.dataclass
+class Tried:
+    """One candidate's trial: its step (the slowest process's, the fastest timed one),
+    the steps run, and this process's seconds building its program, making its state,
+    compiling (or loading) its train step and stepping."""
+
+    step_s: float = float("inf")
+    steps: int = 0
+    build_s: float = 0.0
+    state_s: float = 0.0
+    compile_s: float = 0.0
+    steps_s: float = 0.0
+
+    def parts(self) -> str:
+        return (
+            f"build {self.build_s:.1f}, state {self.state_s:.1f}, "
+            f"compile {self.compile_s:.1f}, steps {self.steps_s:.1f}"
+        )
 
 
 def choose(cfg, outputs, r, resolve, make_program):
@@ -62,52 +88,70 @@ def choose(cfg, outputs, r, resolve, make_program):
         return r, None
     runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(replanned.candidates))]
     programs: list = []
-    served = [0, 0]  # train steps the compilation cache served, asked
+    tried: list[Tried] = []
+    hits = compile_cache.CacheHits()  # the candidates' train steps: served from the cache?
 
-    def measure(i: int) -> float:
+    def measure(i: int, bound: float) -> float:
+        began = time.perf_counter()
         program = make_program(runs[i])
         programs.append(program)
-        seconds, hits = step_seconds(program, runs[i])
-        served[0], served[1] = served[0] + hits.hits, served[1] + hits.requests
-        return seconds
+        built = time.perf_counter() - began
+        one = step_seconds(program, runs[i], bound)
+        one.build_s = built
+        tried.append(one)
+        return one.step_s
 
-    local = [measure(i) for i in range(len(runs))]
-    slowest = _slowest_process(local)
-    best, measured = fastest([c.step_s for c in replanned.candidates], lambda i: slowest[i])
+    began = time.perf_counter()
+    best, measured = fastest([c.step_s for c in replanned.candidates], measure)
     parts = [
         f"{i + 1}. {c.describe()}: predicted {c.step_s:.3g} s, measured {m:.3g} s"
-        for i, (c, m) in enumerate(zip(replanned.candidates, measured, strict=True))
+        + ("" if t.steps == TRIAL_STEPS else f" (stopped after {t.steps} steps)")
+        for i, (c, m, t) in enumerate(zip(replanned.candidates, measured, tried, strict=True))
     ]
-    how = f", {compile_cache.describe(*served)}" if served[1] else ""
+    total = Tried(
+        build_s=sum(t.build_s for t in tried),
+        state_s=sum(t.state_s for t in tried),
+        compile_s=sum(t.compile_s for t in tried),
+        steps_s=sum(t.steps_s for t in tried),
+    )
+    how = f", {hits.describe()}" if hits.requests else ""
     line = (
-        f"re-plan trial of {len(runs)} candidates ({TRIAL_STEPS} steps each{how}): "
+        f"re-plan trial of {len(runs)} candidates (up to {TRIAL_STEPS} steps each{how}; "
+        f"{time.perf_counter() - began:.1f} s: {total.parts()}): "
         + "; ".join(parts)
         + f" -> candidate {best + 1} trains"
     )
     return dataclasses.replace(runs[best], trial=line), programs[best]
 
 
-def step_seconds(program, r) -> tuple[float, compile_cache.CacheHits]:
-    """The fastest of :data:`TRIAL_STEPS` − 1 timed train steps of ``program`` (after one
-    that compiles), on a state and a batch of zeros, and the train step's compile's cache
-    events; nothing is kept."""
+def step_seconds(program, r, bound: float = float("inf")) -> Tried:
+    """:data:`TRIAL_STEPS` train steps of ``program`` on a state and a batch of zeros, or
+    fewer: it stops after a timed step once the fastest timed one is over ``bound``. The
+    first step is not timed (it runs the freshly loaded executable); each timed step counts
+    as the slowest process's, so every process stops alike. Nothing is kept."""
+    out = Tried()
     rows = _rows(r)
     sharding = program.shardings.batch
     mine = local_rows(sharding, rows)
     zeros = np.zeros((len(mine), r.cfg.model.seq_len + 1), np.int32)
     batch = global_array(zeros, sharding, rows)
-    state = _zeros(program)
-    hits = compile_cache.CacheHits()
+    began = time.perf_counter()
+    state = jax.block_until_ready(_zeros(program))
+    out.state_s, began = time.perf_counter() - began, time.perf_counter()
     program.compile_train_step(state, batch)
-    best = float("inf")
+    out.compile_s, began = time.perf_counter() - began, time.perf_counter()
     for n in range(TRIAL_STEPS):
-        began = time.perf_counter()
+        start = time.perf_counter()
         state, metrics = program.train_step(state, batch)  # state donated: a new one each
         jax.block_until_ready((state, metrics))
-        if n:  # the first runs the freshly loaded executable
-            best = min(best, time.perf_counter() - began)
+        out.steps = n + 1
+        if n:
+            out.step_s = min(out.step_s, _slowest_process([time.perf_counter() - start])[0])
+            if out.step_s > bound:
+                break
+    out.steps_s = time.perf_counter() - began
     del state, metrics
-    return best, hits
+    return out
 
 
 def _rows(r) -> int:
