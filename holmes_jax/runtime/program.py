@@ -100,8 +100,7 @@ class Program:
     """
 
     def __init__(self, cfg: Config, mesh: Mesh, *, nan_bubbles: bool = False):
-        self.cfg = cfg
-        self.mesh = mesh
+        self.cfg, self.mesh, self.nan_bubbles = cfg, mesh, nan_bubbles
         m, par = cfg.model, cfg.parallel
         self.dtype = compute_dtype(cfg.train.precision)
         self.data_size = mesh.shape[DATA]
@@ -310,9 +309,11 @@ class Program:
         :meth:`train_step` with the same shapes and shardings runs that executable."""
         if self._jit.compiled_step is None:
             with self.context():
-                lowered = self._jit.train_step.lower(state, batch)
                 self._jit.compiled_step = compile_cache.load_or_compile(
-                    lowered, "train_step", self.mesh.devices.flat
+                    lambda: self._jit.train_step.lower(state, batch),
+                    "train_step",
+                    self.mesh.devices.flat,
+                    compile_cache.identity(self.cfg, self.mesh, batch, self.nan_bubbles),
                 )
 
     def due_fragments(self, steps_done: int) -> list[int]:

@@ -25,9 +25,11 @@ process's device assignment, so in a job of several CPU processes every process 
 compiles again on every restart (and process 0 waits for them). :func:`load_or_compile`
 keeps each such process's own executable of a program beside jax's entries
 (``<cache>/executables/<program>-<hash>-p<process>.bin``, written whole: a temporary file
-renamed), keyed by the lowered program's text, its devices (ids and processes, in the
-mesh's order: the text alone does not name them), the jax version, the process and the
-XLA flags, and loads it instead of compiling. The files are the run's own, as trusted as
+renamed), keyed by what the program is traced from (the package's code, the settings and
+shapes the caller names, jax's version and tracing flags), its devices (ids and
+processes, in the mesh's order), the process and the XLA flags, and loads it instead of
+tracing, lowering and compiling (a pipelined step takes seconds to trace and lower, on
+every process). The files are the run's own, as trusted as
 jax's cache entries (loading one runs code). It is off unless ``train.executable_store``:
 XLA:CPU in jaxlib 0.10.2 can fail to run an executable read back this way
 (``NOT_FOUND: Function <name> not found``), and every restart would repeat the failure.
@@ -35,10 +37,13 @@ XLA:CPU in jaxlib 0.10.2 can fail to run an executable read back this way
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import os
 import pickle
 import threading
+from collections.abc import Callable
 
 from holmes_jax.core.config import Config
 from holmes_jax.runtime.rundir.paths import AUTO, COMPILE_CACHE_NAME
@@ -149,31 +154,84 @@ def describe(hits: int, requests: int) -> str:
     return "compilation cache: miss"
 
 
-def load_or_compile(lowered, name: str, devices):
-    """``lowered.compile()``; with ``train.executable_store``, in a job of several CPU
-    processes with a cache directory, this process's executable of the same program on
-    the same ``devices`` (the mesh's, in its order) from the store when it holds one,
-    else compiled and stored (module doc). Returns a :class:`jax.stages.Compiled`."""
+# jax settings that change what a traced function lowers to
+TRACING_FLAGS = (
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_numpy_rank_promotion",
+)
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of every Python file of the ``holmes_jax`` package (paths and bytes): a
+    stored program is the code's that stored it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            h.update(os.path.relpath(path, root).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read() + b"\0")
+    return h.hexdigest()
+
+
+def identity(cfg: Config, mesh, batch, *extra) -> str:
+    """What a step of ``cfg`` on ``mesh`` taking ``batch`` is traced from, besides the code
+    (:func:`load_or_compile`): the settings that shape it (not the run's paths), the mesh's
+    axes and shape, the batch's shape and dtype (the state follows from these) and
+    ``extra``."""
+    train = dataclasses.replace(
+        cfg.train, run_dir=None, metrics_path=None, compilation_cache=None, executable_store=False
+    )
+    mesh_shape = (tuple(mesh.axis_names), mesh.devices.shape)
+    parts = (cfg.model, cfg.parallel, cfg.optimizer, cfg.diloco, train, mesh_shape, extra)
+    return repr(parts + (tuple(batch.shape), str(batch.dtype)))
+
+
+def load_or_compile(lower: Callable, name: str, devices, identity: str):
+    """``lower().compile()``; with ``train.executable_store``, in a job of several CPU
+    processes with a cache directory, this process's executable of the same program from
+    the store when it holds one (neither traced nor lowered), else compiled and stored
+    (module doc).
+
+    Args:
+      lower: () -> the program's :class:`jax.stages.Lowered`, called on a miss only.
+      name: the program's name in the store's file names.
+      devices: the mesh's devices, in its order.
+      identity: what, besides the package's code (:func:`source_digest`), jax, the
+        XLA flags and ``devices``, determines the program: the settings and argument
+        shapes it is traced from. Two programs that differ must differ here.
+
+    Returns a :class:`jax.stages.Compiled`.
+    """
     import jax
     from jax.experimental import serialize_executable
 
     directory = jax.config.jax_compilation_cache_dir
     several = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
     if not (_STORE and directory and several):
-        return lowered.compile()
-    text = lowered.as_text()
+        return lower().compile()
     me = f"{jax.process_index()}/{jax.process_count()}"
     flags = os.environ.get("XLA_FLAGS", "")
     where = [(d.id, d.process_index) for d in devices]
-    key = f"{jax.__version__}|{me}|{flags}|{where}|{text}"
+    tracing = [getattr(jax.config, f, None) for f in TRACING_FLAGS]
+    versions = f"{jax.__version__}/{jax.lib.__version__}"
+    key = f"{versions}|{source_digest()}|{me}|{flags}|{tracing}|{where}|{identity}"
     key = hashlib.sha256(key.encode()).hexdigest()[:32]
     path = os.path.join(directory, STORE, f"{name}-{key}-p{jax.process_index()}.bin")
     if os.path.exists(path):
         with open(path, "rb") as f:
             payload, in_tree, out_tree = pickle.load(f)
         CacheHits.note(hit=True)
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    compiled = lowered.compile()
+        return serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, execution_devices=list(devices)
+        )
+    compiled = lower().compile()
     CacheHits.note(hit=False)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = f"{path}.{os.getpid()}.part"

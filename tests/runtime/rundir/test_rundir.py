@@ -147,6 +147,48 @@ def test_the_compilation_cache_dir_and_its_precedence():
         load_config(None, ["train.compilation_cache=''"])
 
 
+def test_the_executable_store_loads_without_tracing_and_keys_on_what_shapes_the_program(
+    tmp_path, monkeypatch
+):
+    """With train.executable_store in a job of several CPU processes (stood in for), a
+    program stored once is loaded on the next call without calling ``lower`` (no trace, no
+    lowering) and computes the same; another identity (another plan) traces again. The
+    identity ignores the run's paths, not its plan."""
+    import jax
+    import jax.numpy as jnp
+
+    from holmes_jax.runtime.rundir import compile_cache as cc
+
+    monkeypatch.setattr(cc, "_STORE", True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        f = jax.jit(lambda x: jnp.sin(x) * 2.0 + x)
+        x = jnp.arange(6.0)
+        lowered = []
+
+        def lower():
+            lowered.append(1)
+            return f.lower(x)
+
+        devices = jax.devices()[:1]
+        first = cc.load_or_compile(lower, "f", devices, "plan A")
+        again = cc.load_or_compile(lower, "f", devices, "plan A")
+        assert len(lowered) == 1 and len(os.listdir(tmp_path / cc.STORE)) == 1
+        np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+        cc.load_or_compile(lower, "f", devices, "plan B")
+        assert len(lowered) == 2
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    a = load_config(None, ["train.run_dir=a", "parallel.microbatches=2"])
+    moved = load_config(None, ["train.run_dir=b", "parallel.microbatches=2"])
+    other = load_config(None, ["train.run_dir=a", "parallel.microbatches=4"])
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    ids = [cc.identity(c, mesh, x) for c in (a, moved, other)]
+    assert ids[0] == ids[1] != ids[2]
+
+
 # -- end to end: the tiny model, one or two steps per run --------------------------------
 
 TINY = [*TINY_RUN, "train.eval_every=0", "train.eval_batches=1", "logging.log_every=1"]
