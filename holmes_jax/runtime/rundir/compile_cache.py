@@ -216,6 +216,7 @@ def load_or_compile(lower: Callable, name: str, devices, identity: str):
     several = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
     if not (_STORE and directory and several):
         return lower().compile()
+    devices = list(devices)  # an iterator (a mesh's .flat) is read twice below
     me = f"{jax.process_index()}/{jax.process_count()}"
     flags = os.environ.get("XLA_FLAGS", "")
     where = [(d.id, d.process_index) for d in devices]
@@ -229,7 +230,7 @@ def load_or_compile(lower: Callable, name: str, devices, identity: str):
             payload, in_tree, out_tree = pickle.load(f)
         CacheHits.note(hit=True)
         return serialize_executable.deserialize_and_load(
-            payload, in_tree, out_tree, execution_devices=list(devices)
+            payload, in_tree, out_tree, execution_devices=devices
         )
     compiled = lower().compile()
     CacheHits.note(hit=False)

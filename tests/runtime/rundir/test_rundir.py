@@ -172,12 +172,13 @@ def test_the_executable_store_loads_without_tracing_and_keys_on_what_shapes_the_
             lowered.append(1)
             return f.lower(x)
 
-        devices = jax.devices()[:1]
+        devices = np.array(jax.devices()[:1]).flat  # as a mesh gives them: an iterator
         first = cc.load_or_compile(lower, "f", devices, "plan A")
+        devices = np.array(jax.devices()[:1]).flat
         again = cc.load_or_compile(lower, "f", devices, "plan A")
         assert len(lowered) == 1 and len(os.listdir(tmp_path / cc.STORE)) == 1
         np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
-        cc.load_or_compile(lower, "f", devices, "plan B")
+        cc.load_or_compile(lower, "f", jax.devices()[:1], "plan B")
         assert len(lowered) == 2
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
