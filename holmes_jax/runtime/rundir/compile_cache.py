@@ -30,9 +30,11 @@ shapes the caller names, jax's version and tracing flags), its devices (ids and
 processes, in the mesh's order), the process and the XLA flags, and loads it instead of
 tracing, lowering and compiling (a pipelined step takes seconds to trace and lower, on
 every process). The files are the run's own, as trusted as
-jax's cache entries (loading one runs code). It is off unless ``train.executable_store``:
-XLA:CPU in jaxlib 0.10.2 can fail to run an executable read back this way
-(``NOT_FOUND: Function <name> not found``), and every restart would repeat the failure.
+jax's cache entries (loading one runs code). It is on with ``train.executable_store``,
+and then jax's own cache is off in that job: an executable that jax read back from its
+cache and that was serialized again fails to run on XLA:CPU in jaxlib 0.10.2
+(``NOT_FOUND: Function <name> not found``: reproduced on process 0, the only one jax's
+cache serves), so every stored executable is a fresh compile's.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from holmes_jax.core.config import Config
 from holmes_jax.runtime.rundir.paths import AUTO, COMPILE_CACHE_NAME
 
 STORE = "executables"  # load_or_compile's folder inside the cache directory
-_STORE = False  # train.executable_store of the run that configured the cache
+_STORE: str | None = None  # load_or_compile's cache directory, when the store is on
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -89,9 +91,11 @@ def configure(cfg: Config) -> str | None:
         if not os.environ.get(ENV_MIN_TIME):
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     global _STORE
-    _STORE = bool(cfg.train.executable_store)
-    if jax.config.jax_compilation_cache_dir != wanted:
-        jax.config.update("jax_compilation_cache_dir", wanted)
+    several = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+    _STORE = wanted if cfg.train.executable_store and several else None
+    jax_dir = None if _STORE else wanted  # the store alone: jax's read-backs are not stored
+    if jax.config.jax_compilation_cache_dir != jax_dir:
+        jax.config.update("jax_compilation_cache_dir", jax_dir)
         cc.reset_cache()  # jax opens its cache once; a new directory needs a new one
     return wanted
 
@@ -212,9 +216,8 @@ def load_or_compile(lower: Callable, name: str, devices, identity: str):
     import jax
     from jax.experimental import serialize_executable
 
-    directory = jax.config.jax_compilation_cache_dir
-    several = jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
-    if not (_STORE and directory and several):
+    directory = _STORE
+    if not (directory and jax.process_count() > 1):
         return lower().compile()
     devices = list(devices)  # an iterator (a mesh's .flat) is read twice below
     me = f"{jax.process_index()}/{jax.process_count()}"

@@ -159,29 +159,24 @@ def test_the_executable_store_loads_without_tracing_and_keys_on_what_shapes_the_
 
     from holmes_jax.runtime.rundir import compile_cache as cc
 
-    monkeypatch.setattr(cc, "_STORE", True)
+    monkeypatch.setattr(cc, "_STORE", str(tmp_path))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    before = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-    try:
-        f = jax.jit(lambda x: jnp.sin(x) * 2.0 + x)
-        x = jnp.arange(6.0)
-        lowered = []
+    f = jax.jit(lambda x: jnp.sin(x) * 2.0 + x)
+    x = jnp.arange(6.0)
+    lowered = []
 
-        def lower():
-            lowered.append(1)
-            return f.lower(x)
+    def lower():
+        lowered.append(1)
+        return f.lower(x)
 
-        devices = np.array(jax.devices()[:1]).flat  # as a mesh gives them: an iterator
-        first = cc.load_or_compile(lower, "f", devices, "plan A")
-        devices = np.array(jax.devices()[:1]).flat
-        again = cc.load_or_compile(lower, "f", devices, "plan A")
-        assert len(lowered) == 1 and len(os.listdir(tmp_path / cc.STORE)) == 1
-        np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
-        cc.load_or_compile(lower, "f", jax.devices()[:1], "plan B")
-        assert len(lowered) == 2
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+    devices = np.array(jax.devices()[:1]).flat  # as a mesh gives them: an iterator
+    first = cc.load_or_compile(lower, "f", devices, "plan A")
+    devices = np.array(jax.devices()[:1]).flat
+    again = cc.load_or_compile(lower, "f", devices, "plan A")
+    assert len(lowered) == 1 and len(os.listdir(tmp_path / cc.STORE)) == 1
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+    cc.load_or_compile(lower, "f", jax.devices()[:1], "plan B")
+    assert len(lowered) == 2
     a = load_config(None, ["train.run_dir=a", "parallel.microbatches=2"])
     moved = load_config(None, ["train.run_dir=b", "parallel.microbatches=2"])
     other = load_config(None, ["train.run_dir=a", "parallel.microbatches=4"])
