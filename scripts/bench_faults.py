@@ -123,7 +123,6 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
         "logging.log_every=1",
         "logging.progress=plain",
         "distributed.heartbeat_timeout_s=10",
-        "train.executable_store=true",  # each process loads its own train step
         *(INDEPENDENT if args.independent_islands else []),
         *args.set,
     ):

@@ -54,11 +54,13 @@ def fastest(predicted: Sequence[float], measure: Callable[[int, float], float]) 
 @dataclasses.dataclass
 class Tried:
     """One candidate's trial: its step (the slowest process's, the fastest timed one),
-    the steps run, and this process's seconds building its program, making its state,
-    compiling (or loading) its train step and stepping."""
+    the steps run, its train step's cache events, and this process's seconds building its
+    program, making its state, compiling (or loading) its train step and stepping."""
 
     step_s: float = float("inf")
     steps: int = 0
+    hits: int = 0  # its train step's compiles the compilation cache served, and asked
+    asked: int = 0
     build_s: float = 0.0
     state_s: float = 0.0
     compile_s: float = 0.0
@@ -89,7 +91,6 @@ def choose(cfg, outputs, r, resolve, make_program):
     runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(replanned.candidates))]
     programs: list = []
     tried: list[Tried] = []
-    hits = compile_cache.CacheHits()  # the candidates' train steps: served from the cache?
 
     def measure(i: int, bound: float) -> float:
         began = time.perf_counter()
@@ -114,7 +115,8 @@ def choose(cfg, outputs, r, resolve, make_program):
         compile_s=sum(t.compile_s for t in tried),
         steps_s=sum(t.steps_s for t in tried),
     )
-    how = f", {hits.describe()}" if hits.requests else ""
+    served = compile_cache.describe(sum(t.hits for t in tried), sum(t.asked for t in tried))
+    how = f", {served}" if served else ""
     line = (
         f"re-plan trial of {len(runs)} candidates (up to {TRIAL_STEPS} steps each{how}; "
         f"{time.perf_counter() - began:.1f} s: {total.parts()}): "
@@ -138,7 +140,9 @@ def step_seconds(program, r, bound: float = float("inf")) -> Tried:
     began = time.perf_counter()
     state = jax.block_until_ready(_zeros(program))
     out.state_s, began = time.perf_counter() - began, time.perf_counter()
+    hits = compile_cache.CacheHits()
     program.compile_train_step(state, batch)
+    out.hits, out.asked = hits.hits, hits.requests
     out.compile_s, began = time.perf_counter() - began, time.perf_counter()
     for n in range(TRIAL_STEPS):
         start = time.perf_counter()
