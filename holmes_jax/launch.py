@@ -112,9 +112,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     parser.add_argument(
         "--warm-failures",
         action="store_true",
-        help="before training, compile the survivors' programs of every one-host and "
-        "one-island failure into train.compilation_cache (train --compile-only), so a "
-        "re-plan loads them",
+        help="before training, compile and time the survivors' candidate plans of every "
+        "one-host and one-island failure (train --compile-only --measure), so a re-plan "
+        "loads the fastest measured without a trial, and a host's loss drops its island "
+        "when that measured faster",
     )
     parser.add_argument(
         "--independent-islands",

@@ -74,6 +74,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "train.compilation_cache and exit without training",
     )
     parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="with --compile-only and parallel.exclude_hosts: also time each candidate "
+        "plan's train step (up to 3 steps on zeros, as a re-plan's trial) and report the "
+        "times to the launcher (launch --warm-failures)",
+    )
+    parser.add_argument(
         "--print-config",
         action="store_true",
         help="print the resolved config (every auto decided on the visible devices) as "
@@ -118,7 +125,7 @@ def print_config(cfg: Config) -> int:
     return 0
 
 
-def compile_only(cfg: Config) -> int:
+def compile_only(cfg: Config, measure: bool = False) -> int:
     """``--compile-only``: :func:`holmes_jax.runtime.replan_trial.compile_ahead`."""
     import jax
 
@@ -132,7 +139,8 @@ def compile_only(cfg: Config) -> int:
         if jax.process_index() == 0:
             print(line, file=sys.stderr if line.startswith("error:") else sys.stdout, flush=True)
 
-    return compile_ahead(cfg, choose_run_dir(island_outputs(cfg)), resolve, program_of, say)
+    outputs = choose_run_dir(island_outputs(cfg))
+    return compile_ahead(cfg, outputs, resolve, program_of, say, measure)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_devices < 1:
             raise ConfigError(f"--cpu-devices={args.cpu_devices}: must be >= 1")
         DEVICES_PER_HOST.check("--cpu-devices", args.cpu_devices)
+        if args.measure and not args.compile_only:
+            raise ConfigError("--measure: only with --compile-only (it trains nothing)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             return print_config(cfg)
         if args.compile_only:
-            return compile_only(cfg)
+            return compile_only(cfg, args.measure)
         run(cfg)
         return 0
 

@@ -11,7 +11,7 @@ namespace (``launch --emulate``), a checkpoint every ``--every`` steps, ``--max-
 --rejoin-timeout 10``, one compilation cache for all runs. First (unless ``--no-warm``)
 ``launch --warm-failures -- ... --compile-only`` fills it with the full program and the
 survivors' programs of every one-host and one-island failure (the same config: the step
-count is in the program). Runs, one after the other:
+count is in the program), and times the latter (``warm_lines``). Runs, one after the other:
 
 - ``reference``: no fault;
 - ``kill`` (a): roce-1's worker gets SIGKILL at step ``--at`` and comes back at once;
@@ -228,7 +228,10 @@ def summarize(name: str, run: dict, ref: dict | None, args) -> dict:
     replans = [m for m in replans if m]
     if replans:
         out["predicted_step_ratio"] = float(replans[-1][2])
-    out["replan_trials"] = [x.split("] ", 1)[1] for _, x in lines if "] re-plan trial of" in x]
+    # the trainer's trial or the choice among times measured by --warm-failures, and the
+    # launcher's line when those times left a damaged island's other hosts out
+    out["replan_trials"] = [x.split("] ", 1)[1] for _, x in lines if "] re-plan" in x]
+    out["widened"] = [x for _, x in lines if x.startswith("launch: measured before training")]
     tokens = args.steps * args.tokens_per_step
     out["tokens_per_s"] = round(tokens / run["wall"], 1)
     if ref is not None:

@@ -39,6 +39,7 @@ from holmes_jax.cluster.supervisor import (
     fault_args,
     parse_fault,
 )
+from holmes_jax.cluster.warm import Measured
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.failures import failure_cases
 from holmes_jax.planner.topology import Topology, load_topology
@@ -159,6 +160,7 @@ class _Jobs:
         self.faults, self.base_env, self.program, self.say = faults, base_env, program, say
         self.opts = opts  # Supervisor's keyword arguments
         self.warm_failures = False  # --warm-failures
+        self.measured = Measured(topology)  # what --warm-failures measured
         self.supervisors: list[Supervisor] = []
         self.on_step: Callable | None = None  # --cut-islands' cutter, once the network is up
 
@@ -186,6 +188,8 @@ class _Jobs:
         if excluded:
             hosts = island_jobs.survivors(job, excluded)
             args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
+            if not more:  # a restart: the times measured for these survivors, if any
+                extra = {**extra, **self.measured.env(excluded)}
         return plan_workers(
             hosts, self.mesh_path, [*args, *more], coordinator(hosts),
             base_env={**self.base_env, **extra}, program=self.program, prefix=prefix,
@@ -193,17 +197,26 @@ class _Jobs:
 
     def warm(self, coordinator, prefix=None) -> None:
         """``--warm-failures``: before training, the survivors of each failure
-        (:func:`~holmes_jax.planner.failures.failure_cases`) run ``train --compile-only``
-        one after the other, so a restart on them loads its candidate plans' programs."""
+        (:func:`~holmes_jax.planner.failures.failure_cases`) run ``train --compile-only
+        --measure`` one after the other, so a restart on them loads its candidate plans'
+        programs and knows their steps (:mod:`holmes_jax.cluster.warm`)."""
         job = island_jobs.Job(self.topology, (), ())
         out = self.opts["out"]
         for what, island, excluded in failure_cases(self.topology, every_host=True):
             what = excluded[0] if what == "host" else f"island {island}"
             began = time.monotonic()
-            workers = self.workers(job, coordinator, prefix, {}, excluded, ["--compile-only"])
-            launch = Launch(workers, out=out, count_hidden=False)
-            code = launch.run()
+            more = ["--compile-only", "--measure"]
+            workers = self.workers(job, coordinator, prefix, {}, excluded, more)
+
+            def on_status(worker, event, excluded=excluded):
+                if worker.process_id == 0 and event["event"] == "measured":
+                    self.measured.record(excluded, event)
+
+            code = Launch(workers, out=out, count_hidden=False, status=on_status).run()
+            best = self.measured.best(excluded)
             done = "compiled" if code == 0 else f"not compiled ({describe(code)})"
+            if code == 0 and best is not None:
+                done += f" and measured (fastest plan {best:.3g} s a step)"
             self.say(
                 f"--warm-failures: the survivors of {what}: {done} in "
                 f"{time.monotonic() - began:.1f} s"
@@ -219,7 +232,10 @@ class _Jobs:
             specs = " ".join(f.spec for f in job.faults if f.inject)
             whose = f"island {job.name}'s job" if job.name else "the job"
             self.say(f"--fail-host {specs}: every worker of {whose} gets {' '.join(injected)}")
-        supervisor = Supervisor(make_workers, faults=job.faults, on_step=self.on_step, **self.opts)
+        supervisor = Supervisor(
+            make_workers, faults=job.faults, on_step=self.on_step, widen=self.measured.widen,
+            **self.opts,
+        )  # fmt: skip
         self.supervisors.append(supervisor)
         return supervisor
 

@@ -150,6 +150,9 @@ class Supervisor:
       faults: the ``--fail-host`` faults.
       on_step: called with every step process 0 reports (under the supervisor's lock).
       rejoin_timeout_s: how long a restart waits for an away host before leaving it out.
+      widen: (hosts away) -> (hosts left out, the line that says why or None): a restart
+        may leave out more than the away hosts (:meth:`holmes_jax.cluster.warm.Measured.
+        widen`); those start again with the away ones.
       grace_s, out, verbose: as :class:`~holmes_jax.cluster.launcher.Launch`'s.
     """
 
@@ -161,6 +164,7 @@ class Supervisor:
         faults: Sequence[Fault] = (),
         on_step: Callable[[int], None] | None = None,
         rejoin_timeout_s: float = DEFAULT_REJOIN_S,
+        widen: Callable[[tuple[str, ...]], tuple[tuple[str, ...], str | None]] | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
@@ -171,6 +175,8 @@ class Supervisor:
         self.faults = [f for f in faults if not f.inject]  # the kills; fault_args the rest
         self.rejoin_timeout_s = rejoin_timeout_s
         self.excluded: tuple[str, ...] = ()  # hosts the running attempt is without
+        self.widen = widen
+        self._sitting_out: set[str] = set()  # excluded though not away (widen)
         self._reexpand = False  # the survivors were asked to stop: start every host again
         self.grace_s = grace_s
         self.out: IO[str] | None = out
@@ -234,7 +240,12 @@ class Supervisor:
             clock.mark("first_step")
             launch.say(resumed_line(clock, step))
             clock.write(self.run_dir, step)
-        back = [h for h in self.excluded if self._away_until.get(h, 0.0) <= time.monotonic()]
+        now = time.monotonic()
+        back = [
+            h
+            for h in self.excluded
+            if h not in self._sitting_out and self._away_until.get(h, 0.0) <= now
+        ]
         if back and not self._reexpand:
             self._reexpand = True
             launch.say(
@@ -356,7 +367,13 @@ class Supervisor:
             while True:
                 if self._signals:  # a stop between two attempts
                     return 130
-                self.excluded = () if first else self._wait_for_away_hosts()
+                away = () if first else self._wait_for_away_hosts()
+                self.excluded, why = (away, None)
+                if away and self.widen is not None:
+                    self.excluded, why = self.widen(away)
+                if why:
+                    self._say(why)
+                self._sitting_out = set(self.excluded) - set(away)
                 first = False
                 if self._clock is not None:
                     self._clock.mark("wait")

@@ -25,6 +25,8 @@ resumed  ``step`` (int >= 0)                     the state to train from is read
 compiled ``seconds`` (float >= 0), ``detail``    the first train step compiled
          (str: cache hits, or "")
 step     ``step`` (int >= 1)                     a logged or watched step finished
+measured ``plans`` (list of str), ``step_s``     ``train --compile-only --measure``
+         (list of numbers > 0, one per plan)     timed each candidate plan's step
 ======== ======================================= =====================================
 """
 
@@ -46,7 +48,9 @@ EVENTS: dict[str, dict[str, tuple[tuple[type, ...], int | None]]] = {
     "resumed": {"step": ((int,), 0)},
     "compiled": {"seconds": ((int, float), 0), "detail": ((str,), None)},
     "step": {"step": ((int,), 1)},
+    "measured": {"plans": ((list,), None), "step_s": ((list,), None)},
 }
+MAX_PLANS = 64  # the most candidate plans a measured event may carry
 MAX_LINE = 64 * 1024  # a longer line is not a status line
 
 _channel: IO[str] | None = None
@@ -109,6 +113,22 @@ def check(record: Any) -> str:
             return f"{event}.{name}={value!r}: must be finite"
         if least is not None and value < least:
             return f"{event}.{name}={value!r}: must be >= {least}"
+    return _check_measured(record) if event == "measured" else ""
+
+
+def _check_measured(record: dict[str, Any]) -> str:
+    """What is wrong with a ``measured`` event's lists, or ""."""
+    plans, times = record["plans"], record["step_s"]
+    if not 1 <= len(plans) <= MAX_PLANS or len(times) != len(plans):
+        return (
+            f"measured: {len(plans)} plans and {len(times)} step times: must be 1 to "
+            f"{MAX_PLANS} plans, one time each"
+        )
+    if not all(isinstance(p, str) and p for p in plans):
+        return f"measured.plans={plans!r}: must be plan descriptions (non-empty strings)"
+    for t in times:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            return f"measured.step_s={times!r}: must be seconds, finite and > 0"
     return ""
 
 

@@ -26,6 +26,8 @@ their programs rather than compile them.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -33,9 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from holmes_jax.core import status
 from holmes_jax.runtime.data.loader import global_array, local_rows
 from holmes_jax.runtime.rundir import compile_cache
 
+MEASURED_VAR = "HOLMES_MEASURED_PLANS"  # the launcher's: the candidates as measured ahead
 TRIAL_STEPS = 3  # per candidate at most: the first is not timed, the fastest of the others counts
 GIVE_UP = 1.5  # a candidate whose timed step is this many times the best so far stops there
 
@@ -75,7 +79,8 @@ class Tried:
 
 def choose(cfg, outputs, r, resolve, make_program):
     """``(resolved, program)``: the candidate that trains, its ``trial`` the line that
-    reports the trial, and its program; ``(r, None)`` when there is nothing to try.
+    reports the trial, and its program (None when it was measured before training: built
+    by the caller); ``(r, None)`` when there is nothing to try.
 
     Args:
       cfg: the config as given to the run.
@@ -88,7 +93,27 @@ def choose(cfg, outputs, r, resolve, make_program):
     replanned = r.replanned
     if replanned is None or len(replanned.candidates) < 2:
         return r, None
-    runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(replanned.candidates))]
+    candidates = replanned.candidates
+    ahead, problem = measured_ahead(
+        os.environ.get(MEASURED_VAR), [c.describe() for c in candidates]
+    )
+    if ahead is not None:
+        best = min(range(len(ahead)), key=lambda i: (ahead[i], i))
+        run = r if best == 0 else resolve(cfg, outputs, candidate=best)
+        line = (
+            f"re-plan: {len(candidates)} candidates as measured before training (launch "
+            f"--warm-failures): {_results(candidates, ahead)} -> candidate {best + 1} trains"
+        )
+        return dataclasses.replace(run, trial=line), None
+    runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(candidates))]
+    best, programs, line, _ = trial(runs, candidates, make_program)
+    return dataclasses.replace(runs[best], trial=problem + line), programs[best]
+
+
+def trial(runs, candidates, make_program) -> tuple[int, list, str, list[float]]:
+    """Each of ``runs`` (the resolved candidates) built and stepped (:func:`step_seconds`)
+    in order, each stopping once :data:`GIVE_UP` times the fastest before it: ``(best,
+    programs, line, measured)``, the line reporting the trial and each candidate's step."""
     programs: list = []
     tried: list[Tried] = []
 
@@ -103,12 +128,7 @@ def choose(cfg, outputs, r, resolve, make_program):
         return one.step_s
 
     began = time.perf_counter()
-    best, measured = fastest([c.step_s for c in replanned.candidates], measure)
-    parts = [
-        f"{i + 1}. {c.describe()}: predicted {c.step_s:.3g} s, measured {m:.3g} s"
-        + ("" if t.steps == TRIAL_STEPS else f" (stopped after {t.steps} steps)")
-        for i, (c, m, t) in enumerate(zip(replanned.candidates, measured, tried, strict=True))
-    ]
+    best, measured = fastest([c.step_s for c in candidates], measure)
     total = Tried(
         build_s=sum(t.build_s for t in tried),
         state_s=sum(t.state_s for t in tried),
@@ -120,10 +140,39 @@ def choose(cfg, outputs, r, resolve, make_program):
     line = (
         f"re-plan trial of {len(runs)} candidates (up to {TRIAL_STEPS} steps each{how}; "
         f"{time.perf_counter() - began:.1f} s: {total.parts()}): "
-        + "; ".join(parts)
+        + _results(candidates, measured, [t.steps for t in tried])
         + f" -> candidate {best + 1} trains"
     )
-    return dataclasses.replace(runs[best], trial=line), programs[best]
+    return best, programs, line, measured
+
+
+def _results(candidates, measured, steps=None) -> str:
+    """``1. <plan>: predicted X s, measured Y s; 2. ...`` (and where a trial stopped early)."""
+    return "; ".join(
+        f"{i + 1}. {c.describe()}: predicted {c.step_s:.3g} s, measured {m:.3g} s"
+        + ("" if steps is None or steps[i] == TRIAL_STEPS else f" (stopped after {steps[i]} steps)")
+        for i, (c, m) in enumerate(zip(candidates, measured, strict=True))
+    )
+
+
+def measured_ahead(raw: str | None, plans: list[str]) -> tuple[list[float] | None, str]:
+    """``(step seconds of each plan, "")`` from :data:`MEASURED_VAR`'s value ``raw`` when
+    it measured exactly ``plans``, in order; else ``(None, why)``, ``why`` empty when there
+    is no value, else a clause for the trial's line (the candidates are tried instead)."""
+    if not raw:
+        return None, ""
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        return None, f"{MEASURED_VAR} ignored, not JSON ({e}); "
+    if not isinstance(value, dict):
+        return None, f"{MEASURED_VAR} ignored, not a JSON object; "
+    problem = status.check({**value, "event": "measured"})
+    if problem:
+        return None, f"{MEASURED_VAR} ignored ({problem}); "
+    if value["plans"] != plans:
+        return None, f"{MEASURED_VAR} ignored: it measured other plans than these candidates; "
+    return [float(t) for t in value["step_s"]], ""
 
 
 def step_seconds(program, r, bound: float = float("inf")) -> Tried:
@@ -184,10 +233,14 @@ def _slowest_process(local: list[float]) -> list[float]:
     return [float(x) for x in np.asarray(every).reshape(-1, len(local)).max(axis=0)]
 
 
-def compile_ahead(cfg, outputs, resolve, make_program, say) -> int:
+def compile_ahead(cfg, outputs, resolve, make_program, say, measure: bool = False) -> int:
     """``train --compile-only``: the train step of every candidate plan (or of the run)
     compiled into the compilation cache; nothing trained, nothing written but the cache.
-    Returns the exit code: 2 (one line) without a cache directory to fill."""
+    With ``measure`` (``--measure``, a failure's survivors only) each candidate is also
+    timed as a re-plan's trial times it (:func:`trial`), and process 0 reports the times
+    to the launcher (a ``measured`` status event), which hands them to a restart on these
+    survivors (:data:`MEASURED_VAR`). Returns the exit code: 2 (one line) without a cache
+    directory to fill, or when ``measure`` has no candidates to time."""
     directory = compile_cache.configure(outputs.cfg)
     if directory is None:
         say(
@@ -196,6 +249,20 @@ def compile_ahead(cfg, outputs, resolve, make_program, say) -> int:
         )
         return 2
     r = resolve(cfg, outputs)
+    if measure:
+        if r.replanned is None:
+            say(
+                "error: --measure: times the candidate plans of a failure's survivors; "
+                "parallel.exclude_hosts is empty"
+            )
+            return 2
+        candidates = r.replanned.candidates
+        runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(candidates))]
+        _, _, line, measured = trial(runs, candidates, make_program)
+        say(f"--compile-only --measure: {line}")
+        if jax.process_index() == 0:
+            status.report("measured", plans=[c.describe() for c in candidates], step_s=measured)
+        return 0
     count = len(r.replanned.candidates) if r.replanned is not None else 1
     for i in range(count):
         run = r if i == 0 else resolve(cfg, outputs, candidate=i)

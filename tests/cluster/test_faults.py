@@ -276,8 +276,8 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     """``launch`` on two hosts (one per island), a checkpoint every 2 steps; roce-0 is killed
     at step 3 and never comes back. After ``--rejoin-timeout`` the supervisor starts ib-0
     alone with ``parallel.exclude_hosts=[roce-0]``; the trainer re-plans for one island (no
-    pipeline across islands any more), tries its two fastest predicted plans for 3 steps
-    each (compiled before training by ``--warm-failures``), trains on the faster measured,
+    pipeline across islands any more) and trains the faster measured of its two fastest
+    predicted plans (both compiled and timed before training by ``--warm-failures``),
     resumes from the step-2 checkpoint and finishes. The
     global batch is unchanged, so every step's loss equals the uninterrupted run's up to the
     reduction order. Saves are synchronous, so the step-2 checkpoint has committed when
@@ -287,9 +287,9 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     overrides = [*straight.flags, "checkpoint.every=2", SYNC_SAVES]
     out = launch(straight.mesh, straight.env, survivors, flags, overrides)
     lines = [line for line in out.splitlines() if line.startswith("launch: ")]
-    for lost in ("ib", "roce"):  # before training: each island's loss, its survivors compiled
-        assert any(x.startswith(f"launch: --warm-failures: the survivors of island {lost}: "
-                                "compiled in ") for x in lines), out[-4000:]  # fmt: skip
+    for lost in ("ib", "roce"):  # before training: each island's loss, its survivors timed
+        head = f"launch: --warm-failures: the survivors of island {lost}: compiled and measured"
+        assert any(x.startswith(head + " (fastest plan ") for x in lines), out[-4000:]
     assert (
         "launch: roce-0 did not come back within 1 s: the others go on without it, "
         "re-planned for the survivors, from the newest checkpoint" in lines
@@ -303,13 +303,23 @@ def test_a_host_lost_for_good_is_left_out_and_the_survivors_finish_the_run(tmp_p
     replanned = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-planned for" in x]
     assert len(replanned) == 1 and replanned[0].startswith("re-planned for the survivors "
         "without roce-0 (1 host, 4 devices): stage=1 "), replanned  # fmt: skip
-    # the planner's 2 fastest predicted plans each ran up to 3 steps, loaded from the programs
-    # --warm-failures compiled; the faster measured trains
-    (trial,) = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-plan trial of" in x]
-    assert "(up to 3 steps each, compilation cache: hit; " in trial, trial
+    # before training, the planner's 2 fastest predicted plans each ran up to 3 steps; the
+    # restart trains the faster measured, its program loaded from the cache
+    (trial,) = [
+        x.split("] ", 1)[1]
+        for x in out.splitlines()
+        if x.startswith("[ib-0")
+        and "] --compile-only --measure: re-plan trial of 2 candidates (up to 3 steps each" in x
+    ]  # the survivors of island roce's loss: ib-0
+    (chose,) = [x.split("] ", 1)[1] for x in out.splitlines() if "] re-plan: " in x]
+    assert chose.startswith("re-plan: 2 candidates as measured before training (launch "
+                            "--warm-failures): 1. "), chose  # fmt: skip
     measured = [float(x) for x in re.findall(r"measured ([0-9.e+-]+) s", trial)]
-    chosen = int(re.search(r"-> candidate (\d+) trains", trial)[1])
-    assert len(measured) == 2 and measured[chosen - 1] == min(measured), trial
+    chosen = int(re.search(r"-> candidate (\d+) trains", chose)[1])
+    assert len(measured) == 2 and measured[chosen - 1] == min(measured), (trial, chose)
+    assert re.findall(r"measured ([0-9.e+-]+) s", chose) == re.findall(
+        r"measured ([0-9.e+-]+) s", trial), (trial, chose)  # fmt: skip
+    assert "hit" in itemised["compile"], itemised
     recs = records(survivors / "metrics.jsonl")
     assert {r["step"] for r in recs} == set(range(1, 7))
     for r in recs:  # one host of 4 devices now: the same batches, token for token

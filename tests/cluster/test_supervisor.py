@@ -372,3 +372,56 @@ def test_a_restart_s_phases_add_up_and_a_missing_mark_goes_to_the_next(tmp_path)
     assert clock.line().startswith("detect 0.5 s, stop 1.5 s, init 2.0 s, join 0.5 s")
     with pytest.raises(ValueError, match="restart phase 'nap'"):
         clock.mark("nap")
+
+
+def test_a_restart_may_leave_out_more_hosts_and_they_start_again_with_the_away_one(tmp_path):
+    """``widen`` (what ``--warm-failures`` measured) leaves c out beside the away b: the
+    survivors run without both, and b's return, not c's presence, brings every host back."""
+    seen = []
+
+    def widen(away):
+        seen.append(away)
+        return ("b", "c"), "b and c sit out"
+
+    make_workers, attempts = fake_job(tmp_path, hosts=("a", "b", "c"), steps=40)
+    faults = [supervisor.parse_fault("b@3:+1.5", ["a", "b", "c"])]
+    out = io.StringIO()
+    sup = supervisor.Supervisor(
+        make_workers, faults=faults, grace_s=0.5, out=out, max_restarts=1,
+        rejoin_timeout_s=0.2, widen=widen,
+    )  # fmt: skip
+    assert sup.run() == 0, out.getvalue()
+    lines = launcher_lines(out.getvalue())
+    assert seen == [("b",)] and "launch: b and c sit out" in lines, lines
+    assert [a.get("excluded") for a in attempts] == [None, "b,c", None]
+    assert [line.startswith("launch: b is back: ") for line in lines].count(True) == 1, lines
+    assert not (tmp_path / "pid-2-1").exists()  # attempt 2: a alone
+    assert (tmp_path / "pid-3-2").exists()  # attempt 3: every host again
+
+
+def test_the_measured_survivors_of_an_island_s_loss_widen_a_host_s_loss_only_when_faster():
+    from holmes_jax.cluster.warm import MEASURED_VAR, Measured
+    from holmes_jax.planner.topology import load_topology
+    from holmes_jax.runtime import replan_trial
+
+    assert replan_trial.MEASURED_VAR == MEASURED_VAR  # the trainer reads what the launcher sets
+
+    measured = Measured(load_topology(os.path.join(ROOT, "meshes", "cpu8-two-islands.yaml")))
+    assert measured.widen(("roce-1",)) == (("roce-1",), None)  # nothing measured
+    host = {"plans": ["stage=3 data=2", "stage=3 tensor=2"], "step_s": [0.585, 2.66]}
+    measured.record(("roce-1",), {"event": "measured", **host})
+    assert measured.widen(("roce-1",)) == (("roce-1",), None)  # the island's loss unmeasured
+    measured.record(("roce-0", "roce-1"), {"event": "measured", "plans": ["data=4"],
+                                           "step_s": [0.375]})  # fmt: skip
+    hosts, line = measured.widen(("roce-1",))
+    assert hosts == ("roce-0", "roce-1"), hosts  # in topology order, as the warm-up's
+    assert line == (
+        "measured before training: without roce-1 the fastest plan steps 0.585 s, without "
+        "island roce 0.375 s: roce-0 sits out too, until it is back"
+    )
+    assert measured.env(("roce-1",)) == {MEASURED_VAR: json.dumps(host)}
+    assert measured.env(("ib-0",)) == {}
+    measured.record(("roce-1",), {"event": "measured", **host, "step_s": [0.3, 2.66]})
+    assert measured.widen(("roce-1",)) == (("roce-1",), None)  # the host's loss is faster
+    assert measured.widen(("roce-0", "roce-1")) == (("roce-0", "roce-1"), None)  # whole
+    assert measured.widen(("roce-1", "ib-0")) == (("roce-1", "ib-0"), None)  # two islands

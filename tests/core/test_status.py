@@ -72,10 +72,22 @@ def test_without_a_channel_report_writes_nothing(monkeypatch):
         ({"event": "step", "step": 3, "loss": 1.0}, "unknown field(s) ['loss'] for event 'step'"),
         ({"event": "compiled", "seconds": math.nan, "detail": ""}, "must be finite"),
         ({"event": "run_dir", "path": 5}, "run_dir.path=5: must be str"),
+        ({"event": "measured", "plans": "data=4", "step_s": [1.0]}, "must be list"),
+        ({"event": "measured", "plans": ["a", "b"], "step_s": [1.0]}, "2 plans and 1 step times"),
+        ({"event": "measured", "plans": [], "step_s": []}, "must be 1 to 64 plans"),
+        ({"event": "measured", "plans": [""], "step_s": [1.0]}, "must be plan descriptions"),
+        ({"event": "measured", "plans": ["a"], "step_s": [0]}, "finite and > 0"),
+        ({"event": "measured", "plans": ["a"], "step_s": [True]}, "finite and > 0"),
+        ({"event": "measured", "plans": ["a"], "step_s": [math.inf]}, "finite and > 0"),
     ],
 )
 def test_a_malformed_event_is_named(record, problem):
     assert problem in status.check(record)
+
+
+def test_a_measured_event_carries_one_time_per_plan():
+    record = {"event": "measured", "plans": ["data=4 m=1", "data=4 m=2"], "step_s": [0.4, 1]}
+    assert status.check(record) == ""
 
 
 def test_report_refuses_an_event_it_would_send_malformed(channel):
