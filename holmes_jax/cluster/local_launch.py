@@ -188,8 +188,6 @@ class _Jobs:
         if excluded:
             hosts = island_jobs.survivors(job, excluded)
             args += ["--set", f"parallel.exclude_hosts=[{','.join(excluded)}]"]
-            if not more:  # a restart: the times measured for these survivors, if any
-                extra = {**extra, **self.measured.env(excluded)}
         return plan_workers(
             hosts, self.mesh_path, [*args, *more], coordinator(hosts),
             base_env={**self.base_env, **extra}, program=self.program, prefix=prefix,
@@ -208,9 +206,9 @@ class _Jobs:
             more = ["--compile-only", "--measure"]
             workers = self.workers(job, coordinator, prefix, {}, excluded, more)
 
-            def on_status(worker, event, excluded=excluded):
+            def on_status(worker, event):
                 if worker.process_id == 0 and event["event"] == "measured":
-                    self.measured.record(excluded, event)
+                    self.measured.record(event)
 
             code = Launch(workers, out=out, count_hidden=False, status=on_status).run()
             best = self.measured.best(excluded)
@@ -233,7 +231,7 @@ class _Jobs:
             whose = f"island {job.name}'s job" if job.name else "the job"
             self.say(f"--fail-host {specs}: every worker of {whose} gets {' '.join(injected)}")
         supervisor = Supervisor(
-            make_workers, faults=job.faults, on_step=self.on_step, widen=self.measured.widen,
+            make_workers, faults=job.faults, on_step=self.on_step, measured=self.measured,
             **self.opts,
         )  # fmt: skip
         self.supervisors.append(supervisor)

@@ -44,6 +44,7 @@ from holmes_jax.cluster.launcher import (
     exit_code,
 )
 from holmes_jax.cluster.restarts import RestartClock, resumed_line
+from holmes_jax.cluster.warm import Measured
 from holmes_jax.core import status as status_channel
 from holmes_jax.core.errors import NONFINITE_EXIT, USAGE_EXIT, ConfigError
 
@@ -150,9 +151,9 @@ class Supervisor:
       faults: the ``--fail-host`` faults.
       on_step: called with every step process 0 reports (under the supervisor's lock).
       rejoin_timeout_s: how long a restart waits for an away host before leaving it out.
-      widen: (hosts away) -> (hosts left out, the line that says why or None): a restart
-        may leave out more than the away hosts (:meth:`holmes_jax.cluster.warm.Measured.
-        widen`); those start again with the away ones.
+      measured: the failures measured before training (:class:`holmes_jax.cluster.warm.
+        Measured`): it keeps process 0's ``measured`` events, and a restart may leave out
+        more hosts than the away ones (its ``widen``); those start again with them.
       grace_s, out, verbose: as :class:`~holmes_jax.cluster.launcher.Launch`'s.
     """
 
@@ -164,7 +165,7 @@ class Supervisor:
         faults: Sequence[Fault] = (),
         on_step: Callable[[int], None] | None = None,
         rejoin_timeout_s: float = DEFAULT_REJOIN_S,
-        widen: Callable[[tuple[str, ...]], tuple[tuple[str, ...], str | None]] | None = None,
+        measured: Measured | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
@@ -175,8 +176,8 @@ class Supervisor:
         self.faults = [f for f in faults if not f.inject]  # the kills; fault_args the rest
         self.rejoin_timeout_s = rejoin_timeout_s
         self.excluded: tuple[str, ...] = ()  # hosts the running attempt is without
-        self.widen = widen
-        self._sitting_out: set[str] = set()  # excluded though not away (widen)
+        self.measured = measured
+        self._sitting_out: set[str] = set()  # excluded though not away (measured.widen)
         self._reexpand = False  # the survivors were asked to stop: start every host again
         self.grace_s = grace_s
         self.out: IO[str] | None = out
@@ -208,8 +209,8 @@ class Supervisor:
 
     def _on_status(self, worker: Worker, event: dict) -> None:
         """Process 0's status events: the run directory, the checkpoint step a restart
-        resumed from, the first compile, and each logged or watched step, whatever
-        ``logging.progress``."""
+        resumed from, the first compile, each logged or watched step, whatever
+        ``logging.progress``, and the failures measured before training."""
         if worker.process_id != 0:  # process 0 speaks for the job
             return
         with self._lock:
@@ -229,6 +230,8 @@ class Supervisor:
                 clock.mark("compile")
             elif kind == "run_dir" and self.run_dir is None:
                 self.run_dir = event["path"]
+            elif kind == "measured" and self.measured is not None:
+                self.measured.record(event)
 
     def _on_step(self, step: int) -> None:
         self.step = step
@@ -369,8 +372,8 @@ class Supervisor:
                     return 130
                 away = () if first else self._wait_for_away_hosts()
                 self.excluded, why = (away, None)
-                if away and self.widen is not None:
-                    self.excluded, why = self.widen(away)
+                if away and self.measured is not None:
+                    self.excluded, why = self.measured.widen(away)
                 if why:
                     self._say(why)
                 self._sitting_out = set(self.excluded) - set(away)

@@ -1,33 +1,29 @@
-"""Failures measured before training (``launch --warm-failures``).
+"""Failures measured before training (``launch --warm-failures``), and what a restart
+does with them.
 
 Before the first step, the survivors of each failure the planner lists
 (:func:`~holmes_jax.planner.failures.failure_cases`: each host, each whole island) run
 ``train --compile-only --measure``: their candidate plans' train steps are compiled into
 the compilation cache and timed, a few steps each on zeros, as a re-plan's trial times
-them (:mod:`holmes_jax.runtime.replan_trial`). Process 0 reports the times (a ``measured``
-status event) and :class:`Measured` keeps them, by the hosts left out.
+them (:mod:`holmes_jax.runtime.replan_trial`). The times are kept in the cache
+(:mod:`holmes_jax.runtime.rundir.measured`), so a restart on those survivors trains the
+fastest measured candidate without a trial of its own, in this launch or a later one
+with the same cache.
 
-A restart on survivors that were measured then:
+Process 0 reports each case to the launcher (a ``measured`` status event: when it is
+timed, and from the full job at its start, for every case the cache holds), and
+:class:`Measured` keeps them. A restart whose lost hosts lie in one island leaves that
+island's other hosts out too when the survivors of the whole island's loss measured
+faster (:meth:`Measured.widen`): the re-plan is never slower than dropping the island,
+and the hosts that sit out start again with the lost ones.
 
-- leaves out the rest of a damaged island too when the survivors of that whole island's
-  loss measured faster (:meth:`Measured.widen`): the re-plan is never slower than
-  dropping the island, and the hosts that sit out start again with the lost one;
-- hands the times to the trainer (:meth:`Measured.env`,
-  :data:`~holmes_jax.runtime.replan_trial.MEASURED_VAR`), which trains the fastest
-  candidate without a trial of its own.
-
-The times are those of the hosts before training, not at the failure: a host that slowed
-down since is not seen. Without ``--warm-failures`` a restart tries its candidates itself.
+The times are the hosts' before training, not at the failure: a host that slowed down
+since is not seen. Without them a restart tries its candidates itself.
 """
 
 from __future__ import annotations
 
-import json
-
 from holmes_jax.planner.topology import Topology
-
-# holmes_jax.runtime.replan_trial.MEASURED_VAR (not imported: the launcher runs no jax)
-MEASURED_VAR = "HOLMES_MEASURED_PLANS"
 
 
 class Measured:
@@ -35,22 +31,16 @@ class Measured:
 
     def __init__(self, topology: Topology):
         self.topology = topology
-        self.times: dict[frozenset[str], dict] = {}  # left out -> {"plans": [...], "step_s": [...]}
+        self.times: dict[frozenset[str], list[float]] = {}  # lost hosts -> each plan's step
 
-    def record(self, excluded: tuple[str, ...], event: dict) -> None:
-        """Keep a ``measured`` status event (checked by the status channel) of the
-        survivors without ``excluded``."""
-        self.times[frozenset(excluded)] = {"plans": event["plans"], "step_s": event["step_s"]}
+    def record(self, event: dict) -> None:
+        """Keep a ``measured`` status event (checked by the status channel)."""
+        self.times[frozenset(event["excluded"])] = list(event["step_s"])
 
     def best(self, excluded) -> float | None:
         """The fastest measured step of the survivors without ``excluded``, or None."""
         got = self.times.get(frozenset(excluded))
-        return min(got["step_s"]) if got else None
-
-    def env(self, excluded: tuple[str, ...]) -> dict[str, str]:
-        """The environment that gives a restart without ``excluded`` its measured times."""
-        got = self.times.get(frozenset(excluded))
-        return {MEASURED_VAR: json.dumps(got)} if got else {}
+        return min(got) if got else None
 
     def widen(self, excluded: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
         """The hosts a restart leaves out when ``excluded`` are away: their whole island

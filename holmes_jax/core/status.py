@@ -25,8 +25,9 @@ resumed  ``step`` (int >= 0)                     the state to train from is read
 compiled ``seconds`` (float >= 0), ``detail``    the first train step compiled
          (str: cache hits, or "")
 step     ``step`` (int >= 1)                     a logged or watched step finished
-measured ``plans`` (list of str), ``step_s``     ``train --compile-only --measure``
-         (list of numbers > 0, one per plan)     timed each candidate plan's step
+measured ``excluded`` (list of str: the lost    a failure's survivors' candidate
+         hosts), ``plans`` (list of str),        plans were timed (``--measure``), or
+         ``step_s`` (numbers > 0, one per plan)  found timed (the full job's process 0)
 ======== ======================================= =====================================
 """
 
@@ -48,7 +49,7 @@ EVENTS: dict[str, dict[str, tuple[tuple[type, ...], int | None]]] = {
     "resumed": {"step": ((int,), 0)},
     "compiled": {"seconds": ((int, float), 0), "detail": ((str,), None)},
     "step": {"step": ((int,), 1)},
-    "measured": {"plans": ((list,), None), "step_s": ((list,), None)},
+    "measured": {"excluded": ((list,), None), "plans": ((list,), None), "step_s": ((list,), None)},
 }
 MAX_PLANS = 64  # the most candidate plans a measured event may carry
 MAX_LINE = 64 * 1024  # a longer line is not a status line
@@ -118,7 +119,9 @@ def check(record: Any) -> str:
 
 def _check_measured(record: dict[str, Any]) -> str:
     """What is wrong with a ``measured`` event's lists, or ""."""
-    plans, times = record["plans"], record["step_s"]
+    plans, times, lost = record["plans"], record["step_s"], record["excluded"]
+    if not 1 <= len(lost) <= MAX_PLANS or not all(isinstance(h, str) and h for h in lost):
+        return f"measured.excluded={lost!r}: must be the lost hosts' names (1 to {MAX_PLANS})"
     if not 1 <= len(plans) <= MAX_PLANS or len(times) != len(plans):
         return (
             f"measured: {len(plans)} plans and {len(times)} step times: must be 1 to "

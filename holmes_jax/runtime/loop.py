@@ -26,7 +26,7 @@ from holmes_jax.runtime.each_step import Logbook, Saves, Stepper, Stops
 from holmes_jax.runtime.engine.mesh import build_mesh
 from holmes_jax.runtime.nonfinite import SkipGuard
 from holmes_jax.runtime.program import Program
-from holmes_jax.runtime.rundir import compile_cache
+from holmes_jax.runtime.rundir import compile_cache, measured
 from holmes_jax.runtime.rundir.checkpoint import Checkpointer
 from holmes_jax.runtime.rundir.paths import choose_run_dir, write_config
 from holmes_jax.runtime.rundir.profiling import StepProfiler
@@ -60,8 +60,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
     outputs = choose_run_dir(island_outputs(cfg))
     cache = compile_cache.configure(outputs.cfg)
     r = resolve(cfg, outputs)
-    # a failure's survivors: their candidate plans tried, the fastest measured kept
-    r, program = replan_trial.choose(cfg, outputs, r, resolve, program_of)
+    # a failure's survivors: their candidate plans tried (or measured before training), the
+    # fastest measured kept; the full job tells the launcher which failures were measured
+    r, program = replan_trial.choose(cfg, outputs, r, resolve, program_of, cache, _on_process_0)
+    if not cfg.parallel.exclude_hosts and jax.process_index() == 0:
+        for line in measured.report_all(cache, cfg):
+            _on_process_0(line)
     cfg, asked = r.cfg, r.asked
     plan_lines, predicted_s = describe_plan(
         cfg, r.shape, r.topology, r.devices, asked.parallel.layers_per_stage
@@ -134,6 +138,12 @@ def run(cfg: Config, *, stop_at_step: int | None = None) -> list[dict[str, Any]]
         logger.close()
     book.summary(step, predicted_s)
     return book.history
+
+
+def _on_process_0(line: str) -> None:
+    """A line before the logger exists, from process 0 alone."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def program_of(r) -> Program:

@@ -20,14 +20,14 @@ trial's seconds went (process 0's: building programs, making states, compiling, 
 :func:`compile_ahead` (``train --compile-only``, which ``launch --warm-failures`` runs
 for the survivors of each failure) compiles the train step of each candidate, or of the run
 itself, into the compilation cache and trains nothing, so a restart and its trial load
-their programs rather than compile them.
+their programs rather than compile them. With ``--measure`` it also runs the trial and
+keeps its times in the cache (:mod:`holmes_jax.runtime.rundir.measured`); a restart on
+those survivors then trains the fastest measured candidate without a trial.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -37,9 +37,8 @@ import numpy as np
 
 from holmes_jax.core import status
 from holmes_jax.runtime.data.loader import global_array, local_rows
-from holmes_jax.runtime.rundir import compile_cache
+from holmes_jax.runtime.rundir import compile_cache, measured
 
-MEASURED_VAR = "HOLMES_MEASURED_PLANS"  # the launcher's: the candidates as measured ahead
 TRIAL_STEPS = 3  # per candidate at most: the first is not timed, the fastest of the others counts
 GIVE_UP = 1.5  # a candidate whose timed step is this many times the best so far stops there
 
@@ -49,10 +48,10 @@ def fastest(predicted: Sequence[float], measure: Callable[[int, float], float]) 
     candidate measured once, in order (``measure(i, bound)`` -> seconds; it may stop once
     its step is over ``bound``, :data:`GIVE_UP` times the fastest before it). Ties keep the
     earlier candidate: the one predicted faster."""
-    measured: list[float] = []
+    times: list[float] = []
     for i in range(len(predicted)):
-        measured.append(measure(i, min(measured, default=float("inf")) * GIVE_UP))
-    return min(range(len(measured)), key=lambda i: (measured[i], i)), measured
+        times.append(measure(i, min(times, default=float("inf")) * GIVE_UP))
+    return min(range(len(times)), key=lambda i: (times[i], i)), times
 
 
 @dataclasses.dataclass
@@ -77,10 +76,10 @@ class Tried:
         )
 
 
-def choose(cfg, outputs, r, resolve, make_program):
+def choose(cfg, outputs, r, resolve, make_program, cache=None, say=print):
     """``(resolved, program)``: the candidate that trains, its ``trial`` the line that
-    reports the trial, and its program (None when it was measured before training: built
-    by the caller); ``(r, None)`` when there is nothing to try.
+    reports the trial, and its program (None when it was measured ahead: the caller builds
+    it); ``(r, None)`` when there is nothing to try.
 
     Args:
       cfg: the config as given to the run.
@@ -89,14 +88,18 @@ def choose(cfg, outputs, r, resolve, make_program):
       resolve: ``resolve(cfg, outputs, candidate=i)``.
       make_program: ``make_program(resolved)`` -> its :class:`~holmes_jax.runtime.program.
         Program` (nothing compiled).
+      cache: the compilation cache directory, where these survivors' times may have been
+        kept (:mod:`holmes_jax.runtime.rundir.measured`).
+      say: where the lines of measured files ignored go.
     """
     replanned = r.replanned
     if replanned is None or len(replanned.candidates) < 2:
         return r, None
     candidates = replanned.candidates
-    ahead, problem = measured_ahead(
-        os.environ.get(MEASURED_VAR), [c.describe() for c in candidates]
-    )
+    case, ignored = measured.load(cache, cfg)
+    for line in ignored:
+        say(line)
+    ahead, problem = measured_ahead(case, [c.describe() for c in candidates])
     if ahead is not None:
         best = min(range(len(ahead)), key=lambda i: (ahead[i], i))
         run = r if best == 0 else resolve(cfg, outputs, candidate=best)
@@ -113,7 +116,7 @@ def choose(cfg, outputs, r, resolve, make_program):
 def trial(runs, candidates, make_program) -> tuple[int, list, str, list[float]]:
     """Each of ``runs`` (the resolved candidates) built and stepped (:func:`step_seconds`)
     in order, each stopping once :data:`GIVE_UP` times the fastest before it: ``(best,
-    programs, line, measured)``, the line reporting the trial and each candidate's step."""
+    programs, line, times)``, the line reporting the trial and each candidate's step."""
     programs: list = []
     tried: list[Tried] = []
 
@@ -128,7 +131,7 @@ def trial(runs, candidates, make_program) -> tuple[int, list, str, list[float]]:
         return one.step_s
 
     began = time.perf_counter()
-    best, measured = fastest([c.step_s for c in candidates], measure)
+    best, times = fastest([c.step_s for c in candidates], measure)
     total = Tried(
         build_s=sum(t.build_s for t in tried),
         state_s=sum(t.state_s for t in tried),
@@ -140,39 +143,30 @@ def trial(runs, candidates, make_program) -> tuple[int, list, str, list[float]]:
     line = (
         f"re-plan trial of {len(runs)} candidates (up to {TRIAL_STEPS} steps each{how}; "
         f"{time.perf_counter() - began:.1f} s: {total.parts()}): "
-        + _results(candidates, measured, [t.steps for t in tried])
+        + _results(candidates, times, [t.steps for t in tried])
         + f" -> candidate {best + 1} trains"
     )
-    return best, programs, line, measured
+    return best, programs, line, times
 
 
-def _results(candidates, measured, steps=None) -> str:
+def _results(candidates, times, steps=None) -> str:
     """``1. <plan>: predicted X s, measured Y s; 2. ...`` (and where a trial stopped early)."""
     return "; ".join(
         f"{i + 1}. {c.describe()}: predicted {c.step_s:.3g} s, measured {m:.3g} s"
         + ("" if steps is None or steps[i] == TRIAL_STEPS else f" (stopped after {steps[i]} steps)")
-        for i, (c, m) in enumerate(zip(candidates, measured, strict=True))
+        for i, (c, m) in enumerate(zip(candidates, times, strict=True))
     )
 
 
-def measured_ahead(raw: str | None, plans: list[str]) -> tuple[list[float] | None, str]:
-    """``(step seconds of each plan, "")`` from :data:`MEASURED_VAR`'s value ``raw`` when
-    it measured exactly ``plans``, in order; else ``(None, why)``, ``why`` empty when there
-    is no value, else a clause for the trial's line (the candidates are tried instead)."""
-    if not raw:
+def measured_ahead(case: dict | None, plans: list[str]) -> tuple[list[float] | None, str]:
+    """``(step seconds of each plan, "")`` from a measured ``case``
+    (:func:`holmes_jax.runtime.rundir.measured.load`) that timed exactly ``plans``, in order;
+    else ``(None, why)``, ``why`` empty without a case, else a clause for the trial's line."""
+    if case is None:
         return None, ""
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        return None, f"{MEASURED_VAR} ignored, not JSON ({e}); "
-    if not isinstance(value, dict):
-        return None, f"{MEASURED_VAR} ignored, not a JSON object; "
-    problem = status.check({**value, "event": "measured"})
-    if problem:
-        return None, f"{MEASURED_VAR} ignored ({problem}); "
-    if value["plans"] != plans:
-        return None, f"{MEASURED_VAR} ignored: it measured other plans than these candidates; "
-    return [float(t) for t in value["step_s"]], ""
+    if case["plans"] != plans:
+        return None, "the plans measured before training are not these candidates: "
+    return [float(t) for t in case["step_s"]], ""
 
 
 def step_seconds(program, r, bound: float = float("inf")) -> Tried:
@@ -237,10 +231,11 @@ def compile_ahead(cfg, outputs, resolve, make_program, say, measure: bool = Fals
     """``train --compile-only``: the train step of every candidate plan (or of the run)
     compiled into the compilation cache; nothing trained, nothing written but the cache.
     With ``measure`` (``--measure``, a failure's survivors only) each candidate is also
-    timed as a re-plan's trial times it (:func:`trial`), and process 0 reports the times
-    to the launcher (a ``measured`` status event), which hands them to a restart on these
-    survivors (:data:`MEASURED_VAR`). Returns the exit code: 2 (one line) without a cache
-    directory to fill, or when ``measure`` has no candidates to time."""
+    timed as a re-plan's trial times it (:func:`trial`); process 0 keeps the times in the
+    cache for a restart on these survivors (:mod:`holmes_jax.runtime.rundir.measured`)
+    and reports them to the launcher (a ``measured`` status event). Returns the exit
+    code: 2 (one line) without a cache directory to fill, or when ``measure`` has no
+    candidates to time."""
     directory = compile_cache.configure(outputs.cfg)
     if directory is None:
         say(
@@ -258,10 +253,13 @@ def compile_ahead(cfg, outputs, resolve, make_program, say, measure: bool = Fals
             return 2
         candidates = r.replanned.candidates
         runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(candidates))]
-        _, _, line, measured = trial(runs, candidates, make_program)
+        _, _, line, times = trial(runs, candidates, make_program)
         say(f"--compile-only --measure: {line}")
         if jax.process_index() == 0:
-            status.report("measured", plans=[c.describe() for c in candidates], step_s=measured)
+            plans = [c.describe() for c in candidates]
+            measured.save(directory, cfg, plans, times)
+            excluded = list(cfg.parallel.exclude_hosts)
+            status.report("measured", excluded=excluded, plans=plans, step_s=times)
         return 0
     count = len(r.replanned.candidates) if r.replanned is not None else 1
     for i in range(count):

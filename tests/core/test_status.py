@@ -60,6 +60,9 @@ def test_without_a_channel_report_writes_nothing(monkeypatch):
     assert status._channel is None and status._closed
 
 
+MEASURED = {"event": "measured", "excluded": ["roce-1"], "plans": ["data=4"], "step_s": [0.4]}
+
+
 @pytest.mark.parametrize(
     "record, problem",
     [
@@ -72,13 +75,15 @@ def test_without_a_channel_report_writes_nothing(monkeypatch):
         ({"event": "step", "step": 3, "loss": 1.0}, "unknown field(s) ['loss'] for event 'step'"),
         ({"event": "compiled", "seconds": math.nan, "detail": ""}, "must be finite"),
         ({"event": "run_dir", "path": 5}, "run_dir.path=5: must be str"),
-        ({"event": "measured", "plans": "data=4", "step_s": [1.0]}, "must be list"),
-        ({"event": "measured", "plans": ["a", "b"], "step_s": [1.0]}, "2 plans and 1 step times"),
-        ({"event": "measured", "plans": [], "step_s": []}, "must be 1 to 64 plans"),
-        ({"event": "measured", "plans": [""], "step_s": [1.0]}, "must be plan descriptions"),
-        ({"event": "measured", "plans": ["a"], "step_s": [0]}, "finite and > 0"),
-        ({"event": "measured", "plans": ["a"], "step_s": [True]}, "finite and > 0"),
-        ({"event": "measured", "plans": ["a"], "step_s": [math.inf]}, "finite and > 0"),
+        (dict(MEASURED, plans="data=4"), "measured.plans='data=4': must be list"),
+        (dict(MEASURED, plans=["a", "b"]), "2 plans and 1 step times"),
+        (dict(MEASURED, plans=[], step_s=[]), "must be 1 to 64 plans"),
+        (dict(MEASURED, plans=[""]), "must be plan descriptions"),
+        (dict(MEASURED, step_s=[0]), "finite and > 0"),
+        (dict(MEASURED, step_s=[True]), "finite and > 0"),
+        (dict(MEASURED, step_s=[math.inf]), "finite and > 0"),
+        (dict(MEASURED, excluded=[]), "must be the lost hosts' names"),
+        (dict(MEASURED, excluded=[3]), "must be the lost hosts' names"),
     ],
 )
 def test_a_malformed_event_is_named(record, problem):
@@ -86,8 +91,8 @@ def test_a_malformed_event_is_named(record, problem):
 
 
 def test_a_measured_event_carries_one_time_per_plan():
-    record = {"event": "measured", "plans": ["data=4 m=1", "data=4 m=2"], "step_s": [0.4, 1]}
-    assert status.check(record) == ""
+    assert status.check(MEASURED) == ""
+    assert status.check(dict(MEASURED, plans=["data=4 m=1", "data=4 m=2"], step_s=[0.4, 1])) == ""
 
 
 def test_report_refuses_an_event_it_would_send_malformed(channel):
