@@ -380,10 +380,10 @@ class TrainConfig:
     # abort on a cached program), and JAX_COMPILATION_CACHE_DIR wins over it; null = none
     # of ours (JAX_COMPILATION_CACHE_DIR still applies); a path wins over both.
     compilation_cache: str | None = "auto"
-    # With several CPU processes and a cache: each process keeps its own train-step
-    # executable there, and a restart loads it without tracing or compiling (jax caches
-    # process 0's alone); jax's own cache is then off in the job, since XLA:CPU in jaxlib
-    # 0.10.2 fails to run some of its executables serialized again ("Function ... not found")
+    # With several CPU processes and a cache: each process keeps its own executables there
+    # (train step, eval, checkpoint layout), which a restart loads without tracing (jax
+    # caches process 0's alone); jax's own cache is then off in the job (XLA:CPU in jaxlib
+    # 0.10.2 fails to run some of its executables serialized again)
     executable_store: bool = True
     # A step whose loss or gradient norm is not finite changes no parameter or optimizer
     # state and is counted (skipped_steps in the metrics); more than this many in a row

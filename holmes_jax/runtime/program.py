@@ -73,7 +73,7 @@ from holmes_jax.runtime.state import Shardings, TrainState, cast, compute_dtype
 
 @dataclass
 class _Jitted:
-    """The program's jitted functions; ``compile_*`` replace some with executables."""
+    """The program's jitted functions, some through the executable store."""
 
     init: Any
     train_step: Any
@@ -196,6 +196,8 @@ class Program:
         self.outer = (
             OuterStep(cfg.diloco, self.layout, mesh, sh.state, self.dtype) if self.diloco else None
         )
+        ident = compile_cache.identity(cfg, mesh, None, nan_bubbles)
+        store = lambda name, f: compile_cache.Stored(f, name, mesh.devices.flat, ident)  # noqa: E731
         self._jit = _Jitted(
             init=jax.jit(self._init_state, out_shardings=sh.state),
             train_step=jax.jit(
@@ -204,20 +206,21 @@ class Program:
                 out_shardings=(sh.state, sh.metrics),
                 donate_argnums=(0,),
             ),
-            eval=jax.jit(
+            # the store's (a restart loads them): eval and the checkpoint layout conversions
+            eval=store("eval", jax.jit(
                 self._eval_loss, in_shardings=(sh.eval, sh.batch), out_shardings=replicated(mesh)
-            ),
-            to_logical=jax.jit(
+            )),
+            to_logical=store("to_logical", jax.jit(
                 self._state_to_logical, in_shardings=(sh.state,), out_shardings=sh.logical_state
-            ),
-            from_logical=jax.jit(
+            )),
+            from_logical=store("from_logical", jax.jit(
                 self._state_from_logical, in_shardings=(sh.logical_state,), out_shardings=sh.state
-            ),
-            model_to_logical=jax.jit(
+            )),
+            model_to_logical=store("model_to_logical", jax.jit(
                 self._params_to_logical, out_shardings=self.logical_model_sharding()
-            ),
-            with_model=jax.jit(self._set_model, out_shardings=sh.state),
-        )
+            )),
+            with_model=store("with_model", jax.jit(self._set_model, out_shardings=sh.state)),
+        )  # fmt: skip
 
     def _zero(self, param_sharding, abstract_params, skip: int):
         """Parameter shardings with ``data`` added where ZeRO-1 splits the leaf."""
@@ -398,22 +401,19 @@ class Program:
         )
 
     def compile_layout_conversions(self) -> None:
-        """Compile :meth:`to_logical`, :meth:`from_logical`, :meth:`model_to_logical` and
-        :meth:`with_logical_model` now, ahead of their first call (a multi-process caller
-        then waits for every process before the first run: a new program's first collective
-        waits only 30 s for its peers)."""
+        """Compile (or load) :meth:`to_logical`, :meth:`from_logical`, :meth:`model_to_logical`
+        and :meth:`with_logical_model` now, ahead of their first call (a multi-process caller
+        then waits for every process: a new program's first collective waits 30 s at most)."""
         if self.pipelined:
             state, logical = self.abstract_state, self.abstract_logical_state
             bf16 = self.dtype != jnp.float32
             j = self._jit
             with self.context():
-                j.to_logical = j.to_logical.lower(state).compile()
-                j.from_logical = j.from_logical.lower(logical).compile()
-                model = state.master if bf16 else state.params
-                j.model_to_logical = j.model_to_logical.lower(model).compile()
+                j.to_logical.compile(state)
+                j.from_logical.compile(logical)
+                j.model_to_logical.compile(state.master if bf16 else state.params)
                 step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(self.mesh))
-                model = logical.master if bf16 else logical.params
-                j.with_model = j.with_model.lower(state, model, step).compile()
+                j.with_model.compile(state, logical.master if bf16 else logical.params, step)
 
     def apply_gradients(self, state: TrainState, grads) -> TrainState:
         """One optimizer step from given pipeline-layout gradients (for tests and tools).

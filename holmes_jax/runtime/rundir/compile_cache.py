@@ -29,7 +29,8 @@ renamed), keyed by what the program is traced from (the package's code, the sett
 shapes the caller names, jax's version and tracing flags), its devices (ids and
 processes, in the mesh's order), the process and the XLA flags, and loads it instead of
 tracing, lowering and compiling (a pipelined step takes seconds to trace and lower, on
-every process). The files are the run's own, as trusted as
+every process); :class:`Stored` does so for a jitted function (eval, the checkpoint
+layout conversions). The files are the run's own, as trusted as
 jax's cache entries (loading one runs code). It is on with ``train.executable_store``,
 and then jax's own cache is off in that job: an executable that jax read back from its
 cache and that was serialized again fails to run on XLA:CPU in jaxlib 0.10.2
@@ -185,16 +186,54 @@ def source_digest() -> str:
 
 
 def identity(cfg: Config, mesh, batch, *extra) -> str:
-    """What a step of ``cfg`` on ``mesh`` taking ``batch`` is traced from, besides the code
-    (:func:`load_or_compile`): the settings that shape it (not the run's paths), the mesh's
-    axes and shape, the batch's shape and dtype (the state follows from these) and
-    ``extra``."""
+    """What a program of ``cfg`` on ``mesh`` taking ``batch`` (or None) is traced from,
+    besides the code (:func:`load_or_compile`): the settings that shape it (not the run's
+    paths), the mesh's axes and shape, the batch's shape and dtype (the state follows from
+    these) and ``extra``."""
     train = dataclasses.replace(
         cfg.train, run_dir=None, metrics_path=None, compilation_cache=None, executable_store=False
     )
     mesh_shape = (tuple(mesh.axis_names), mesh.devices.shape)
     parts = (cfg.model, cfg.parallel, cfg.optimizer, cfg.diloco, train, mesh_shape, extra)
+    if batch is None:
+        return repr(parts)
     return repr(parts + (tuple(batch.shape), str(batch.dtype)))
+
+
+class Stored:
+    """A jitted function whose executable is :func:`load_or_compile`'s: lowered (or loaded)
+    for the arguments of its first call, or of :meth:`compile`, and run for every later
+    call; arguments of other shapes or shardings go to the jitted function instead.
+
+    Args:
+      jitted: the :func:`jax.jit` function.
+      name: the program's name in the store.
+      devices: the mesh's devices, in its order.
+      identity: as :func:`load_or_compile`'s (the same for every call of this function).
+    """
+
+    def __init__(self, jitted, name: str, devices, identity: str):
+        self.jitted, self.name, self.identity = jitted, name, identity
+        self.devices = list(devices)
+        self._compiled = None
+
+    @property
+    def compiled(self):
+        """The executable (a :class:`jax.stages.Compiled`), or None before the first call."""
+        return self._compiled
+
+    def compile(self, *args) -> None:
+        """Lower (or load) the executable for ``args`` (arrays or shape structs) now."""
+        if self._compiled is None:
+            lower = lambda: self.jitted.lower(*args)  # noqa: E731
+            self._compiled = load_or_compile(lower, self.name, self.devices, self.identity)
+
+    def __call__(self, *args):
+        self.compile(*args)
+        try:
+            return self._compiled(*args)
+        except (TypeError, ValueError):  # other shapes or shardings: jit's own path
+            return self.jitted(*args)
 
 
 def load_or_compile(lower: Callable, name: str, devices, identity: str):

@@ -183,6 +183,24 @@ def test_the_executable_store_loads_without_tracing_and_keys_on_what_shapes_the_
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     ids = [cc.identity(c, mesh, x) for c in (a, moved, other)]
     assert ids[0] == ids[1] != ids[2]
+    assert cc.identity(a, mesh, None) != cc.identity(a, mesh, x)  # no batch: the state's
+    # A Stored function: its first call's executable is stored; a fresh one (a restart)
+    # loads it without tracing; arguments of another shape run the jitted function.
+    traced = []
+
+    def g(v):
+        traced.append(v.shape)
+        return jnp.cos(v) + 1.0
+
+    stored = cc.Stored(jax.jit(g), "g", jax.devices()[:1], "plan A")
+    np.testing.assert_allclose(np.asarray(stored(x)), np.cos(np.arange(6.0)) + 1, rtol=1e-6)
+    restarted = cc.Stored(jax.jit(g), "g", jax.devices()[:1], "plan A")
+    restarted.compile(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    assert len(traced) == 1 and isinstance(restarted.compiled, jax.stages.Compiled)
+    np.testing.assert_array_equal(np.asarray(restarted(x)), np.asarray(stored(x)))
+    assert len(traced) == 1
+    np.testing.assert_allclose(np.asarray(restarted(jnp.zeros(3))), np.full(3, 2.0))
+    assert traced == [(6,), (3,)]  # the other shape traced by jit, the stored one kept
 
 
 # -- end to end: the tiny model, one or two steps per run --------------------------------
