@@ -228,8 +228,9 @@ def _slowest_process(local: list[float]) -> list[float]:
 
 
 def compile_ahead(cfg, outputs, resolve, make_program, say, measure: bool = False) -> int:
-    """``train --compile-only``: the train step of every candidate plan (or of the run)
-    compiled into the compilation cache; nothing trained, nothing written but the cache.
+    """``train --compile-only``: the train step and checkpoint layout conversions of every
+    candidate plan (or of the run) compiled into the compilation cache; nothing trained,
+    nothing written but the cache.
     With ``measure`` (``--measure``, a failure's survivors only) each candidate is also
     timed as a re-plan's trial times it (:func:`trial`); process 0 keeps the times in the
     cache for a restart on these survivors (:mod:`holmes_jax.runtime.rundir.measured`)
@@ -253,7 +254,9 @@ def compile_ahead(cfg, outputs, resolve, make_program, say, measure: bool = Fals
             return 2
         candidates = r.replanned.candidates
         runs = [r] + [resolve(cfg, outputs, candidate=i) for i in range(1, len(candidates))]
-        _, _, line, times = trial(runs, candidates, make_program)
+        _, programs, line, times = trial(runs, candidates, make_program)
+        for program in programs:
+            program.compile_layout_conversions()  # a restart's from_logical, a save's to_logical
         say(f"--compile-only --measure: {line}")
         if jax.process_index() == 0:
             plans = [c.describe() for c in candidates]
@@ -271,6 +274,7 @@ def compile_ahead(cfg, outputs, resolve, make_program, say, measure: bool = Fals
         began = time.perf_counter()
         hits = compile_cache.CacheHits()
         program.compile_train_step(program.abstract_state, batch)
+        program.compile_layout_conversions()  # a restart's from_logical, a save's to_logical
         how = hits.describe() or "compiled"
         which = f"candidate {i + 1} of {count}" if r.replanned is not None else "the train step"
         say(f"--compile-only: {which}: {time.perf_counter() - began:.1f} s ({how}) in {directory}")
