@@ -70,8 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compile-only",
         action="store_true",
-        help="compile the train step (a failure's survivors: each candidate plan's) into "
-        "train.compilation_cache and exit without training",
+        help="compile the train step and checkpoint layout conversions (a failure's "
+        "survivors: each candidate plan's) into train.compilation_cache and exit without "
+        "training",
     )
     parser.add_argument(
         "--measure",
