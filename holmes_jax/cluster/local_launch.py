@@ -163,6 +163,8 @@ class _Jobs:
         self.measured = Measured(topology)  # what --warm-failures measured
         self.supervisors: list[Supervisor] = []
         self.on_step: Callable | None = None  # --cut-islands' cutter, once the network is up
+        # emulated: hosts -> None when they reach each other, else which pair does not
+        self.unreachable: Callable[[list[str]], str | None] | None = None
 
     def run(self, coordinator, peer_address, independent: bool, prefix=None) -> int:
         """Run the job(s) to the end; the exit code (independent: the worst island's).
@@ -230,9 +232,14 @@ class _Jobs:
             specs = " ".join(f.spec for f in job.faults if f.inject)
             whose = f"island {job.name}'s job" if job.name else "the job"
             self.say(f"--fail-host {specs}: every worker of {whose} gets {' '.join(injected)}")
+
+        def reachable(excluded: tuple[str, ...]) -> str | None:
+            hosts = island_jobs.survivors(job, excluded)
+            return self.unreachable([h for isl in hosts.islands for h in isl.hosts])
+
         supervisor = Supervisor(
             make_workers, faults=job.faults, on_step=self.on_step, measured=self.measured,
-            **self.opts,
+            reachable=reachable if self.unreachable is not None else None, **self.opts,
         )  # fmt: skip
         self.supervisors.append(supervisor)
         return supervisor
@@ -281,6 +288,7 @@ def _emulated(jobs: _Jobs, topology, scale, latency, cpu_quota, cut, independent
             return f"{plan.host(host).address}:{island_jobs.OUTER_SYNC_PORT + k}"
 
         say(_emulation_summary(topology, len(plan.hosts), scale, plan.delays, quotas))
+        jobs.unreachable = lambda hosts: network.unreachable(hosts, EMULATED_PORT)
         cutter = None
         if cut is not None:
             cutter = linkcut.IslandCutter(cut, network.cut_islands, network.restore_islands, say)

@@ -37,6 +37,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -51,6 +52,31 @@ SUBNET = "10.77"  # island i is 10.77.i.0/24 (private; exists only inside the na
 MTU = 65520  # fewer, larger packets: per-packet cost, not bytes, dominates on small machines
 QUANTUM = 65536  # htb bytes per round; explicit to keep tc quiet at Gbit rates
 CUT_PREF = "50"  # --cut-islands' blackhole rules: before the delaying wire's (100) and main
+PROBE_TIMEOUT_S = 1.0  # a connect not answered by then: the link drops packets (cut)
+# The reachability probe, run inside a namespace: argv = timeout, host:port ...; prints 1 per
+# target that answered (accepted or refused), 0 per target that did not.
+_PROBE = """
+import socket, sys, threading
+t = float(sys.argv[1])
+res = {}
+def go(i, a):
+    host, port = a.rsplit(":", 1)
+    s = socket.socket()
+    s.settimeout(t)
+    try:
+        s.connect((host, int(port)))
+        res[i] = 1
+    except ConnectionRefusedError:
+        res[i] = 1
+    except OSError:
+        res[i] = 0
+    finally:
+        s.close()
+ts = [threading.Thread(target=go, args=(i, a)) for i, a in enumerate(sys.argv[2:])]
+[x.start() for x in ts]
+[x.join() for x in ts]
+print(" ".join(str(res.get(i, 0)) for i in range(len(ts))))
+"""
 _STALE = re.compile(rf"^{PREFIX}(\d+)-(r|\d+)$")
 
 
@@ -331,6 +357,36 @@ class EmulatedNetwork:
     def exec_prefix(self, host: str) -> list[str]:
         """Prepend to a command to run it inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.plan.host(host).namespace]
+
+    def unreachable(
+        self, hosts: Sequence[str], port: int, timeout_s: float = PROBE_TIMEOUT_S
+    ) -> str | None:
+        """Whether every one of ``hosts`` can reach the others' islands: from each host's
+        namespace, a TCP connect to ``port`` of the first of ``hosts`` in every other island
+        (a refused connection counts as reached). A cut link drops packets, so its connect
+        times out. Returns None when all connected, else ``"<host> cannot reach <host>"``
+        for the first pair that did not."""
+        first: dict[int, HostNet] = {}
+        for h in map(self.plan.host, hosts):
+            first.setdefault(h.island, h)
+        probes = []
+        for h in map(self.plan.host, hosts):
+            to = [t for i, t in first.items() if i != h.island]
+            if to:
+                args = [f"{t.address}:{port}" for t in to]
+                cmd = [*self.exec_prefix(h.host), sys.executable, "-I", "-S", "-c", _PROBE]
+                probes.append((h, to, subprocess.Popen(
+                    [*cmd, str(timeout_s), *args], stdout=subprocess.PIPE, text=True,
+                    stderr=subprocess.DEVNULL,
+                )))  # fmt: skip
+        failed = None
+        for h, to, p in probes:
+            out = p.communicate()[0].split()
+            if failed is None and (p.returncode or out != ["1"] * len(to)):
+                # the probe prints 1 per target reached, 0 per target not (in order)
+                bad = next((t for t, o in zip(to, out, strict=False) if o != "1"), to[0])
+                failed = f"{h.host} cannot reach {bad.host}"
+        return failed
 
 
 def start_delayer(command: list[str], timeout_s: float = 30.0) -> subprocess.Popen:

@@ -21,7 +21,8 @@ the job is told to fail that way (:func:`fault_args`). ``on_step`` sees every re
 Hosts that stay away: before a restart the supervisor waits up to ``rejoin_timeout_s``
 (``--rejoin-timeout``) for them. Those still away are left out, and the trainer re-plans for
 the survivors (:mod:`holmes_jax.planner.failures`). When a left-out host is back, every host
-starts again from a checkpoint; this re-expansion does not count as a restart.
+starts again from a checkpoint; this re-expansion does not count as a restart. It waits until
+every host can reach the others (``reachable``): the survivors train on meanwhile.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from holmes_jax.core import status as status_channel
 from holmes_jax.core.errors import NONFINITE_EXIT, USAGE_EXIT, ConfigError
 
 DEFAULT_MAX_RESTARTS = 3
+PROBE_EVERY_S = 1.0  # how often a re-expansion that found a host unreachable probes again
 RESTART_GRACE_S = 1.0  # the others' time to exit when a restart follows a failure
 DEFAULT_REJOIN_S = 60.0  # how long a restart waits for an away host before leaving it out
 # Exit codes a restart cannot fix (the same command fails the same way), and why.
@@ -154,6 +156,9 @@ class Supervisor:
       measured: the failures measured before training (:class:`holmes_jax.cluster.warm.
         Measured`): it keeps process 0's ``measured`` events, and a restart may leave out
         more hosts than the away ones (its ``widen``); those start again with them.
+      reachable: (hosts the next attempt leaves out) -> None when its hosts can reach each
+        other, else a line naming a pair that cannot. A re-expansion waits for None: across
+        a cut link its processes could not join, and the survivors would stand idle.
       grace_s, out, verbose: as :class:`~holmes_jax.cluster.launcher.Launch`'s.
     """
 
@@ -166,6 +171,7 @@ class Supervisor:
         on_step: Callable[[int], None] | None = None,
         rejoin_timeout_s: float = DEFAULT_REJOIN_S,
         measured: Measured | None = None,
+        reachable: Callable[[tuple[str, ...]], str | None] | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
@@ -179,6 +185,10 @@ class Supervisor:
         self.measured = measured
         self._sitting_out: set[str] = set()  # excluded though not away (measured.widen)
         self._reexpand = False  # the survivors were asked to stop: start every host again
+        self.reachable = reachable
+        self._probing = False  # a reachability probe is running
+        self._probe_at = 0.0  # monotonic time the next probe may start
+        self._unreachable: str | None = None  # what the last probe found, said once
         self.grace_s = grace_s
         self.out: IO[str] | None = out
         self.verbose = verbose
@@ -249,15 +259,12 @@ class Supervisor:
             for h in self.excluded
             if h not in self._sitting_out and self._away_until.get(h, 0.0) <= now
         ]
-        if back and not self._reexpand:
-            self._reexpand = True
-            launch.say(
-                f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: the survivors "
-                "stop at a step they agree on (with a checkpoint), then every host starts again"
-            )
-            # SIGTERM: the survivors checkpoint at the step they agree on and exit 0.
-            self._reexpand_at = time.monotonic()
-            launch.request_stop()
+        if back and not self._reexpand and not self._probing and now >= self._probe_at:
+            if self.reachable is None:
+                self._reexpand_now(launch, back)
+            else:  # probed off the status thread: a cut link answers only after a timeout
+                self._probing = True
+                threading.Thread(target=self._probe, args=(launch, back), daemon=True).start()
         for i, fault in enumerate(self.faults):
             if i in self._fired or step < fault.step:
                 continue
@@ -270,6 +277,39 @@ class Supervisor:
             self._away_until[fault.host] = time.monotonic() + fault.away_s
             launch.say(f"--fail-host {fault.spec}: SIGKILL to {fault.host} at step {step}{away}")
             launch.kill(fault.host)
+
+    def _reexpand_now(self, launch: Launch, back: list[str]) -> None:
+        """Ask the survivors to stop so that every host starts again (under the lock)."""
+        self._reexpand = True
+        launch.say(
+            f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: the survivors "
+            "stop at a step they agree on (with a checkpoint), then every host starts again"
+        )
+        # SIGTERM: the survivors checkpoint at the step they agree on and exit 0.
+        self._reexpand_at = time.monotonic()
+        launch.request_stop()
+
+    def _probe(self, launch: Launch, back: list[str]) -> None:
+        """Re-expand if the next attempt's hosts reach each other; else say why once and
+        let a later step probe again (at most every ``PROBE_EVERY_S``)."""
+        still_away = set(self._away())
+        why = self.reachable(tuple(h for h in self.excluded if h in still_away))
+        with self._lock:
+            self._probing = False
+            if self.current is not launch or self._reexpand or self._signals:
+                return
+            if why is None:
+                if self._unreachable:
+                    launch.say(f"{self._unreachable}: the links are back")
+                self._reexpand_now(launch, back)
+                return
+            if why != self._unreachable:
+                launch.say(
+                    f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back, but {why}: "
+                    "the survivors train on until every host can reach the others"
+                )
+            self._unreachable = why
+            self._probe_at = time.monotonic() + PROBE_EVERY_S
 
     def _past(self, resumed: int) -> None:
         """The faults not fired yet whose step a resume at ``resumed`` has passed: each
@@ -394,6 +434,7 @@ class Supervisor:
                     count_hidden=False,
                 )
                 self.current = launch
+                self._unreachable, self._probe_at = None, 0.0
                 if self._clock is not None:
                     self._clock.mark("start")
                 try:

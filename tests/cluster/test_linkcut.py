@@ -2,7 +2,8 @@
 
 Parsing, the commands and the cutter's timing run anywhere; one root test (skipped
 otherwise) checks that a cut really blocks a TCP connect between islands and a restore
-brings it back, while a connect inside an island works throughout.
+brings it back, while a connect inside an island works throughout, and that the launcher's
+reachability probe (``EmulatedNetwork.unreachable``) sees the same.
 """
 
 import os
@@ -123,15 +124,21 @@ def test_a_cut_blocks_connects_between_islands_only_and_a_restore_heals():
             cmd = net.exec_prefix(src) + [sys.executable, "-c", CONNECT, plan.host(dst).address]
             return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
 
+        hosts = ["ib-0", "ib-1", "roce-0", "roce-1"]
         try:
             assert connect("ib-0", "roce-0") == "ok"
+            assert net.unreachable(hosts, 5599) is None  # refused counts as reached
             net.cut_islands()
             assert connect("ib-0", "roce-0") == "TimeoutError"  # dropped silently, both ways
             assert connect("roce-1", "ib-1") == "TimeoutError"
             assert connect("ib-0", "ib-1") == "ok"  # inside an island: untouched
+            # what a re-expansion probes: ib-0 to roce-0 is the first pair across the cut
+            assert net.unreachable(hosts, 5599, timeout_s=0.3) == "ib-0 cannot reach roce-0"
+            assert net.unreachable(["ib-0", "ib-1"], 5599) is None  # one island: no probe
             net.restore_islands()
             assert connect("ib-0", "roce-0") == "ok"
             assert connect("roce-1", "ib-1") == "ok"
+            assert net.unreachable(hosts, 5598) is None  # accepted counts too
         finally:
             for s in servers:
                 s.kill()

@@ -260,6 +260,34 @@ def test_a_host_back_after_the_rejoin_timeout_rejoins_at_a_checkpoint(tmp_path):
     assert steps[-1] == "40"
 
 
+def test_a_re_expansion_waits_until_the_hosts_reach_each_other(tmp_path, monkeypatch):
+    """b is back while the links are cut (the first two probes fail): the survivors train
+    on, the reason is said once, and the re-expansion follows the first probe that passes."""
+    monkeypatch.setattr(supervisor, "PROBE_EVERY_S", 0.0)
+    probes = []
+
+    def reachable(excluded):
+        probes.append(excluded)
+        return "a cannot reach b" if len(probes) <= 2 else None
+
+    code, out, attempts = supervise(
+        tmp_path, ["b@3:+1.5"], max_restarts=1, rejoin_timeout_s=0.2, steps=40,
+        reachable=reachable,
+    )  # fmt: skip
+    assert code == 0, out
+    lines = launcher_lines(out)
+    said = [n for n, line in enumerate(lines) if "cannot reach" in line or " is back" in line]
+    assert [lines[n] for n in said] == [
+        "launch: b is back, but a cannot reach b: the survivors train on until every host "
+        "can reach the others",
+        "launch: a cannot reach b: the links are back",
+        "launch: b is back: the survivors stop at a step they agree on (with a checkpoint), "
+        "then every host starts again",
+    ], out
+    assert probes == [(), (), ()]  # the next attempt leaves nobody out
+    assert [a.get("excluded") for a in attempts] == [None, "b", None]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
