@@ -49,7 +49,7 @@ from holmes_jax.core.errors import ConfigError, one_line
 from holmes_jax.core.yamlio import plain
 from holmes_jax.runtime.hf.files import is_hf_dir, read_hf_for_run
 from holmes_jax.runtime.program import Program
-from holmes_jax.runtime.rundir.storage import committed_steps, storage_path
+from holmes_jax.runtime.rundir.storage import committed_steps, storage_path, whole_shards_on_cpu
 from holmes_jax.runtime.state import TrainState
 
 _OK, _UNUSABLE, _WRONG_MODEL = 0, 1, 2  # outcome of reading one step on one process
@@ -68,6 +68,7 @@ class Checkpointer:
         if not cfg.dir or cfg.dir == "auto":
             raise ValueError(f"Checkpointer needs a resolved checkpoint.dir, got {cfg.dir!r}")
         self.cfg = cfg
+        whole_shards_on_cpu()
         self.path = storage_path(cfg.dir, "checkpoint.dir")
         self.directory = str(self.path)  # as messages name it
         options = ocp.CheckpointManagerOptions(

@@ -95,6 +95,33 @@ def test_committed_names_each_save_once_and_only_once_a_restart_finds_it(tmp_pat
     ckpt.close()
 
 
+def test_a_save_on_cpu_compiles_nothing_and_restores_every_replica(tmp_path, cfg):
+    """Each shard is written whole by its first replica (``storage.whole_shards_on_cpu``):
+    orbax's replica-parallel save would compile a slice per array shape (seconds at every
+    process's first save) and does here without the switch."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))  # 4 replicas
+    # shapes no other test compiles a slice of, so a compile would be this save's
+    state = {"w": jax.device_put(np.arange(8 * 136.0).reshape(8, 136), spec)}
+    compiles = []
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path)))
+        ckpt.save(1, state, data_position=1, config=cfg)
+        ckpt.wait()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    abstract = {"w": jax.ShapeDtypeStruct((8, 136), state["w"].dtype, sharding=spec)}
+    restored, _ = Checkpointer(CheckpointConfig(dir=str(tmp_path))).restore(abstract, cfg)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
+
+
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damaged_newest_falls_back_with_one_line_and_saves_go_on(tmp_path, cfg, damage):
     _saved(tmp_path, cfg, [1, 2, 3]).close()
