@@ -8,7 +8,9 @@
 The quickstart model on meshes/cpu8-two-islands.yaml (an InfiniBand and a RoCE island of
 2 hosts x 2 devices, 1 Gbit/s between them), each host a process in its own network
 namespace (``launch --emulate``), a checkpoint every ``--every`` steps, ``--max-restarts 3
---rejoin-timeout 10``, one compilation cache for all runs. First (unless ``--no-warm``)
+--rejoin-timeout 10``, one compilation cache for all runs. ``--cpu-quota on`` holds each
+host to its share of the cores (half of 2 cores here): without it, hosts that lost their
+peers run on the freed cores, faster than the whole job would. First (unless ``--no-warm``)
 ``launch --warm-failures -- ... --compile-only`` fills it with the full program and the
 survivors' programs of every one-host and one-island failure (the same config: the step
 count is in the program), and times the latter (``warm_lines``). Runs, one after the other:
@@ -108,6 +110,7 @@ def run_one(name: str, args, folder: str, cache: str) -> dict:
         cmd.append("--warm-failures")
     restarts = 3 + 2 * len(args.faults) if name == "random" else 3
     cmd += ["--max-restarts", str(restarts), "--rejoin-timeout", str(args.rejoin), "--grace", "5"]
+    cmd += ["--cpu-quota", args.cpu_quota]
     cmd += fault_flags(name, args)
     if args.independent_islands:
         cmd.append("--independent-islands")
@@ -293,6 +296,11 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-logs", default=None, help="folder for the logs and run dirs")
     parser.add_argument("--verbose", action="store_true", help="echo the launcher's output")
     parser.add_argument("--no-warm", dest="warm", action="store_false", help="no --warm-failures")
+    parser.add_argument(
+        "--cpu-quota", choices=("auto", "on", "off"), default="auto",
+        help="launch --cpu-quota; on: each host keeps its share of the cores, so survivors "
+        "do not run faster on the cores of the hosts they lost",
+    )  # fmt: skip
     parser.add_argument("--schedule", choices=("fixed", "random"), default="fixed")
     parser.add_argument("--seed", type=int, default=0, help="--schedule random's seed")
     parser.add_argument("--mtbf-steps", type=float, default=100.0, help="mean steps between faults")
