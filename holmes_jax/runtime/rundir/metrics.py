@@ -21,11 +21,9 @@ Terminal output: a tqdm bar with loss and tokens/s when stderr is a terminal (or
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,12 +84,20 @@ def throughput(
     return Throughput(tokens_per_s, model_tflops, hw_tflops, mfu)
 
 
-def _import_quietly(name: str) -> None:
-    """Import ``name`` ahead of its use; a failure is left to the import at the use."""
+def _summary_writer():
+    """tensorboardX's ``SummaryWriter``, imported without torch: tensorboardX imports torch
+    when it is installed (1.2 of its 1.4 s on an idle core, paid at every start and
+    restart) only to accept torch tensors, and we log Python floats."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX skips it
     try:
-        importlib.import_module(name)
-    except Exception:  # noqa: BLE001 (the use's own import raises it, in one place)
-        pass
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricsLogger:
@@ -119,12 +125,6 @@ class MetricsLogger:
         self.is_main = is_main
         self._jsonl = None
         self._tb = None
-        # tensorboardX imports torch when it is installed (~1 s): started now, beside the
-        # program's setup and restore, rather than on a restart's way to its first step
-        self._tb_import = None
-        if is_main and cfg.logging.tensorboard_dir and "tensorboardX" not in sys.modules:
-            self._tb_import = threading.Thread(target=_import_quietly, args=("tensorboardX",))
-            self._tb_import.start()
         self._wandb_run = None
         self._bar = None
         # Every process checks, so a missing package stops the job the same way everywhere.
@@ -146,11 +146,7 @@ class MetricsLogger:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._jsonl = open(path, "a" if start_step > 0 or append else "w")  # noqa: SIM115
         if self.cfg.logging.tensorboard_dir:
-            if self._tb_import is not None:
-                self._tb_import.join()  # its failure, if any, is the import's below
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(self.cfg.logging.tensorboard_dir)
+            self._tb = _summary_writer()(self.cfg.logging.tensorboard_dir)
         if self._wandb is not None:
             run_dir = self.cfg.train.run_dir
             if run_dir:
