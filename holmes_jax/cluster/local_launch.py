@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from holmes_jax.cluster import island_jobs, linkcut
 from holmes_jax.cluster.launcher import (
@@ -43,6 +44,9 @@ from holmes_jax.cluster.warm import Measured
 from holmes_jax.core.errors import ConfigError
 from holmes_jax.planner.failures import failure_cases
 from holmes_jax.planner.topology import Topology, load_topology
+
+if TYPE_CHECKING:
+    from holmes_jax.cluster.netns import Unreachable
 
 
 def launch(
@@ -164,7 +168,7 @@ class _Jobs:
         self.supervisors: list[Supervisor] = []
         self.on_step: Callable | None = None  # --cut-islands' cutter, once the network is up
         # emulated: hosts -> None when they reach each other, else which pair does not
-        self.unreachable: Callable[[list[str]], str | None] | None = None
+        self.unreachable: Callable[[list[str]], Unreachable | None] | None = None
 
     def run(self, coordinator, peer_address, independent: bool, prefix=None) -> int:
         """Run the job(s) to the end; the exit code (independent: the worst island's).
@@ -233,8 +237,11 @@ class _Jobs:
             whose = f"island {job.name}'s job" if job.name else "the job"
             self.say(f"--fail-host {specs}: every worker of {whose} gets {' '.join(injected)}")
 
-        def reachable(excluded: tuple[str, ...]) -> str | None:
-            hosts = island_jobs.survivors(job, excluded)
+        def reachable(excluded: tuple[str, ...]) -> Unreachable | None:
+            try:
+                hosts = island_jobs.survivors(job, excluded)
+            except island_jobs.IslandGone:
+                return None
             return self.unreachable([h for isl in hosts.islands for h in isl.hosts])
 
         supervisor = Supervisor(

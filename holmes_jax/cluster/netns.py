@@ -40,6 +40,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from holmes_jax.cluster import delay
 from holmes_jax.cluster.delay import Delays
@@ -360,15 +361,16 @@ class EmulatedNetwork:
 
     def unreachable(
         self, hosts: Sequence[str], port: int, timeout_s: float = PROBE_TIMEOUT_S
-    ) -> str | None:
+    ) -> Unreachable | None:
         """Whether every one of ``hosts`` can reach the others' islands: from each host's
         namespace, a TCP connect to ``port`` of the first of ``hosts`` in every other island
         (a refused connection counts as reached). A cut link drops packets, so its connect
-        times out. Returns None when all connected, else ``"<host> cannot reach <host>"``
-        for the first pair that did not."""
+        times out. Returns None when all connected, else the first pair that did not and
+        the hosts that cannot reach the first of ``hosts`` (a job's process 0)."""
         first: dict[int, HostNet] = {}
         for h in map(self.plan.host, hosts):
             first.setdefault(h.island, h)
+        head = next(iter(first.values()), None)
         probes = []
         for h in map(self.plan.host, hosts):
             to = [t for i, t in first.items() if i != h.island]
@@ -379,14 +381,26 @@ class EmulatedNetwork:
                     [*cmd, str(timeout_s), *args], stdout=subprocess.PIPE, text=True,
                     stderr=subprocess.DEVNULL,
                 )))  # fmt: skip
-        failed = None
+        why, cut_off = None, []
         for h, to, p in probes:
+            # the probe prints 1 per target reached, 0 per target not (in order)
             out = p.communicate()[0].split()
-            if failed is None and (p.returncode or out != ["1"] * len(to)):
-                # the probe prints 1 per target reached, 0 per target not (in order)
-                bad = next((t for t, o in zip(to, out, strict=False) if o != "1"), to[0])
-                failed = f"{h.host} cannot reach {bad.host}"
-        return failed
+            out = out if p.returncode == 0 else []
+            reached = {t.host for t, o in zip(to, out, strict=False) if o == "1"}
+            missed = [t for t in to if t.host not in reached]
+            if missed and why is None:
+                why = f"{h.host} cannot reach {missed[0].host}"
+            if head in missed:
+                cut_off.append(h.host)
+        return Unreachable(why, tuple(cut_off)) if why else None
+
+
+class Unreachable(NamedTuple):
+    """What :meth:`EmulatedNetwork.unreachable` found: a pair that cannot connect, and the
+    hosts that cannot reach the first host (they would stall a job's join)."""
+
+    why: str  # "<host> cannot reach <host>"
+    cut_off: tuple[str, ...]
 
 
 def start_delayer(command: list[str], timeout_s: float = 30.0) -> subprocess.Popen:

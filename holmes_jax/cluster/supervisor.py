@@ -22,7 +22,8 @@ Hosts that stay away: before a restart the supervisor waits up to ``rejoin_timeo
 (``--rejoin-timeout``) for them. Those still away are left out, and the trainer re-plans for
 the survivors (:mod:`holmes_jax.planner.failures`). When a left-out host is back, every host
 starts again from a checkpoint; this re-expansion does not count as a restart. It waits until
-every host can reach the others (``reachable``): the survivors train on meanwhile.
+every host can reach the others (``reachable``): the survivors train on meanwhile. A restart
+across a cut link leaves out the hosts that cannot reach the first one, until then.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class Supervisor:
         Measured`): it keeps process 0's ``measured`` events, and a restart may leave out
         more hosts than the away ones (its ``widen``); those start again with them.
       reachable: (hosts the next attempt leaves out) -> None when its hosts can reach each
-        other, else a line naming a pair that cannot. A re-expansion waits for None: across
-        a cut link its processes could not join, and the survivors would stand idle.
+        other, else a :class:`~holmes_jax.cluster.netns.Unreachable` (a pair that cannot,
+        and the hosts cut off from the first). A re-expansion waits for None, and a restart
+        leaves the cut-off hosts out until then: across a cut link a join stalls.
       grace_s, out, verbose: as :class:`~holmes_jax.cluster.launcher.Launch`'s.
     """
 
@@ -293,7 +295,8 @@ class Supervisor:
         """Re-expand if the next attempt's hosts reach each other; else say why once and
         let a later step probe again (at most every ``PROBE_EVERY_S``)."""
         still_away = set(self._away())
-        why = self.reachable(tuple(h for h in self.excluded if h in still_away))
+        found = self.reachable(tuple(h for h in self.excluded if h in still_away))
+        why = found.why if found is not None else None
         with self._lock:
             self._probing = False
             if self.current is not launch or self._reexpand or self._signals:
@@ -310,6 +313,21 @@ class Supervisor:
                 )
             self._unreachable = why
             self._probe_at = time.monotonic() + PROBE_EVERY_S
+
+    def _cut_off(self) -> str | None:
+        """Before a restart: leave out the hosts that cannot reach the next attempt's first
+        host (across a cut link their join would stall the job); they come back as a
+        re-expansion once every host reaches the others. Returns why, or None."""
+        found = self.reachable(self.excluded) if self.reachable is not None else None
+        if found is None or not found.cut_off:
+            return None
+        self.excluded += tuple(h for h in found.cut_off if h not in self.excluded)
+        n = len(found.cut_off)
+        self._say(
+            f"{found.why}: {', '.join(found.cut_off)} {'sits' if n == 1 else 'sit'} out until "
+            "every host can reach the others"
+        )
+        return found.why
 
     def _past(self, resumed: int) -> None:
         """The faults not fired yet whose step a resume at ``resumed`` has passed: each
@@ -417,6 +435,7 @@ class Supervisor:
                 if why:
                     self._say(why)
                 self._sitting_out = set(self.excluded) - set(away)
+                cut = None if first else self._cut_off()
                 first = False
                 if self._clock is not None:
                     self._clock.mark("wait")
@@ -434,7 +453,7 @@ class Supervisor:
                     count_hidden=False,
                 )
                 self.current = launch
-                self._unreachable, self._probe_at = None, 0.0
+                self._unreachable, self._probe_at = cut, 0.0
                 if self._clock is not None:
                     self._clock.mark("start")
                 try:

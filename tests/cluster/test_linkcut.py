@@ -132,8 +132,11 @@ def test_a_cut_blocks_connects_between_islands_only_and_a_restore_heals():
             assert connect("ib-0", "roce-0") == "TimeoutError"  # dropped silently, both ways
             assert connect("roce-1", "ib-1") == "TimeoutError"
             assert connect("ib-0", "ib-1") == "ok"  # inside an island: untouched
-            # what a re-expansion probes: ib-0 to roce-0 is the first pair across the cut
-            assert net.unreachable(hosts, 5599, timeout_s=0.3) == "ib-0 cannot reach roce-0"
+            # what a restart probes: ib-0 to roce-0 is the first pair across the cut, and
+            # the roce hosts cannot reach ib-0 (process 0)
+            assert net.unreachable(hosts, 5599, timeout_s=0.3) == netns.Unreachable(
+                "ib-0 cannot reach roce-0", ("roce-0", "roce-1")
+            )
             assert net.unreachable(["ib-0", "ib-1"], 5599) is None  # one island: no probe
             net.restore_islands()
             assert connect("ib-0", "roce-0") == "ok"

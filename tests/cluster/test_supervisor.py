@@ -19,6 +19,7 @@ import pytest
 from holmes_jax import launch
 from holmes_jax.cluster import local_launch, restarts, supervisor
 from holmes_jax.cluster.launcher import Worker
+from holmes_jax.cluster.netns import Unreachable
 from holmes_jax.runtime.rundir import paths as rundir
 from tests.common import ROOT
 
@@ -268,7 +269,7 @@ def test_a_re_expansion_waits_until_the_hosts_reach_each_other(tmp_path, monkeyp
 
     def reachable(excluded):
         probes.append(excluded)
-        return "a cannot reach b" if len(probes) <= 2 else None
+        return Unreachable("a cannot reach b", ()) if len(probes) <= 2 else None
 
     code, out, attempts = supervise(
         tmp_path, ["b@3:+1.5"], max_restarts=1, rejoin_timeout_s=0.2, steps=40,
@@ -284,7 +285,37 @@ def test_a_re_expansion_waits_until_the_hosts_reach_each_other(tmp_path, monkeyp
         "launch: b is back: the survivors stop at a step they agree on (with a checkpoint), "
         "then every host starts again",
     ], out
-    assert probes == [(), (), ()]  # the next attempt leaves nobody out
+    # the restart without b, the survivors' steps (the next attempt leaves nobody out),
+    # the re-expansion's start
+    assert probes == [("b",), (), (), ()]
+    assert [a.get("excluded") for a in attempts] == [None, "b", None]
+
+
+def test_a_restart_across_a_cut_leaves_out_the_hosts_cut_off_until_the_links_are_back(
+    tmp_path, monkeypatch
+):
+    """b is killed and back at once, but cannot reach a (the first probe, at the restart):
+    a trains alone (its join would otherwise stall), and b rejoins once a probe passes."""
+    monkeypatch.setattr(supervisor, "PROBE_EVERY_S", 0.0)
+    probes = []
+
+    def reachable(excluded):
+        probes.append(excluded)
+        return Unreachable("a cannot reach b", ("b",)) if len(probes) <= 2 else None
+
+    code, out, attempts = supervise(
+        tmp_path, ["b@3"], max_restarts=1, steps=40, reachable=reachable
+    )  # fmt: skip
+    assert code == 0, out
+    lines = launcher_lines(out)
+    said = [n for n, line in enumerate(lines) if "reach" in line or " is back" in line]
+    assert [lines[n] for n in said] == [
+        "launch: a cannot reach b: b sits out until every host can reach the others",
+        "launch: a cannot reach b: the links are back",
+        "launch: b is back: the survivors stop at a step they agree on (with a checkpoint), "
+        "then every host starts again",
+    ], out
+    assert probes == [(), (), (), ()]  # the restart, a's steps twice, the re-expansion
     assert [a.get("excluded") for a in attempts] == [None, "b", None]
 
 
