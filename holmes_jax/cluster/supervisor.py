@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from holmes_jax.cluster.launcher import (
     DEFAULT_GRACE_S,
@@ -49,6 +49,9 @@ from holmes_jax.cluster.restarts import RestartClock, resumed_line
 from holmes_jax.cluster.warm import Measured
 from holmes_jax.core import status as status_channel
 from holmes_jax.core.errors import NONFINITE_EXIT, USAGE_EXIT, ConfigError
+
+if TYPE_CHECKING:
+    from holmes_jax.cluster.netns import Unreachable
 
 DEFAULT_MAX_RESTARTS = 3
 PROBE_EVERY_S = 1.0  # how often a re-expansion that found a host unreachable probes again
@@ -173,7 +176,7 @@ class Supervisor:
         on_step: Callable[[int], None] | None = None,
         rejoin_timeout_s: float = DEFAULT_REJOIN_S,
         measured: Measured | None = None,
-        reachable: Callable[[tuple[str, ...]], str | None] | None = None,
+        reachable: Callable[[tuple[str, ...]], Unreachable | None] | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         out=None,
         verbose: bool = False,
