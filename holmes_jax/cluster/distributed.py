@@ -414,14 +414,20 @@ def barrier(name: str, timeout_s: float) -> None:
     jax_distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
-def any_process(flag: bool) -> bool:
-    """True on every process when ``flag`` is true on any; every process must call it."""
+def every_process(value: int) -> list[int]:
+    """``value`` from every process, in process order: the same list on all of them; every
+    process must call it."""
     import jax
     import numpy as np
 
     if jax.process_count() == 1:
-        return bool(flag)
+        return [int(value)]
     from jax.experimental import multihost_utils
 
-    flags = multihost_utils.process_allgather(np.array([int(bool(flag))], np.int32))
-    return bool(np.any(flags))
+    gathered = multihost_utils.process_allgather(np.asarray(value, np.int32))  # [P]
+    return [int(v) for v in np.ravel(gathered)]
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any; every process must call it."""
+    return any(every_process(int(bool(flag))))

@@ -89,6 +89,11 @@ class Fault:
         return math.isinf(self.away_s)
 
 
+def _hosts_are(hosts: Sequence[str]) -> str:
+    """``"a is"`` or ``"a, b are"``, for launcher lines."""
+    return f"{', '.join(hosts)} {'is' if len(hosts) == 1 else 'are'}"
+
+
 def parse_fault(spec: str, hosts: Sequence[str]) -> Fault:
     """``HOST@STEP``, ``HOST@STEP:permanent``, ``HOST@STEP:+SECONDS``, ``HOST@STEP:nan`` or
     ``HOST@STEP:abstain`` -> :class:`Fault`.
@@ -287,7 +292,7 @@ class Supervisor:
         """Ask the survivors to stop so that every host starts again (under the lock)."""
         self._reexpand = True
         launch.say(
-            f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back: the survivors "
+            f"{_hosts_are(back)} back: the survivors "
             "stop at a step they agree on (with a checkpoint), then every host starts again"
         )
         # SIGTERM: the survivors checkpoint at the step they agree on and exit 0.
@@ -311,7 +316,7 @@ class Supervisor:
                 return
             if why != self._unreachable:
                 launch.say(
-                    f"{', '.join(back)} {'is' if len(back) == 1 else 'are'} back, but {why}: "
+                    f"{_hosts_are(back)} back, but {why}: "
                     "the survivors train on until every host can reach the others"
                 )
             self._unreachable = why
@@ -406,7 +411,7 @@ class Supervisor:
             return ()
         limit = self.rejoin_timeout_s
         self._say(
-            f"{', '.join(away)} {'is' if len(away) == 1 else 'are'} away: waiting up to "
+            f"{_hosts_are(away)} away: waiting up to "
             f"{limit:g} s for {'it' if len(away) == 1 else 'them'} to come back (--rejoin-timeout)"
         )
         deadline = time.monotonic() + limit

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from holmes_jax.cluster.distributed import every_process
 from holmes_jax.core import status
 from holmes_jax.runtime.data.loader import global_array, local_rows
 from holmes_jax.runtime.rundir import compile_cache, measured
@@ -101,7 +102,7 @@ def choose(cfg, outputs, r, resolve, make_program, cache=None, say=print):
         say(line)
     ahead, problem = measured_ahead(case, [c.describe() for c in candidates])
     best = -1 if ahead is None else min(range(len(ahead)), key=lambda i: (ahead[i], i))
-    if len(set(_every_process(best))) > 1:  # a cache not shared alike: measure here, together
+    if len(set(every_process(best))) > 1:  # a cache not shared alike: measure here, together
         ahead, problem = None, "the processes found different measured times: "
     if ahead is not None:
         run = r if best == 0 else resolve(cfg, outputs, candidate=best)
@@ -217,16 +218,6 @@ def _zeros(program):
     make = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
                    out_shardings=shardings)  # fmt: skip
     return make()
-
-
-def _every_process(value: int) -> list[int]:
-    """``value`` of every process (the same list on every process)."""
-    if jax.process_count() == 1:
-        return [value]
-    from jax.experimental import multihost_utils
-
-    every = multihost_utils.process_allgather(np.asarray([value], np.int32))  # [P, 1]
-    return [int(v) for v in np.asarray(every).reshape(-1)]
 
 
 def _slowest_process(local: list[float]) -> list[float]:

@@ -44,6 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from holmes_jax.cluster.distributed import every_process as _gather  # tests replace it
 from holmes_jax.core.config import CheckpointConfig, Config, ModelConfig
 from holmes_jax.core.errors import ConfigError, one_line
 from holmes_jax.core.yamlio import plain
@@ -499,16 +500,6 @@ def _to_global(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.make_array_from_callback(
         target.shape, target.sharding, lambda index: np.asarray(host[index], target.dtype)
     )
-
-
-def _gather(value: int) -> list[int]:
-    """``value`` from every process, in process order: the same list on all of them."""
-    if jax.process_count() == 1:
-        return [int(value)]
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(np.asarray(value, np.int32))
-    return [int(v) for v in np.ravel(gathered)]
 
 
 def _quiet_abandoned_reads() -> None:
